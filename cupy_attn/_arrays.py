@@ -1,0 +1,70 @@
+"""Which array library an input lives in, and the dtypes cupy_attn accepts.
+
+CuPy is never imported here unless the caller already handed us a CuPy object, so
+``import cupy_attn`` works on machines without CuPy or without a GPU.
+"""
+from __future__ import annotations
+
+import importlib
+import numbers
+
+import ml_dtypes
+import numpy as np
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+FLOAT_DTYPES = (np.dtype(np.float16), BFLOAT16, np.dtype(np.float32), np.dtype(np.float64))
+FLOAT_DTYPE_NAMES = "float16, bfloat16, float32 or float64"
+
+
+def is_cupy_array(x) -> bool:
+    return type(x).__module__.split(".")[0] == "cupy" and hasattr(x, "__cuda_array_interface__")
+
+
+def module_of(x):
+    """numpy for NumPy arrays, cupy for CuPy arrays, None for anything else."""
+    if isinstance(x, np.ndarray):
+        return np
+    if is_cupy_array(x):
+        return importlib.import_module("cupy")
+    return None
+
+
+def describe(x) -> str:
+    """A short description of what was passed, for error messages."""
+    xp = module_of(x)
+    if xp is not None:
+        return f"{xp.__name__} array of shape {tuple(x.shape)} and dtype {x.dtype}"
+    return f"{type(x).__module__}.{type(x).__qualname__}".removeprefix("builtins.")
+
+
+def require_array(name: str, x, xp=None):
+    """Return the array module of ``x``; raise TypeError if it is not an array of ``xp``."""
+    module = module_of(x)
+    if module is None:
+        raise TypeError(f"{name} must be a NumPy or CuPy array, got {describe(x)}")
+    if xp is not None and module is not xp:
+        raise TypeError(
+            f"{name} is a {module.__name__} array but the other inputs are {xp.__name__} arrays; "
+            "pass all arrays from one library"
+        )
+    return module
+
+
+def require_float_dtype(name: str, x) -> np.dtype:
+    dtype = np.dtype(x.dtype)
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} has dtype {dtype}; expected {FLOAT_DTYPE_NAMES}")
+    return dtype
+
+
+def compute_dtype(dtype: np.dtype) -> np.dtype:
+    """fp16/bf16/fp32 accumulate in float32; float64 stays float64."""
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+def is_real_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def is_integer(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))

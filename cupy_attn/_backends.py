@@ -1,0 +1,71 @@
+"""Backend selection and availability, in one place.
+
+"numpy" runs everywhere. "cuda" (the run-time-compiled kernels on CuPy arrays) and "emulator"
+(the same kernels compiled for the CPU) arrive with later milestones; asking for them now raises
+`BackendUnavailableError` with the reason, never a silent fallback.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+
+from . import _numpy_backend
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested backend cannot run here (not built yet, no GPU, no compiler, ...)."""
+
+
+def cuda_status() -> tuple[bool, str]:
+    """Whether CuPy can reach a GPU, and why not."""
+    if importlib.util.find_spec("cupy") is None:
+        return False, "CuPy is not installed (pip install 'cupy_attn[cuda12]' or '[cuda13]')"
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # CuPy raises CUDARuntimeError (or an ImportError of libcuda) without a GPU
+        return False, f"CuPy cannot reach a GPU: {exc}"
+    if count == 0:
+        return False, "CuPy found no CUDA device"
+    return True, f"{count} CUDA device(s) visible to CuPy"
+
+
+def available() -> dict[str, tuple[bool, str]]:
+    """Every backend name -> (usable now, reason)."""
+    gpu, why = cuda_status()
+    not_built = "the CUDA kernels are not part of this release yet"
+    return {
+        "numpy": (True, "always available"),
+        "cuda": (False, not_built + ("" if gpu else f"; also {why}")),
+        "emulator": (False, "the kernel emulator is not part of this release yet"),
+    }
+
+
+def select(problem) -> str:
+    """The backend name that will run ``problem``; raises if it cannot run here."""
+    name = problem.backend
+    if name == "auto":
+        name = "numpy" if problem.xp is np else "cuda"
+    usable, why = available()[name]
+    if not usable:
+        where = "NumPy" if problem.xp is np else "CuPy"
+        raise BackendUnavailableError(f"backend {name!r} cannot run {where} inputs here: {why}")
+    if name == "numpy" and problem.xp is not np:
+        raise BackendUnavailableError(
+            "backend 'numpy' needs NumPy arrays; move CuPy inputs to the host with .get() first"
+        )
+    return name
+
+
+def forward(name: str, problem, q, k, v):
+    if name == "numpy":
+        return _numpy_backend.forward(problem, q, k, v)
+    raise AssertionError(name)
+
+
+def backward(name: str, problem, dout, q, k, v, out, lse):
+    if name == "numpy":
+        return _numpy_backend.backward(problem, dout, q, k, v, out, lse)
+    raise AssertionError(name)

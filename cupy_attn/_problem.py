@@ -1,0 +1,242 @@
+"""Validation of every attention argument into one normalised description, `Problem`.
+
+All backends consume a `Problem`, so each misuse is caught once, here, with an error that names
+the argument, what was expected and what came.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._arrays import (
+    compute_dtype,
+    describe,
+    is_integer,
+    is_real_number,
+    module_of,
+    require_array,
+    require_float_dtype,
+)
+
+LAYOUTS = ("bhsd", "bshd")
+CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
+BACKENDS = ("auto", "numpy", "cuda", "emulator")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One attention call with validated, normalised arguments (shapes in 'bhsd' terms)."""
+
+    xp: object  # numpy or cupy
+    layout: str
+    batch: int
+    heads: int
+    kv_heads: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    head_dim_v: int
+    dtype: np.dtype
+    causal: str | None  # None, "bottom_right" or "top_left"
+    window: tuple[int | None, int | None] | None  # (left, right); None means unbounded
+    q_lengths: object | None  # (B,) int64 array of the input's library, or None
+    kv_lengths: object | None
+    scale: float
+    softcap: float | None
+    alibi_slopes: object | None  # (B, H) array in the compute dtype, or None
+    mask: object | None  # bool or float array broadcastable to (B, H, Sq, Sk)
+    backend: str
+
+    @property
+    def groups(self) -> int:
+        """Query heads per key/value head (GQA group size)."""
+        return self.heads // self.kv_heads
+
+    @property
+    def compute_dtype(self) -> np.dtype:
+        return compute_dtype(self.dtype)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return self.to_layout((self.batch, self.heads, self.seq_q, self.head_dim_v))
+
+    @property
+    def lse_shape(self) -> tuple[int, int, int]:
+        return (self.batch, self.heads, self.seq_q)
+
+    def to_layout(self, bhsd_shape):
+        b, h, s, d = bhsd_shape
+        return (b, h, s, d) if self.layout == "bhsd" else (b, s, h, d)
+
+
+def _bhsd(name: str, x, layout: str) -> tuple[int, int, int, int]:
+    if x.ndim != 4:
+        order = "(B, H, S, D)" if layout == "bhsd" else "(B, S, H, D)"
+        raise ValueError(f"{name} must be 4-D {order} for layout {layout!r}, got shape {tuple(x.shape)}")
+    b, a, c, d = x.shape
+    return (b, a, c, d) if layout == "bhsd" else (b, c, a, d)
+
+
+def check_choice(name: str, value, choices) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
+def _causal(causal) -> str | None:
+    if causal is None or causal is False:
+        return None
+    if causal is True:
+        return "bottom_right"
+    if isinstance(causal, (bool, np.bool_)):
+        return "bottom_right" if causal else None
+    if isinstance(causal, str) and causal in CAUSAL_ALIGNMENTS:
+        return causal
+    raise ValueError(
+        f"causal must be True, False, 'bottom_right' or 'top_left', got {causal!r}"
+    )
+
+
+def _window(window):
+    if window is None:
+        return None
+    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
+        raise ValueError(f"window must be a pair (left, right) of non-negative ints or None, got {window!r}")
+    sides = []
+    for side, value in zip(("left", "right"), window):
+        if value is None:
+            sides.append(None)
+        elif is_integer(value) and value >= 0:
+            sides.append(int(value))
+        else:
+            raise ValueError(f"window {side} must be a non-negative int or None, got {value!r}")
+    return None if sides == [None, None] else tuple(sides)
+
+
+def _positive_real(name: str, value) -> float:
+    if not is_real_number(value):
+        raise TypeError(f"{name} must be a real number, got {describe(value)}")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be finite and positive, got {value!r}")
+    return value
+
+
+def _lengths(name: str, lengths, xp, batch: int, max_len: int, seq_name: str):
+    if lengths is None:
+        return None
+    if module_of(lengths) is None:
+        if isinstance(lengths, (list, tuple)) and all(is_integer(v) for v in lengths):
+            lengths = xp.asarray(np.asarray(lengths, dtype=np.int64))
+        else:
+            raise TypeError(f"{name} must be an integer array of shape ({batch},), got {describe(lengths)}")
+    require_array(name, lengths, xp)
+    if lengths.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers, got dtype {lengths.dtype}")
+    if lengths.shape != (batch,):
+        raise ValueError(f"{name} must have shape ({batch},) (one length per batch entry), got {tuple(lengths.shape)}")
+    if batch:
+        low, high = int(lengths.min()), int(lengths.max())
+        if low < 0:
+            raise ValueError(f"{name} must be non-negative, got a minimum of {low}")
+        if high > max_len:
+            raise ValueError(f"{name} must not exceed {seq_name} = {max_len}, got a maximum of {high}")
+    return lengths.astype(np.int64)
+
+
+def _alibi(slopes, xp, batch: int, heads: int, dtype: np.dtype):
+    if slopes is None:
+        return None
+    if module_of(slopes) is None:
+        if not isinstance(slopes, (list, tuple)):
+            raise TypeError(f"alibi_slopes must be a float array of shape ({heads},) or ({batch}, {heads}), got {describe(slopes)}")
+        slopes = xp.asarray(np.asarray(slopes, dtype=np.float64))
+    require_array("alibi_slopes", slopes, xp)
+    if slopes.dtype.kind not in "fiu" or slopes.dtype.kind == "b":
+        raise TypeError(f"alibi_slopes must hold real numbers, got dtype {slopes.dtype}")
+    if slopes.shape == (heads,):
+        slopes = xp.broadcast_to(slopes[None, :], (batch, heads))
+    elif slopes.shape != (batch, heads):
+        raise ValueError(f"alibi_slopes must have shape ({heads},) or ({batch}, {heads}), got {tuple(slopes.shape)}")
+    slopes = slopes.astype(compute_dtype(dtype))
+    if slopes.size and not bool(xp.isfinite(slopes).all()):
+        raise ValueError("alibi_slopes must be finite")
+    return slopes
+
+
+def _mask(mask, xp, target: tuple[int, int, int, int]):
+    if mask is None:
+        return None
+    require_array("mask", mask, xp)
+    dtype = np.dtype(mask.dtype)
+    if dtype != np.bool_:
+        try:
+            require_float_dtype("mask", mask)
+        except TypeError:
+            raise TypeError(f"mask must be bool (True = may attend) or a float additive mask, got dtype {dtype}") from None
+    if mask.ndim > 4 or any(m not in (1, t) for m, t in zip(mask.shape[::-1], target[::-1])):
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast to (B, H, Sq, Sk) = {target}"
+        )
+    if dtype != np.bool_ and mask.size and bool(xp.isnan(mask).any() | xp.isposinf(mask).any()):
+        raise ValueError("a float mask may hold finite values and -inf, not NaN or +inf")
+    return mask
+
+
+def make_problem(q, k, v, *, mask=None, causal=False, window=None, q_lengths=None, kv_lengths=None,
+                 scale=None, softcap=None, alibi_slopes=None, layout="bhsd", backend="auto") -> Problem:
+    layout = check_choice("layout", layout, LAYOUTS)
+    backend = check_choice("backend", backend, BACKENDS)
+    xp = require_array("q", q)
+    require_array("k", k, xp)
+    require_array("v", v, xp)
+    dtype = require_float_dtype("q", q)
+    for name, x in (("k", k), ("v", v)):
+        if np.dtype(x.dtype) != dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but q has {dtype}; q, k and v must share one dtype")
+    b, h, sq, d = _bhsd("q", q, layout)
+    bk, hkv, sk, dk = _bhsd("k", k, layout)
+    bv, hv, sv, dv = _bhsd("v", v, layout)
+    if not b == bk == bv:
+        raise ValueError(f"batch sizes differ: q has {b}, k has {bk}, v has {bv}")
+    if hkv != hv:
+        raise ValueError(f"k has {hkv} heads but v has {hv}; they must match")
+    if sk != sv:
+        raise ValueError(f"k has sequence length {sk} but v has {sv}; they must match")
+    if d != dk:
+        raise ValueError(f"q has head dim {d} but k has {dk}; they must match")
+    if d == 0 or dv == 0:
+        raise ValueError(f"head dims must be at least 1, got D = {d}, Dv = {dv}")
+    if hkv == 0 or h % hkv:
+        raise ValueError(f"q's {h} heads must be a multiple of k/v's {hkv} heads (GQA/MQA)")
+    return Problem(
+        xp=xp, layout=layout, batch=b, heads=h, kv_heads=hkv, seq_q=sq, seq_k=sk,
+        head_dim=d, head_dim_v=dv, dtype=dtype,
+        causal=_causal(causal),
+        window=_window(window),
+        q_lengths=_lengths("q_lengths", q_lengths, xp, b, sq, "Sq"),
+        kv_lengths=_lengths("kv_lengths", kv_lengths, xp, b, sk, "Sk"),
+        scale=1.0 / math.sqrt(d) if scale is None else _positive_real("scale", scale),
+        softcap=None if softcap is None else _positive_real("softcap", softcap),
+        alibi_slopes=_alibi(alibi_slopes, xp, b, h, dtype),
+        mask=_mask(mask, xp, (b, h, sq, sk)),
+        backend=backend,
+    )
+
+
+def check_backward_inputs(problem: Problem, dout, out, lse) -> None:
+    """The saved forward results and the incoming gradient must match the forward's shapes."""
+    xp = problem.xp
+    for name, x in (("dout", dout), ("out", out)):
+        require_array(name, x, xp)
+        if tuple(x.shape) != problem.out_shape:
+            raise ValueError(f"{name} must have the forward output's shape {problem.out_shape}, got {tuple(x.shape)}")
+        if np.dtype(x.dtype) != problem.dtype:
+            raise TypeError(f"{name} must have q's dtype {problem.dtype}, got {x.dtype}")
+    require_array("lse", lse, xp)
+    if tuple(lse.shape) != problem.lse_shape:
+        raise ValueError(f"lse must have shape (B, H, Sq) = {problem.lse_shape}, got {tuple(lse.shape)}")
+    if np.dtype(lse.dtype) != problem.compute_dtype:
+        raise TypeError(f"lse must be {problem.compute_dtype} (as returned by attention), got {lse.dtype}")

@@ -1,0 +1,73 @@
+"""The public attention functions."""
+from __future__ import annotations
+
+from . import _backends
+from ._problem import check_backward_inputs, make_problem
+
+_SEMANTICS = """
+    Shapes (layout "bhsd"; with layout "bshd" swap the S and H axes of q, k, v, out):
+        q (B, H, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv); H a multiple of Hkv
+        (query head h uses kv head h // (H / Hkv): GQA, or MQA with Hkv = 1).
+        out (B, H, Sq, Dv) in q's dtype and layout; lse (B, H, Sq), natural log, float32
+        (float64 for float64 inputs), in every layout.
+
+    Scores, in this order: s = q·kᵀ·scale (scale defaults to 1/√D); softcap c: s = c·tanh(s/c);
+    ALiBi: s -= slope[b, h]·|i + off − j|; a float mask is added; a bool mask (True = may
+    attend), causal, window and lengths remove keys. Then out = softmax(s)·v.
+
+    Alignment: query i lines up with key i + off, off = kv_len − q_len on each batch entry's
+    valid lengths (bottom-right, as FlashAttention), or off = 0 with causal="top_left"
+    (PyTorch's is_causal). For Sq = 2, Sk = 5 (1 = may attend):
+
+        causal=True (bottom_right)   causal="top_left"
+            1 1 1 1 0                    1 0 0 0 0
+            1 1 1 1 1                    1 1 0 0 0
+
+    Keywords:
+        mask: bool or float array broadcastable to (B, H, Sq, Sk) (in every layout).
+        causal: False, True (= "bottom_right") or "top_left": key j visible iff j <= i + off.
+        window: (left, right), ints >= 0 or None (unbounded): i + off − left <= j <= i + off + right.
+        q_lengths, kv_lengths: (B,) ints; positions past a length are padding. Padded keys are
+            never attended; padded query rows give output 0.
+        scale: finite positive float. softcap: finite positive float or None.
+        alibi_slopes: (H,) or (B, H) floats.
+        backend: "auto" (by where the inputs live), "numpy", "cuda" or "emulator".
+
+    A row that can attend to nothing gives output 0 and lse −inf (never NaN), and zero gradients.
+    fp16/bf16/fp32 inputs are computed in float32, float64 in float64 (NumPy backend only).
+    Results are arrays of the inputs' library (NumPy in, NumPy out; CuPy in, CuPy out).
+    Bad arguments raise ValueError or TypeError naming the argument.
+"""
+
+
+def attention(q, k, v, *, mask=None, causal=False, window=None, q_lengths=None, kv_lengths=None,
+              scale=None, softcap=None, alibi_slopes=None, layout="bhsd", return_lse=False,
+              backend="auto"):
+    problem = make_problem(q, k, v, mask=mask, causal=causal, window=window, q_lengths=q_lengths,
+                           kv_lengths=kv_lengths, scale=scale, softcap=softcap,
+                           alibi_slopes=alibi_slopes, layout=layout, backend=backend)
+    out, lse = _backends.forward(_backends.select(problem), problem, q, k, v)
+    return (out, lse) if return_lse else out
+
+
+def attention_backward(dout, q, k, v, out, lse, *, mask=None, causal=False, window=None,
+                       q_lengths=None, kv_lengths=None, scale=None, softcap=None,
+                       alibi_slopes=None, layout="bhsd", backend="auto"):
+    problem = make_problem(q, k, v, mask=mask, causal=causal, window=window, q_lengths=q_lengths,
+                           kv_lengths=kv_lengths, scale=scale, softcap=softcap,
+                           alibi_slopes=alibi_slopes, layout=layout, backend=backend)
+    check_backward_inputs(problem, dout, out, lse)
+    return _backends.backward(_backends.select(problem), problem, dout, q, k, v, out, lse)
+
+
+attention.__doc__ = """Scaled dot-product attention, softmax(q·kᵀ·scale + mask)·v.
+
+    Returns out, or (out, lse) when return_lse is true.
+""" + _SEMANTICS
+
+attention_backward.__doc__ = """Gradients (dq, dk, dv) of attention, from the forward's out and lse.
+
+    dout has out's shape and dtype; the keywords must be those of the forward call. dk and dv
+    are summed over the query heads that share a kv head. Gradients come in the input dtype
+    and layout; the mask gets no gradient.
+""" + _SEMANTICS

@@ -1,0 +1,96 @@
+"""Multi-head reshaping and a complete multi-head attention layer."""
+from __future__ import annotations
+
+from ._arrays import is_integer, require_array
+from ._problem import LAYOUTS, check_choice
+from .api import attention
+
+
+def _count(name: str, value) -> int:
+    if not is_integer(value) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def split_heads(x, num_heads, layout="bhsd"):
+    """(B, S, H·D) -> (B, H, S, D) for "bhsd" or (B, S, H, D) for "bshd"; a view, no copy."""
+    require_array("x", x)
+    layout = check_choice("layout", layout, LAYOUTS)
+    num_heads = _count("num_heads", num_heads)
+    if x.ndim != 3:
+        raise ValueError(f"x must be 3-D (B, S, H·D), got shape {tuple(x.shape)}")
+    b, s, width = x.shape
+    if width % num_heads:
+        raise ValueError(f"x's last dimension {width} is not divisible by num_heads = {num_heads}")
+    x = x.reshape(b, s, num_heads, width // num_heads)
+    return x if layout == "bshd" else x.transpose(0, 2, 1, 3)
+
+
+def merge_heads(x, layout="bhsd"):
+    """The inverse of `split_heads`: (B, H, S, D) or (B, S, H, D) -> (B, S, H·D)."""
+    require_array("x", x)
+    layout = check_choice("layout", layout, LAYOUTS)
+    if x.ndim != 4:
+        raise ValueError(f"x must be 4-D, got shape {tuple(x.shape)}")
+    if layout == "bhsd":
+        x = x.transpose(0, 2, 1, 3)
+    b, s, h, d = x.shape
+    return x.reshape(b, s, h * d)
+
+
+def _projection(name: str, w, rows: int, heads: int, xp, dtype):
+    require_array(name, w, xp)
+    if w.ndim != 2 or w.shape[0] != rows or w.shape[1] % heads:
+        raise ValueError(
+            f"{name} must be 2-D ({rows}, heads·head_dim) with a width divisible by {heads}, "
+            f"got shape {tuple(w.shape)}"
+        )
+    if w.dtype != dtype:
+        raise TypeError(f"{name} has dtype {w.dtype} but x has {dtype}; they must match")
+    return w
+
+
+def multi_head_attention(x, w_q, w_k, w_v, w_o, num_heads, *, num_kv_heads=None, context=None,
+                         **attention_keywords):
+    """Multi-head (self- or cross-) attention with its projections.
+
+    x (B, S, E); context (B, Sk, E_ctx) for cross-attention (default: x).
+    w_q (E, H·D), w_k (E_ctx, Hkv·D), w_v (E_ctx, Hkv·Dv), w_o (H·Dv, E_out); H = num_heads,
+    Hkv = num_kv_heads (default H; GQA/MQA when smaller). Computes
+    merge_heads(attention(split(x·w_q), split(ctx·w_k), split(ctx·w_v), ...))·w_o and returns
+    (B, S, E_out) in x's library and dtype (with lse too when return_lse=True). Every keyword of
+    `cupy_attn.attention` passes through; "layout" picks the internal head layout.
+    """
+    xp = require_array("x", x)
+    num_heads = _count("num_heads", num_heads)
+    num_kv_heads = num_heads if num_kv_heads is None else _count("num_kv_heads", num_kv_heads)
+    context = x if context is None else context
+    require_array("context", context, xp)
+    for name, a in (("x", x), ("context", context)):
+        if a.ndim != 3:
+            raise ValueError(f"{name} must be 3-D (B, S, E), got shape {tuple(a.shape)}")
+    if context.shape[0] != x.shape[0]:
+        raise ValueError(f"context has batch {context.shape[0]} but x has {x.shape[0]}")
+    if context.dtype != x.dtype:
+        raise TypeError(f"context has dtype {context.dtype} but x has {x.dtype}; they must match")
+    _projection("w_q", w_q, x.shape[2], num_heads, xp, x.dtype)
+    _projection("w_k", w_k, context.shape[2], num_kv_heads, xp, x.dtype)
+    _projection("w_v", w_v, context.shape[2], num_kv_heads, xp, x.dtype)
+    if w_q.shape[1] // num_heads != w_k.shape[1] // num_kv_heads:
+        raise ValueError(
+            f"w_q gives head dim {w_q.shape[1] // num_heads} but w_k gives {w_k.shape[1] // num_kv_heads}"
+        )
+    dv_width = w_v.shape[1] // num_kv_heads * num_heads
+    require_array("w_o", w_o, xp)
+    if w_o.ndim != 2 or w_o.shape[0] != dv_width:
+        raise ValueError(f"w_o must be 2-D ({dv_width}, E_out) = (H·Dv, E_out), got shape {tuple(w_o.shape)}")
+    if w_o.dtype != x.dtype:
+        raise TypeError(f"w_o has dtype {w_o.dtype} but x has {x.dtype}; they must match")
+    layout = attention_keywords.get("layout", "bhsd")
+    q = split_heads(x @ w_q, num_heads, layout)
+    k = split_heads(context @ w_k, num_kv_heads, layout)
+    v = split_heads(context @ w_v, num_kv_heads, layout)
+    result = attention(q, k, v, **attention_keywords)
+    out, lse = result if attention_keywords.get("return_lse") else (result, None)
+    y = merge_heads(out, layout) @ w_o
+    return (y, lse) if lse is not None else y

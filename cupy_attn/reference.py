@@ -1,0 +1,103 @@
+"""The naive float64 reference the tests compare every backend against.
+
+It materialises the full (B, H, Sq, Sk) score matrix and builds every mask from explicit
+per-batch index comparisons, written independently of the tiled backends. Use it for small
+problems only: memory is O(B·H·Sq·Sk) in float64.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._problem import make_problem
+
+
+def _problem_and_inputs(q, k, v, kwargs):
+    p = make_problem(q, k, v, **kwargs)
+    if p.xp is not np:
+        raise TypeError("cupy_attn.reference works on NumPy arrays only")
+
+    def bhsd(x):
+        x = np.asarray(x, dtype=np.float64)
+        return x if p.layout == "bhsd" else x.transpose(0, 2, 1, 3)
+
+    k64 = np.repeat(bhsd(k), p.groups, axis=1)  # kv head of query head h is h // G
+    v64 = np.repeat(bhsd(v), p.groups, axis=1)
+    return p, bhsd(q), k64, v64, bhsd
+
+
+def _allowed_and_bias(p):
+    """Bool (B, H, Sq, Sk) of allowed pairs and the additive float64 bias (ALiBi + float mask)."""
+    allowed = np.ones((p.batch, p.heads, p.seq_q, p.seq_k), dtype=bool)
+    bias = np.zeros(allowed.shape)
+    for b in range(p.batch):
+        q_len = p.seq_q if p.q_lengths is None else int(p.q_lengths[b])
+        kv_len = p.seq_k if p.kv_lengths is None else int(p.kv_lengths[b])
+        off = 0 if p.causal == "top_left" else kv_len - q_len
+        i = np.arange(p.seq_q)[:, None]
+        j = np.arange(p.seq_k)[None, :]
+        ok = (i < q_len) & (j < kv_len)
+        if p.causal is not None:
+            ok &= j <= i + off
+        if p.window is not None:
+            left, right = p.window
+            if left is not None:
+                ok &= j >= i + off - left
+            if right is not None:
+                ok &= j <= i + off + right
+        allowed[b] &= ok
+        if p.alibi_slopes is not None:
+            bias[b] -= np.asarray(p.alibi_slopes[b], np.float64)[:, None, None] * np.abs(i + off - j)
+    if p.mask is not None:
+        if p.mask.dtype == bool:
+            allowed &= p.mask
+        else:
+            bias = bias + np.asarray(p.mask, dtype=np.float64)
+    return allowed, bias
+
+
+def _probabilities(p, q64, k64):
+    """P (B, H, Sq, Sk), lse (B, H, Sq) and d(score)/d(q·kᵀ·scale) for the softcap chain rule."""
+    raw = np.einsum("bhid,bhjd->bhij", q64, k64) * p.scale
+    capped = raw if p.softcap is None else p.softcap * np.tanh(raw / p.softcap)
+    slope = np.ones_like(raw) if p.softcap is None else 1 - np.tanh(raw / p.softcap) ** 2
+    allowed, bias = _allowed_and_bias(p)
+    s = np.where(allowed, capped + bias, -np.inf)
+    row_max = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    alive = np.isfinite(row_max)
+    e = np.where(alive, np.exp(s - np.where(alive, row_max, 0)), 0.0)
+    total = e.sum(axis=-1, keepdims=True)
+    prob = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(total[..., 0] > 0, row_max[..., 0] + np.log(np.where(total > 0, total, 1)[..., 0]), -np.inf)
+    return prob, lse, slope
+
+
+def _to_layout(p, x):
+    return x if p.layout == "bhsd" else x.transpose(0, 2, 1, 3)
+
+
+def attention(q, k, v, **kwargs):
+    """Naive float64 attention: returns (out, lse) with out in q's layout, both float64.
+
+    Takes the keywords of `cupy_attn.attention` (except return_lse and backend).
+    """
+    p, q64, k64, v64, _ = _problem_and_inputs(q, k, v, kwargs)
+    prob, lse, _ = _probabilities(p, q64, k64)
+    return _to_layout(p, prob @ v64), lse
+
+
+def attention_gradients(dout, q, k, v, **kwargs):
+    """Analytic float64 gradients (dq, dk, dv) of sum(out · dout), in the inputs' layout."""
+    p, q64, k64, v64, bhsd = _problem_and_inputs(q, k, v, kwargs)
+    prob, _, slope = _probabilities(p, q64, k64)
+    do = bhsd(dout)
+    dv = np.einsum("bhij,bhid->bhjd", prob, do)
+    dp = np.einsum("bhid,bhjd->bhij", do, v64)
+    ds = prob * (dp - (dp * prob).sum(axis=-1, keepdims=True)) * slope * p.scale
+    dq = np.einsum("bhij,bhjd->bhid", ds, k64)
+    dk = np.einsum("bhij,bhid->bhjd", ds, q64)
+
+    def group_sum(x):  # (B, H, Sk, D) -> (B, Hkv, Sk, D): a kv head serves G query heads
+        return x.reshape(p.batch, p.kv_heads, p.groups, *x.shape[2:]).sum(axis=2)
+
+    return _to_layout(p, dq), _to_layout(p, group_sum(dk)), _to_layout(p, group_sum(dv))
