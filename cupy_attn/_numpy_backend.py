@@ -13,7 +13,9 @@ import numpy as np
 
 from ._problem import Problem
 
-BLOCK_N = 256  # keys per tile: large enough that the Python loop is cheap, small enough for cache
+# Keys per tile: large enough that the Python loop is cheap, small enough for the cache. Read at
+# call time, so tests can shrink it to exercise many tiles on small inputs.
+BLOCK_N = 256
 
 
 def _to_bhsd(problem: Problem, x):
@@ -111,9 +113,9 @@ class _Tiles:
                 yield j0, j1, tile
 
 
-def forward(problem: Problem, q, k, v, *, block_n: int = BLOCK_N):
+def forward(problem: Problem, q, k, v):
     p = problem
-    t = _Tiles(p, q, k, v, block_n)
+    t = _Tiles(p, q, k, v, BLOCK_N)
     rows = t.q.shape[:3]
     row_max = np.full(rows, -np.inf, dtype=p.compute_dtype)
     row_sum = np.zeros(rows, dtype=p.compute_dtype)
@@ -143,9 +145,9 @@ def forward(problem: Problem, q, k, v, *, block_n: int = BLOCK_N):
     return out, lse.reshape(shape).astype(p.compute_dtype)
 
 
-def backward(problem: Problem, dout, q, k, v, out, lse, *, block_n: int = BLOCK_N):
+def backward(problem: Problem, dout, q, k, v, out, lse):
     p = problem
-    t = _Tiles(p, q, k, v, block_n)
+    t = _Tiles(p, q, k, v, BLOCK_N)
     ct, rows = p.compute_dtype, t.q.shape[:3]
     dout = np.ascontiguousarray(_to_bhsd(p, dout), dtype=ct).reshape(rows + (p.head_dim_v,))
     out = np.ascontiguousarray(_to_bhsd(p, out), dtype=ct).reshape(rows + (p.head_dim_v,))

@@ -1,0 +1,113 @@
+"""``python -m cupy_attn {info,demo}``."""
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+
+import numpy as np
+
+from . import __version__, _backends, _paths, masks, reference
+from .heads import merge_heads, multi_head_attention, split_heads
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    found = {}
+    for dist in ("numpy", "scipy", "ml_dtypes", "cupy-cuda12x", "cupy-cuda13x", "torch", "jax"):
+        try:
+            found[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            found[dist] = "not installed"
+    return found
+
+
+def info(_args) -> int:
+    print(f"cupy_attn {__version__} on Python {platform.python_version()} ({platform.machine()})")
+    for dist, version in _versions().items():
+        print(f"  {dist:<14} {version}")
+    print(f"kernel sources: {_paths.kernel_dir()}")
+    gpu, why = _backends.cuda_status()
+    print(f"GPU: {'yes' if gpu else 'no'} ({why})")
+    print("backends:")
+    for name, (usable, reason) in _backends.available().items():
+        print(f"  {name:<9} {'available' if usable else 'unavailable'}: {reason}")
+    return 0
+
+
+def _best_backend() -> tuple[str, str]:
+    usable = _backends.available()
+    if usable["cuda"][0]:
+        return "cuda", "a GPU and the CUDA kernels are available"
+    return "numpy", f"CUDA backend unavailable: {usable['cuda'][1]}"
+
+
+# (batch, seq, embed, heads, kv_heads, mask kind): small enough for the float64 reference.
+_CASES = [
+    (2, 128, 256, 4, 4, None),
+    (2, 257, 256, 8, 2, "causal"),
+    (1, 1024, 512, 8, 8, "padding"),
+    (4, 113, 384, 6, 1, "window"),
+]
+
+
+def _mask_keywords(kind, batch, seq, rng):
+    if kind == "causal":
+        return {"causal": True}
+    if kind == "window":
+        return {"window": (32, 0)}
+    if kind == "padding":
+        lengths = rng.integers(seq // 2, seq + 1, size=batch)
+        return {"mask": masks.padding_mask(lengths, seq)}
+    return {}
+
+
+def _reference_mha(x, w_q, w_k, w_v, w_o, heads, kv_heads, keywords):
+    q, k, v = (split_heads(x @ w, n) for w, n in ((w_q, heads), (w_k, kv_heads), (w_v, kv_heads)))
+    out, _ = reference.attention(q, k, v, **keywords)
+    return merge_heads(out) @ w_o
+
+
+def demo(args) -> int:
+    backend, why = _best_backend()
+    print(f"backend: {backend}; {why}")
+    rng = np.random.default_rng(args.seed)
+    dtype = np.dtype(args.dtype)
+    tolerance = {np.float32: 1e-4, np.float64: 1e-10}[dtype.type]
+    failures = 0
+    print(f"{'B':>3} {'S':>5} {'E':>4} {'H':>3} {'Hkv':>3} {'mask':>8} {'max |err|':>10} {'ms':>8}")
+    for batch, seq, embed, heads, kv_heads, kind in _CASES:
+        head_dim = embed // heads
+        x = rng.standard_normal((batch, seq, embed)).astype(dtype)
+        w_q, w_k, w_v = ((rng.standard_normal((embed, n * head_dim)) / np.sqrt(embed)).astype(dtype)
+                         for n in (heads, kv_heads, kv_heads))
+        w_o = (rng.standard_normal((heads * head_dim, embed)) / np.sqrt(embed)).astype(dtype)
+        keywords = _mask_keywords(kind, batch, seq, rng)
+        start = time.perf_counter()
+        y = multi_head_attention(x, w_q, w_k, w_v, w_o, heads, num_kv_heads=kv_heads,
+                                 backend=backend, **keywords)
+        ms = (time.perf_counter() - start) * 1e3
+        ref = _reference_mha(*(a.astype(np.float64) for a in (x, w_q, w_k, w_v, w_o)), heads, kv_heads, keywords)
+        err = float(np.abs(np.asarray(y, np.float64) - ref).max())
+        failures += not err <= tolerance
+        print(f"{batch:>3} {seq:>5} {embed:>4} {heads:>3} {kv_heads:>3} {kind or '-':>8} {err:>10.2e} {ms:>8.1f}")
+    print(f"{'all cases' if not failures else f'{failures} case(s) NOT'} within {tolerance:g} of the float64 reference")
+    return 1 if failures else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cupy_attn", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="versions, GPU and backend availability").set_defaults(run=info)
+    d = sub.add_parser("demo", help="multi-head attention on random inputs, checked against the float64 reference")
+    d.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(run=demo)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

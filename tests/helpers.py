@@ -1,0 +1,49 @@
+"""Shared test helpers: the tolerance table (the one place tolerances are stated) and inputs."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64)]
+
+# Against the float64 reference evaluated on the same (rounded) inputs: |got - want| <= atol +
+# rtol·|want|. fp16/bf16 outputs are rounded to their format (eps 2^-10 / 2^-7) after float32
+# accumulation; their gradients also see the rounded out and dout, hence the looser grad column.
+TOLERANCES = {
+    #                       out/lse (atol, rtol)  gradients (atol, rtol)
+    np.dtype(np.float64): ((1e-10, 1e-10), (1e-9, 1e-9)),
+    np.dtype(np.float32): ((2e-5, 2e-5), (1e-4, 1e-4)),
+    np.dtype(np.float16): ((2e-3, 2e-3), (1e-2, 1e-2)),
+    BF16: ((1.6e-2, 1.6e-2), (8e-2, 8e-2)),
+}
+
+
+def assert_close(got, want, dtype, *, grad=False, what=""):
+    atol, rtol = TOLERANCES[np.dtype(dtype)][1 if grad else 0]
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    assert not np.isnan(got).any(), f"{what}: NaN in result"
+    same_inf = np.isinf(got) == np.isinf(want)
+    assert same_inf.all(), f"{what}: infinities differ at {np.argwhere(~same_inf)[:5].tolist()}"
+    finite = np.isfinite(want)
+    assert (got[~finite] == want[~finite]).all(), f"{what}: infinities of different sign"
+    err = np.abs(got[finite] - want[finite])
+    bound = atol + rtol * np.abs(want[finite])
+    if err.size:
+        worst = np.argmax(err - bound)
+        assert (err <= bound).all(), f"{what}: max error {err.max():.3e} (worst {err[worst]:.3e} > bound {bound[worst]:.3e})"
+
+
+def shape_of(layout, b, h, s, d):
+    return (b, h, s, d) if layout == "bhsd" else (b, s, h, d)
+
+
+def random_qkv(rng, *, b=2, h=2, hkv=None, sq=7, sk=9, d=16, dv=None, dtype=np.float32, layout="bhsd"):
+    hkv = h if hkv is None else hkv
+    dv = d if dv is None else dv
+    q = rng.standard_normal(shape_of(layout, b, h, sq, d)).astype(dtype)
+    k = rng.standard_normal(shape_of(layout, b, hkv, sk, d)).astype(dtype)
+    v = rng.standard_normal(shape_of(layout, b, hkv, sk, dv)).astype(dtype)
+    return q, k, v
