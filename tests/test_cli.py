@@ -1,0 +1,35 @@
+"""The command line and the installed package layout."""
+import subprocess
+import sys
+
+from cupy_attn import _paths
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "cupy_attn", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_info_reports_backends():
+    result = run("info")
+    assert result.returncode == 0, result.stderr
+    assert "numpy     available" in result.stdout
+    assert "cuda      " in result.stdout and "emulator  " in result.stdout
+    assert "GPU:" in result.stdout
+
+
+def test_demo_checks_against_reference():
+    result = run("demo")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("backend: ")
+    assert "all cases within" in result.stdout
+    assert result.stdout.count("e-") >= 4  # one error column entry per case
+
+
+def test_import_does_not_import_cupy_or_frameworks():
+    code = "import sys, cupy_attn; print(sorted(m for m in ('cupy', 'torch', 'jax') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "[]", result.stderr
+
+
+def test_kernel_sources_are_shipped():
+    assert (_paths.kernel_dir() / "README.md").is_file()

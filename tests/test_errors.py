@@ -1,0 +1,166 @@
+"""Every misuse raises ValueError or TypeError naming the argument."""
+import numpy as np
+import pytest
+
+import cupy_attn
+from cupy_attn import masks
+from helpers import random_qkv
+
+
+@pytest.fixture
+def qkv(rng):
+    return random_qkv(rng, b=2, h=4, hkv=2, sq=7, sk=9, d=16, dv=8)
+
+
+def replace(qkv, **changes):
+    q, k, v = qkv
+    arrays = dict(q=q, k=k, v=v)
+    arrays.update({n: changes.pop(n) for n in list(changes) if n in arrays})
+    return arrays, changes
+
+
+F32 = np.float32
+BAD_FORWARD = [
+    # (description, make changes from (q, k, v), exception, message fragment)
+    ("q list", lambda q, k, v: dict(q=q.tolist()), TypeError, "q must be a NumPy or CuPy array, got list"),
+    ("k scalar", lambda q, k, v: dict(k=1.0), TypeError, "k must be a NumPy or CuPy array, got float"),
+    ("q rank", lambda q, k, v: dict(q=q[0]), ValueError, "q must be 4-D"),
+    ("v rank", lambda q, k, v: dict(v=v[..., None]), ValueError, "v must be 4-D"),
+    ("int dtype", lambda q, k, v: dict(q=q.astype(np.int32), k=k.astype(np.int32), v=v.astype(np.int32)), TypeError, "q has dtype int32"),
+    ("complex dtype", lambda q, k, v: dict(q=q.astype(np.complex64)), TypeError, "q has dtype complex64"),
+    ("mixed dtypes", lambda q, k, v: dict(k=k.astype(np.float16)), TypeError, "k has dtype float16 but q has float32"),
+    ("batch mismatch", lambda q, k, v: dict(k=k[:1], v=v[:1]), ValueError, "batch sizes differ"),
+    ("head mismatch kv", lambda q, k, v: dict(v=v[:, :1]), ValueError, "k has 2 heads but v has 1"),
+    ("seq mismatch", lambda q, k, v: dict(v=v[:, :, :5]), ValueError, "k has sequence length 9 but v has 5"),
+    ("head dim mismatch", lambda q, k, v: dict(k=k[..., :8]), ValueError, "q has head dim 16 but k has 8"),
+    ("gqa not multiple", lambda q, k, v: dict(k=np.concatenate([k, k[:, :1]], 1), v=np.concatenate([v, v[:, :1]], 1)), ValueError, "multiple of k/v's 3 heads"),
+    ("zero head dim", lambda q, k, v: dict(q=q[..., :0], k=k[..., :0]), ValueError, "head dims must be at least 1"),
+    ("mask int", lambda q, k, v: dict(mask=np.ones((7, 9), np.int8)), TypeError, "mask must be bool"),
+    ("mask list", lambda q, k, v: dict(mask=[[True]]), TypeError, "mask must be a NumPy or CuPy array"),
+    ("mask shape", lambda q, k, v: dict(mask=np.ones((7, 8), bool)), ValueError, "mask of shape (7, 8) does not broadcast"),
+    ("mask rank", lambda q, k, v: dict(mask=np.ones((1, 1, 1, 7, 9), bool)), ValueError, "does not broadcast"),
+    ("mask nan", lambda q, k, v: dict(mask=np.full((7, 9), np.nan, F32)), ValueError, "not NaN or +inf"),
+    ("mask +inf", lambda q, k, v: dict(mask=np.full((7, 9), np.inf, F32)), ValueError, "not NaN or +inf"),
+    ("causal string", lambda q, k, v: dict(causal="upper"), ValueError, "causal must be True, False"),
+    ("causal int", lambda q, k, v: dict(causal=1), ValueError, "causal must be"),
+    ("window scalar", lambda q, k, v: dict(window=3), ValueError, "window must be a pair"),
+    ("window triple", lambda q, k, v: dict(window=(1, 2, 3)), ValueError, "window must be a pair"),
+    ("window negative", lambda q, k, v: dict(window=(-1, 0)), ValueError, "window left must be a non-negative int"),
+    ("window float", lambda q, k, v: dict(window=(1, 2.5)), ValueError, "window right must be"),
+    ("q_lengths negative", lambda q, k, v: dict(q_lengths=[-1, 3]), ValueError, "q_lengths must be non-negative"),
+    ("kv_lengths too long", lambda q, k, v: dict(kv_lengths=[9, 10]), ValueError, "kv_lengths must not exceed Sk = 9"),
+    ("q_lengths too long", lambda q, k, v: dict(q_lengths=np.array([8, 1])), ValueError, "q_lengths must not exceed Sq = 7"),
+    ("kv_lengths count", lambda q, k, v: dict(kv_lengths=[1, 2, 3]), ValueError, "kv_lengths must have shape (2,)"),
+    ("kv_lengths float", lambda q, k, v: dict(kv_lengths=np.array([1.0, 2.0])), TypeError, "kv_lengths must hold integers"),
+    ("kv_lengths float list", lambda q, k, v: dict(kv_lengths=[1.5, 2]), TypeError, "kv_lengths must be an integer array"),
+    ("layout", lambda q, k, v: dict(layout="bsdh"), ValueError, "layout must be one of 'bhsd', 'bshd', got 'bsdh'"),
+    ("backend", lambda q, k, v: dict(backend="torch"), ValueError, "backend must be one of"),
+    ("scale zero", lambda q, k, v: dict(scale=0.0), ValueError, "scale must be finite and positive"),
+    ("scale nan", lambda q, k, v: dict(scale=float("nan")), ValueError, "scale must be finite and positive"),
+    ("scale inf", lambda q, k, v: dict(scale=float("inf")), ValueError, "scale must be finite"),
+    ("scale string", lambda q, k, v: dict(scale="1"), TypeError, "scale must be a real number, got str"),
+    ("softcap negative", lambda q, k, v: dict(softcap=-1.0), ValueError, "softcap must be finite and positive"),
+    ("softcap bool", lambda q, k, v: dict(softcap=True), TypeError, "softcap must be a real number"),
+    ("alibi shape", lambda q, k, v: dict(alibi_slopes=np.ones(3)), ValueError, "alibi_slopes must have shape (4,) or (2, 4)"),
+    ("alibi nan", lambda q, k, v: dict(alibi_slopes=np.full(4, np.nan)), ValueError, "alibi_slopes must be finite"),
+    ("alibi string", lambda q, k, v: dict(alibi_slopes="0.5"), TypeError, "alibi_slopes must be a float array"),
+]
+
+
+@pytest.mark.parametrize("make,error,message", [c[1:] for c in BAD_FORWARD], ids=[c[0] for c in BAD_FORWARD])
+def test_bad_forward_input(qkv, make, error, message):
+    arrays, keywords = replace(qkv, **make(*qkv))
+    with pytest.raises(error) as info:
+        cupy_attn.attention(arrays["q"], arrays["k"], arrays["v"], **keywords)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("make,error,message", [c[1:] for c in BAD_FORWARD], ids=[c[0] for c in BAD_FORWARD])
+def test_bad_backward_keywords(qkv, make, error, message):
+    q, k, v = qkv
+    out, lse = cupy_attn.attention(q, k, v, return_lse=True)
+    arrays, keywords = replace(qkv, **make(*qkv))
+    with pytest.raises(error) as info:
+        cupy_attn.attention_backward(out, arrays["q"], arrays["k"], arrays["v"], out, lse, **keywords)
+    assert message in str(info.value)
+
+
+BAD_BACKWARD = [
+    ("dout shape", lambda o, l: dict(dout=o[:, :, :3]), ValueError, "dout must have the forward output's shape (2, 4, 7, 8)"),
+    ("dout dtype", lambda o, l: dict(dout=o.astype(np.float64)), TypeError, "dout must have q's dtype float32"),
+    ("out shape", lambda o, l: dict(out=o[..., :4]), ValueError, "out must have the forward output's shape"),
+    ("out list", lambda o, l: dict(out=o.tolist()), TypeError, "out must be a NumPy or CuPy array"),
+    ("lse shape", lambda o, l: dict(lse=l[..., None]), ValueError, "lse must have shape (B, H, Sq) = (2, 4, 7)"),
+    ("lse dtype", lambda o, l: dict(lse=l.astype(np.float64)), TypeError, "lse must be float32"),
+]
+
+
+@pytest.mark.parametrize("make,error,message", [c[1:] for c in BAD_BACKWARD], ids=[c[0] for c in BAD_BACKWARD])
+def test_bad_backward_input(qkv, make, error, message):
+    q, k, v = qkv
+    out, lse = cupy_attn.attention(q, k, v, return_lse=True)
+    args = dict(dout=out, out=out, lse=lse)
+    args.update(make(out, lse))
+    with pytest.raises(error) as info:
+        cupy_attn.attention_backward(args["dout"], q, k, v, args["out"], args["lse"])
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "emulator"])
+def test_unavailable_backend_is_an_error_not_a_fallback(qkv, backend):
+    with pytest.raises(cupy_attn.BackendUnavailableError, match=f"backend '{backend}' cannot run"):
+        cupy_attn.attention(*qkv, backend=backend)
+
+
+def test_bad_head_helpers(rng):
+    x = rng.standard_normal((2, 5, 12))
+    with pytest.raises(ValueError, match="not divisible by num_heads = 5"):
+        cupy_attn.split_heads(x, 5)
+    with pytest.raises(ValueError, match="num_heads must be a positive int"):
+        cupy_attn.split_heads(x, 0)
+    with pytest.raises(ValueError, match="x must be 3-D"):
+        cupy_attn.split_heads(x[0], 2)
+    with pytest.raises(TypeError, match="x must be a NumPy or CuPy array"):
+        cupy_attn.split_heads(x.tolist(), 2)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        cupy_attn.merge_heads(x[None], layout="hsd")
+    with pytest.raises(ValueError, match="x must be 4-D"):
+        cupy_attn.merge_heads(x)
+
+
+def test_bad_multi_head_attention(rng):
+    x = rng.standard_normal((2, 5, 12))
+    w = rng.standard_normal((12, 12))
+    with pytest.raises(ValueError, match=r"w_k must be 2-D \(12, heads·head_dim\)"):
+        cupy_attn.multi_head_attention(x, w, w[:5], w, w, 3)
+    with pytest.raises(TypeError, match="w_v has dtype float32 but x has float64"):
+        cupy_attn.multi_head_attention(x, w, w, w.astype(np.float32), w, 3)
+    with pytest.raises(ValueError, match=r"w_o must be 2-D \(12, E_out\)"):
+        cupy_attn.multi_head_attention(x, w, w, w, w[:6], 3)
+    with pytest.raises(ValueError, match="w_q gives head dim 4 but w_k gives 6"):
+        cupy_attn.multi_head_attention(x, w, w, w, w, 3, num_kv_heads=2)
+    with pytest.raises(ValueError, match="context has batch 1 but x has 2"):
+        cupy_attn.multi_head_attention(x, w, w, w, w, 3, context=x[:1])
+    with pytest.raises(ValueError, match="num_kv_heads must be a positive int"):
+        cupy_attn.multi_head_attention(x, w, w, w, w, 3, num_kv_heads=0)
+
+
+def test_bad_mask_builder_input():
+    with pytest.raises(ValueError, match="sq must be a non-negative int"):
+        masks.causal_mask(-1, 3)
+    with pytest.raises(ValueError, match="align must be one of"):
+        masks.causal_mask(2, 3, align="left")
+    with pytest.raises(ValueError, match="left must be a non-negative int"):
+        masks.window_mask(2, 3, -2, 0)
+    with pytest.raises(ValueError, match=r"lengths must lie in \[0, max_len = 3\]"):
+        masks.padding_mask([1, 4], 3)
+    with pytest.raises(ValueError, match="lengths must be a 1-D integer array"):
+        masks.padding_mask(np.array([1.0]), 3)
+    with pytest.raises(TypeError, match=r"masks\[1\] must be bool"):
+        masks.combine(np.ones(2, bool), np.ones(2))
+    with pytest.raises(ValueError, match="combine needs at least one mask"):
+        masks.combine()
+    with pytest.raises(TypeError, match="dtype must be a float dtype"):
+        masks.to_additive(np.ones(2, bool), np.int32)
+    with pytest.raises(TypeError, match="like must be a NumPy or CuPy array"):
+        masks.causal_mask(2, 2, like=[1])
