@@ -133,11 +133,11 @@ def forward(problem: Problem, q, k, v):
         acc *= rescale[..., None]
         acc += s @ t.v[:, :, j0:j1]
         row_max = new_max
-    # Fully masked rows (row_sum 0) give output 0 and lse -inf rather than 0/0.
+    # Fully masked rows have row_sum 0 and acc 0 (all their exps were 0): dividing by 1 instead
+    # keeps their output 0 rather than 0/0 = NaN, and their lse is -inf.
     seen = row_sum > 0
     safe_sum = np.where(seen, row_sum, 1)
     acc /= safe_sum[..., None]
-    acc[~seen] = 0
     with np.errstate(divide="ignore"):
         lse = np.where(seen, row_max + np.log(safe_sum), -np.inf)
     shape = (p.batch, p.heads, p.seq_q)
