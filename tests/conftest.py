@@ -5,17 +5,21 @@ import pytest
 
 from cupy_attn import _numpy_backend
 
+DEFAULT_TILES = (_numpy_backend.BLOCK_M, _numpy_backend.BLOCK_N)
+
 
 @pytest.fixture(autouse=True)
 def small_key_tiles(monkeypatch):
-    """Shrink the NumPy backend's key tile to an awkward 48 so small inputs cross many tiles,
+    """Shrink the NumPy backend's tiles to an awkward 40 × 48 so small inputs cross many tiles,
     partial last tiles and skipped tiles. Tests that need the default request `default_tiles`."""
     monkeypatch.setattr(_numpy_backend, "BLOCK_N", 48)
+    monkeypatch.setattr(_numpy_backend, "BLOCK_M", 40)
 
 
 @pytest.fixture
 def default_tiles(monkeypatch):
-    monkeypatch.setattr(_numpy_backend, "BLOCK_N", 256)
+    monkeypatch.setattr(_numpy_backend, "BLOCK_M", DEFAULT_TILES[0])
+    monkeypatch.setattr(_numpy_backend, "BLOCK_N", DEFAULT_TILES[1])
 
 
 @pytest.fixture
