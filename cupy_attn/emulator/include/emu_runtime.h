@@ -1,0 +1,465 @@
+// The emulator's execution engine: blocks on OS threads, CUDA threads as fibers, barriers,
+// warp collectives, deadlock reports, and the C entry points the Python side calls.
+#pragma once
+#include <algorithm>
+#include <atomic>
+#include <cstdarg>
+#include <cstdio>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "emu_fiber.h"
+#include "emu_types.h"
+
+namespace emu {
+
+enum class State : unsigned char { Ready, AtBarrier, AtWarp, Done };
+enum Schedule { kForward = 0, kReverse = 1, kRandom = 2 };
+
+// A cp.async copy waits here until its group is waited for, so code that reads shared memory
+// before `cp.async.wait_group` sees the poison, as it could on hardware.
+struct AsyncCopy {
+    void* dst;
+    const void* src;
+    unsigned bytes;
+    unsigned group;
+};
+
+struct Fiber {
+    Context ctx;
+    uint3 tid;
+    unsigned linear = 0;
+    State state = State::Ready;
+    int barrier_vote = 0;
+    std::vector<AsyncCopy> async_copies;
+    unsigned async_groups_committed = 0;
+};
+
+// The last lane of `mask` to arrive computes the collective for all: `fn` gets every lane's
+// operand pointer (null for lanes outside the mask) and writes each lane's result through it.
+using CollectiveFn = void (*)(void* const* lanes, unsigned mask);
+struct Collective {
+    unsigned mask;
+    unsigned arrived;
+    const char* what;
+    CollectiveFn fn;
+    void* lanes[32];
+};
+
+struct Launch {
+    void (*invoke)(void**);
+    void** args;
+    dim3 grid, block;
+    size_t shared_bytes;
+    int schedule;
+    unsigned long long seed;
+    size_t stack_bytes;
+    unsigned long long blocks;
+    std::atomic<unsigned long long> next_block{0};
+    std::atomic<bool> failed{false};
+    std::mutex error_mutex;
+    std::string error;
+};
+
+struct Block {
+    Launch* launch;
+    uint3 idx;
+    std::vector<Fiber> fibers;
+    std::vector<std::vector<Collective>> warps;  // pending collectives per warp
+    unsigned char* dynamic_shared = nullptr;
+    Context scheduler;
+    unsigned live = 0;
+    int barrier_result = 0;
+    bool aborted = false;
+    std::string error;
+};
+
+inline thread_local Block* tl_block = nullptr;
+inline thread_local Fiber* tl_fiber = nullptr;
+inline thread_local std::vector<Stack>* tl_stacks = nullptr;
+
+inline std::string format(const char* fmt, ...) {
+    char buf[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    return buf;
+}
+
+inline std::string block_name(const Block& b) { return format("block (%u, %u, %u)", b.idx.x, b.idx.y, b.idx.z); }
+
+// Abort the current block with a message: back to the scheduler, never to resume.
+[[noreturn]] inline void fail(const std::string& message) {
+    Block* b = tl_block;
+    Fiber* f = tl_fiber;
+    b->aborted = true;
+    b->error = block_name(*b) + format(", thread (%u, %u, %u): ", f->tid.x, f->tid.y, f->tid.z) + message;
+    f->state = State::Done;
+    switch_context(f->ctx, b->scheduler);
+    __builtin_unreachable();
+}
+
+inline void yield_to_scheduler() { switch_context(tl_fiber->ctx, tl_block->scheduler); }
+
+inline void fiber_main() {
+    Launch* launch = tl_block->launch;
+    launch->invoke(launch->args);
+    Fiber* f = tl_fiber;
+    f->state = State::Done;
+    f->async_copies.clear();
+    tl_block->live--;
+    switch_context(f->ctx, tl_block->scheduler);
+    __builtin_unreachable();
+}
+
+inline unsigned lane_id() { return tl_fiber->linear & 31u; }
+
+inline std::string lane_list(unsigned bits) {
+    std::string s;
+    for (int l = 0; l < 32; ++l)
+        if (bits >> l & 1u) s += (s.empty() ? "" : ", ") + std::to_string(l);
+    return s;
+}
+
+// Why nothing can run: name each waiting collective, the lanes it misses and where they are.
+inline std::string deadlock_report(const Block& b) {
+    std::string report = "deadlock in " + block_name(b) + ":";
+    unsigned at_barrier = 0;
+    for (const Fiber& f : b.fibers) at_barrier += f.state == State::AtBarrier;
+    for (size_t w = 0; w < b.warps.size(); ++w) {
+        for (const Collective& c : b.warps[w]) {
+            unsigned missing = c.mask & ~c.arrived, exited = 0, barrier = 0, other = 0;
+            for (int l = 0; l < 32; ++l) {
+                if (!(missing >> l & 1u)) continue;
+                size_t t = w * 32 + l;
+                if (t >= b.fibers.size()) { exited |= 1u << l; continue; }  // lane does not exist
+                State s = b.fibers[t].state;
+                (s == State::Done ? exited : s == State::AtBarrier ? barrier : other) |= 1u << l;
+            }
+            report += format(" warp %zu waits in %s with mask 0x%08x; missing lanes [%s]", w, c.what, c.mask,
+                             lane_list(missing).c_str());
+            if (exited) report += " (exited or absent: [" + lane_list(exited) + "])";
+            if (barrier) report += " (at __syncthreads: [" + lane_list(barrier) + "])";
+            if (other) report += " (in another warp collective: [" + lane_list(other) + "])";
+            report += ";";
+        }
+    }
+    if (at_barrier) report += format(" %u thread(s) wait at __syncthreads for threads stuck in warp collectives;", at_barrier);
+    report.pop_back();
+    return report;
+}
+
+inline void run_block(Launch& L, unsigned long long linear_block) {
+    Block b;
+    b.launch = &L;
+    b.idx = uint3{static_cast<unsigned>(linear_block % L.grid.x),
+                  static_cast<unsigned>(linear_block / L.grid.x % L.grid.y),
+                  static_cast<unsigned>(linear_block / (static_cast<unsigned long long>(L.grid.x) * L.grid.y))};
+    unsigned n = L.block.x * L.block.y * L.block.z;
+    b.fibers.resize(n);
+    b.warps.resize((n + 31) / 32);
+    // Dynamic shared memory, filled with 0xff bytes: NaN as float, half and bfloat16, so reads
+    // of unwritten shared memory show. Allocated per block at its exact size for AddressSanitizer.
+    std::vector<unsigned char> shared(std::max<size_t>(L.shared_bytes, 1), 0xff);
+    b.dynamic_shared = shared.data();
+    std::vector<Stack>& stacks = *tl_stacks;
+    while (stacks.size() < n) stacks.push_back(make_stack(L.stack_bytes));
+    for (unsigned t = 0; t < n; ++t) {
+        Fiber& f = b.fibers[t];
+        f.linear = t;
+        f.tid = uint3{t % L.block.x, t / L.block.x % L.block.y, t / (L.block.x * L.block.y)};
+        make_context(f.ctx, stacks[t], fiber_main);
+    }
+    b.live = n;
+    tl_block = &b;
+    std::vector<unsigned> order(n);
+    std::iota(order.begin(), order.end(), 0u);
+    if (L.schedule == kReverse) std::reverse(order.begin(), order.end());
+    std::mt19937_64 rng(L.seed * 0x9e3779b97f4a7c15ull + linear_block);
+    while (b.live) {
+        if (L.schedule == kRandom) std::shuffle(order.begin(), order.end(), rng);
+        bool ran = false;
+        for (unsigned t : order) {
+            Fiber& f = b.fibers[t];
+            if (f.state != State::Ready) continue;
+            tl_fiber = &f;
+            switch_context(b.scheduler, f.ctx);
+            tl_fiber = nullptr;
+            ran = true;
+            if (b.aborted) break;
+        }
+        if (b.aborted || !b.live) break;
+        unsigned waiting = 0;
+        int votes = 0;
+        for (const Fiber& f : b.fibers)
+            if (f.state == State::AtBarrier) { waiting++; votes += f.barrier_vote != 0; }
+        // __syncthreads releases when every thread that has not exited arrived (sm_70+).
+        if (waiting == b.live) {
+            b.barrier_result = votes;
+            for (Fiber& f : b.fibers)
+                if (f.state == State::AtBarrier) f.state = State::Ready;
+        } else if (!ran) {
+            b.aborted = true;
+            b.error = deadlock_report(b);
+        }
+    }
+    tl_block = nullptr;
+    if (b.aborted) {
+        std::lock_guard<std::mutex> lock(L.error_mutex);
+        if (!L.failed.exchange(true)) L.error = b.error;
+    }
+}
+
+inline void run_worker(Launch* L) {
+    std::vector<Stack> stacks;
+    tl_stacks = &stacks;
+    for (unsigned long long i; !L->failed && (i = L->next_block++) < L->blocks;) run_block(*L, i);
+    for (Stack& s : stacks) free_stack(s);
+    tl_stacks = nullptr;
+}
+
+// ---- device-side API -------------------------------------------------------------------------
+
+inline int block_barrier(int vote) {
+    Fiber* f = tl_fiber;
+    f->barrier_vote = vote;
+    f->state = State::AtBarrier;
+    yield_to_scheduler();
+    return tl_block->barrier_result;
+}
+
+inline void warp_collective(unsigned mask, void* operand, CollectiveFn fn, const char* what) {
+    Block* b = tl_block;
+    Fiber* f = tl_fiber;
+    unsigned lane = f->linear & 31u, warp = f->linear >> 5;
+    if (!(mask >> lane & 1u)) fail(format("%s called with mask 0x%08x, which excludes the calling lane %u", what, mask, lane));
+    std::vector<Collective>& pending = b->warps[warp];
+    auto it = std::find_if(pending.begin(), pending.end(), [&](const Collective& c) { return c.mask == mask; });
+    if (it == pending.end()) {
+        pending.push_back(Collective{mask, 0u, what, fn, {}});
+        it = pending.end() - 1;
+    } else if (it->fn != fn) {
+        fail(format("warp %u diverged: lane %u is in %s while lanes [%s] of the same mask 0x%08x are in %s", warp,
+                    lane, what, lane_list(it->arrived).c_str(), mask, it->what));
+    }
+    it->lanes[lane] = operand;
+    it->arrived |= 1u << lane;
+    if (it->arrived != mask) {
+        f->state = State::AtWarp;
+        yield_to_scheduler();
+        return;
+    }
+    Collective done = *it;
+    pending.erase(it);
+    done.fn(done.lanes, mask);
+    for (int l = 0; l < 32; ++l)
+        if ((mask >> l & 1u) && static_cast<unsigned>(l) != lane) b->fibers[warp * 32 + l].state = State::Ready;
+}
+
+inline unsigned char* dynamic_shared() { return tl_block->dynamic_shared; }
+
+inline void async_copy(void* dst, const void* src, unsigned bytes) {
+    Fiber* f = tl_fiber;
+    f->async_copies.push_back(AsyncCopy{dst, src, bytes, f->async_groups_committed});
+}
+inline void async_commit() { tl_fiber->async_groups_committed++; }
+// Complete every copy except those of the `pending` most recently committed groups (copies not
+// yet committed belong to no waited-for group and complete only with wait_all).
+inline void async_wait(unsigned pending, bool all = false) {
+    Fiber* f = tl_fiber;
+    unsigned committed = f->async_groups_committed;
+    std::vector<AsyncCopy> keep;
+    for (const AsyncCopy& c : f->async_copies) {
+        bool complete = all || (c.group < committed && committed - c.group > pending);
+        if (complete) std::memcpy(c.dst, c.src, c.bytes);
+        else keep.push_back(c);
+    }
+    f->async_copies.swap(keep);
+}
+
+template <class T>
+struct ShuffleOperand {
+    T value;
+    int source;  // the lane to read, or -1: keep own value
+    T result;
+};
+
+template <class T>
+inline void shuffle_fn(void* const* lanes, unsigned mask) {
+    for (int l = 0; l < 32; ++l) {
+        if (!(mask >> l & 1u)) continue;
+        auto* op = static_cast<ShuffleOperand<T>*>(lanes[l]);
+        int src = op->source < 0 ? l : op->source;
+        if (!(mask >> src & 1u)) src = l;  // reading a lane outside the mask is undefined; see shuffle()
+        op->result = static_cast<ShuffleOperand<T>*>(lanes[src])->value;
+    }
+}
+
+template <class T>
+inline T shuffle(unsigned mask, T value, int source, const char* what) {
+    static_assert(sizeof(T) == 4 || sizeof(T) == 8, "shuffles move 4- or 8-byte values");
+    if (source >= 0 && !(mask >> source & 1u))
+        fail(format("%s reads lane %d, which is not in the mask 0x%08x (undefined on hardware)", what, source, mask));
+    ShuffleOperand<T> op{value, source, value};
+    warp_collective(mask, &op, shuffle_fn<T>, what);
+    return op.result;
+}
+
+inline void check_width(int width, const char* what) {
+    if (width < 1 || width > 32 || (width & (width - 1)))
+        fail(format("%s: width %d is not a power of two in [1, 32]", what, width));
+}
+
+struct VoteOperand {
+    int predicate;
+    unsigned result;
+};
+
+inline void ballot_fn(void* const* lanes, unsigned mask) {
+    unsigned bits = 0;
+    for (int l = 0; l < 32; ++l)
+        if ((mask >> l & 1u) && static_cast<VoteOperand*>(lanes[l])->predicate) bits |= 1u << l;
+    for (int l = 0; l < 32; ++l)
+        if (mask >> l & 1u) static_cast<VoteOperand*>(lanes[l])->result = bits;
+}
+
+inline unsigned vote(unsigned mask, int predicate, const char* what) {
+    VoteOperand op{predicate, 0};
+    warp_collective(mask, &op, ballot_fn, what);
+    return op.result;
+}
+
+inline void no_op_fn(void* const*, unsigned) {}
+
+template <class T>
+inline T atomic_update(T* address, T (*update)(T, T), T value) {
+    // A CAS loop: blocks run on several OS threads, and float atomics have no native fetch-op.
+    T old = __atomic_load_n(address, __ATOMIC_RELAXED);
+    while (!__atomic_compare_exchange_n(address, &old, update(old, value), true, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) {
+    }
+    return old;
+}
+
+template <class T>
+inline T atomic_float_update(T* address, T (*update)(T, T), T value) {
+    using Bits = std::conditional_t<sizeof(T) == 4, unsigned int, unsigned long long>;
+    Bits* word = reinterpret_cast<Bits*>(address);
+    Bits old = __atomic_load_n(word, __ATOMIC_RELAXED);
+    for (;;) {
+        T old_value, new_value;
+        std::memcpy(&old_value, &old, sizeof(T));
+        new_value = update(old_value, value);
+        Bits new_bits;
+        std::memcpy(&new_bits, &new_value, sizeof(T));
+        if (__atomic_compare_exchange_n(word, &old, new_bits, true, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) return old_value;
+    }
+}
+
+// ---- kernel registration ---------------------------------------------------------------------
+
+// Parameter kinds, as the Python side checks arguments: pointer, const pointer, integer, float,
+// other (a struct, passed by value).
+struct ParamInfo {
+    int size;
+    char kind;
+    int pointee_size;  // 0 for void pointers and non-pointers
+};
+
+template <class T>
+constexpr ParamInfo param_info() {
+    if constexpr (std::is_pointer_v<T>) {
+        using P = std::remove_pointer_t<T>;
+        int pointee = std::is_void_v<P> ? 0 : static_cast<int>(sizeof(std::conditional_t<std::is_void_v<P>, char, P>));
+        return ParamInfo{static_cast<int>(sizeof(T)), std::is_const_v<P> ? 'c' : 'p', pointee};
+    } else if constexpr (std::is_same_v<T, bool>) {
+        return ParamInfo{static_cast<int>(sizeof(T)), 'b', 0};
+    } else if constexpr (std::is_integral_v<T> || std::is_enum_v<T>) {
+        return ParamInfo{static_cast<int>(sizeof(T)), 'i', 0};
+    } else if constexpr (std::is_floating_point_v<T>) {
+        return ParamInfo{static_cast<int>(sizeof(T)), 'f', 0};
+    } else {
+        return ParamInfo{static_cast<int>(sizeof(T)), 'o', 0};
+    }
+}
+
+struct KernelInfo {
+    const char* name;
+    void (*invoke)(void**);
+    int param_count;
+    ParamInfo params[64];
+};
+
+template <class... A, size_t... I>
+inline void call_with(void (*kernel)(A...), void** args, std::index_sequence<I...>) {
+    kernel(*static_cast<std::remove_reference_t<A>*>(args[I])...);
+}
+
+template <class... A>
+constexpr int count_params(void (*)(A...)) { return sizeof...(A); }
+
+template <auto Kernel, class... A>
+constexpr KernelInfo describe_with(const char* name, void (*)(A...)) {
+    KernelInfo info{name, [](void** args) { call_with(Kernel, args, std::index_sequence_for<A...>{}); },
+                    static_cast<int>(sizeof...(A)), {}};
+    ParamInfo params[] = {param_info<A>()..., ParamInfo{0, 0, 0}};
+    for (size_t i = 0; i < sizeof...(A); ++i) info.params[i] = params[i];
+    return info;
+}
+
+template <auto Kernel>
+constexpr KernelInfo describe(const char* name) {
+    static_assert(count_params(Kernel) <= 64, "at most 64 kernel parameters");
+    return describe_with<Kernel>(name, Kernel);
+}
+
+}  // namespace emu
+
+// ---- C entry points for the Python side (emu_kernel_table is generated per module) -----------
+
+extern const emu::KernelInfo emu_kernel_table[];
+extern const int emu_kernel_count;
+
+extern "C" __attribute__((visibility("default"))) int emu_kernel_count_get() { return emu_kernel_count; }
+
+extern "C" __attribute__((visibility("default"))) const char* emu_kernel_name(int k) { return emu_kernel_table[k].name; }
+
+extern "C" __attribute__((visibility("default"))) int emu_kernel_params(int k, int* sizes, char* kinds, int* pointee_sizes) {
+    const emu::KernelInfo& info = emu_kernel_table[k];
+    for (int i = 0; i < info.param_count; ++i) {
+        sizes[i] = info.params[i].size;
+        kinds[i] = info.params[i].kind;
+        pointee_sizes[i] = info.params[i].pointee_size;
+    }
+    return info.param_count;
+}
+
+extern "C" __attribute__((visibility("default"))) int emu_launch(int k, const unsigned* grid, const unsigned* block,
+                                                                 size_t shared_bytes, void** args, int schedule,
+                                                                 unsigned long long seed, int workers,
+                                                                 size_t stack_bytes, char* error, size_t error_size) {
+    emu::Launch L;
+    L.invoke = emu_kernel_table[k].invoke;
+    L.args = args;
+    L.grid = dim3(grid[0], grid[1], grid[2]);
+    L.block = dim3(block[0], block[1], block[2]);
+    L.shared_bytes = shared_bytes;
+    L.schedule = schedule;
+    L.seed = seed;
+    L.stack_bytes = stack_bytes;
+    L.blocks = static_cast<unsigned long long>(grid[0]) * grid[1] * grid[2];
+    unsigned long long n = std::min<unsigned long long>(std::max(workers, 1), L.blocks);
+    std::vector<std::thread> threads;
+    for (unsigned long long i = 1; i < n; ++i) threads.emplace_back(emu::run_worker, &L);
+    emu::run_worker(&L);
+    for (std::thread& t : threads) t.join();
+    if (!L.failed) return 0;
+    std::snprintf(error, error_size, "%s", L.error.c_str());
+    return 1;
+}
