@@ -39,7 +39,8 @@ def available() -> dict[str, tuple[bool, str]]:
     return {
         "numpy": (True, "always available"),
         "cuda": (False, not_built + ("" if gpu else f"; also {why}")),
-        "emulator": (False, "the kernel emulator is not part of this release yet"),
+        "emulator": (False, "the attention kernels it would run are not part of this release yet "
+                             "(cupy_attn.emulator.RawModule itself is usable)"),
     }
 
 

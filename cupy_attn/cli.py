@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from . import __version__, _backends, _paths, masks, reference
+from . import __version__, _backends, _paths, emulator, masks, reference
 from .heads import merge_heads, multi_head_attention, split_heads
 
 
@@ -29,6 +29,8 @@ def info(_args) -> int:
     for dist, version in _versions().items():
         print(f"  {dist:<14} {version}")
     print(f"kernel sources: {_paths.kernel_dir()}")
+    usable, why = emulator.available()
+    print(f"emulator: {'usable' if usable else 'unusable'} ({why})")
     gpu, why = _backends.cuda_status()
     print(f"GPU: {'yes' if gpu else 'no'} ({why})")
     print("backends:")

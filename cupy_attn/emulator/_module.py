@@ -65,7 +65,8 @@ class Function:
                 return ctypes.c_void_p(None)
             if not isinstance(value, np.ndarray):
                 raise TypeError(f"{where}: expected a NumPy array or None, got {type(value).__name__}")
-            if pointee and pointee != value.itemsize:
+            # Vector pointers (float4*, half2*) may take arrays of their element type.
+            if pointee and (pointee < value.itemsize or pointee % value.itemsize):
                 raise TypeError(f"{where}: points to {pointee}-byte elements but the array has dtype {value.dtype} ({value.itemsize} bytes)")
             if kind == "p" and not value.flags.writeable:
                 raise TypeError(f"{where}: the kernel may write through this pointer but the array is read-only")

@@ -1,0 +1,428 @@
+"""The emulator: CUDA execution semantics on the CPU, checked against NumPy."""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cupy_attn import _paths
+from cupy_attn.emulator import EmulatorCompileError, EmulatorError, RawModule
+
+HERE = Path(__file__).parent / "emulator_kernels"
+SCHEDULES = ["forward", "reverse", "random"]
+
+
+def module(name, options=(), names=None):
+    return RawModule((HERE / name).read_text(), options=("-I" + str(_paths.kernel_dir()),) + tuple(options),
+                     name_expressions=names)
+
+
+@pytest.fixture(scope="module")
+def basics():
+    return module("basics.cu")
+
+
+@pytest.fixture(scope="module")
+def warp():
+    return module("warp.cu")
+
+
+I32 = np.int32
+
+
+def test_indices_3d(basics):
+    grid, block = (3, 2, 2), (4, 3, 2)
+    n = np.prod(grid) * np.prod(block)
+    out = np.full(6 * n, -1, np.int32)
+    basics.get_function("indices")(grid, block, (out,))
+    got = out.reshape(grid[::-1] + block[::-1] + (6,))
+    bz, by, bx, tz, ty, tx = np.indices(grid[::-1] + block[::-1])
+    want = np.stack([tx, ty, tz, bx, by, bz], axis=-1)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("kernel", ["reverse_static", "reverse_dynamic"])
+def test_shared_memory_with_barrier(basics, kernel, schedule):
+    x = np.random.default_rng(0).standard_normal(4 * 256).astype(np.float32)
+    out = np.full_like(x, np.nan)
+    basics.get_function(kernel)(4, 256, (x, out), shared_mem=256 * 4, schedule=schedule, seed=3)
+    np.testing.assert_array_equal(out, x.reshape(4, 256)[:, ::-1].ravel())
+
+
+def test_missing_barrier_is_caught_by_some_schedule():
+    mod = module("basics.cu", ["-DMISSING_BARRIER"])
+    x = np.arange(256, dtype=np.float32)
+    wrong = 0
+    for schedule in SCHEDULES:
+        out = np.full_like(x, np.nan)
+        mod.get_function("reverse_static")(1, 256, (x, out), schedule=schedule, seed=1)
+        wrong += not np.array_equal(out, x[::-1])
+    assert wrong >= 1
+
+
+def test_dynamic_shared_memory_is_poisoned(basics):
+    out = np.zeros(64, np.float32)
+    basics.get_function("read_unwritten")(1, 64, (out,), shared_mem=64 * 4)
+    assert np.isnan(out).all()
+
+
+def test_exited_threads_do_not_block_barriers(basics):
+    out = np.zeros(64, np.int32)
+    basics.get_function("early_exit")(1, 64, (out,), schedule="reverse")
+    assert (out[::2] == 7).all() and (out[1::2] == 0).all()
+
+
+@pytest.mark.parametrize("pred", [[1] * 64, [0] * 64, [1, 0] * 32])
+def test_barrier_votes(basics, pred):
+    out = np.zeros(3, np.int32)
+    basics.get_function("barrier_votes")(1, 64, (np.array(pred, np.int32), out))
+    assert out.tolist() == [sum(pred), int(all(pred)), int(any(pred))]
+
+
+def shuffle_sources(mask, mode, arg, width):
+    """CUDA's documented shuffle semantics: the lane each participating lane reads."""
+    sources = {}
+    for lane in range(32):
+        if not mask >> lane & 1:
+            continue
+        seg = lane // width * width
+        if mode == 0:
+            src = seg + arg % width
+        elif mode == 1:
+            src = lane - arg if lane - seg - arg >= 0 else lane
+        elif mode == 2:
+            src = lane + arg if lane - seg + arg < width else lane
+        else:
+            src = lane ^ arg
+            src = lane if src >= seg + width else src
+        sources[lane] = src
+    return sources
+
+
+# Partial masks with every combination whose reads stay inside the mask (reading a lane outside
+# it is undefined on hardware, and an error in the emulator: tested separately).
+SHUFFLE_CASES = [(mask, mode, arg, width)
+                 for mask in (0xFFFFFFFF, 0x0000FFFF, 0xF0F0F0F0)
+                 for mode, arg in ((0, 3), (0, 13), (1, 1), (1, 5), (2, 2), (2, 7), (3, 1), (3, 6))
+                 for width in (32, 16, 8, 4)
+                 if all(mask >> s & 1 for s in shuffle_sources(mask, mode, arg, width).values())]
+
+
+@pytest.mark.parametrize("mask,mode,arg,width", SHUFFLE_CASES)
+def test_shuffles(warp, mask, mode, arg, width):
+    values = np.random.default_rng(mode * 97 + arg).integers(0, 1000, 32).astype(np.int32)
+    want = np.full(32, -1)
+    for lane, src in shuffle_sources(mask, mode, arg, width).items():
+        want[lane] = values[src]
+    out = np.zeros(32, np.int32)
+    warp.get_function("shuffle")(1, 32, (values, out, np.uint32(mask), I32(mode), I32(arg), I32(width)))
+    np.testing.assert_array_equal(out, want)
+
+
+def test_shuffle_of_lane_outside_mask_is_an_error(warp):
+    with pytest.raises(EmulatorError, match="reads lane 20, which is not in the mask 0x0000ffff"):
+        warp.get_function("shuffle")(1, 32, (np.arange(32, dtype=np.int32), np.zeros(32, np.int32),
+                                             np.uint32(0xFFFF), I32(0), I32(20), I32(32)))
+
+
+def test_shuffle_of_doubles(warp):
+    x = np.random.default_rng(1).standard_normal(64)
+    out = np.zeros(64)
+    warp.get_function("shuffle_double")(1, 64, (x, out))
+    np.testing.assert_array_equal(out, x[np.arange(64) ^ 5])
+
+
+@pytest.mark.parametrize("mask", [0xFFFFFFFF, 0x00FF00FF, 0x80000001])
+def test_votes(warp, mask):
+    pred = np.random.default_rng(mask % 1000).integers(0, 2, 64).astype(np.int32)
+    out = np.zeros(3 * 64, np.uint32)
+    warp.get_function("votes")(1, 64, (pred, out, np.uint32(mask)), schedule="random")
+    out = out.reshape(64, 3)
+    for t in range(64):
+        lane, w = t % 32, t // 32
+        if not mask >> lane & 1:
+            assert (out[t] == 0xDEADBEEF).all()
+            continue
+        members = [l for l in range(32) if mask >> l & 1]
+        ballot = sum(1 << l for l in members if pred[w * 32 + l])
+        assert out[t].tolist() == [ballot, int(ballot != 0), int(ballot == mask)]
+
+
+def test_warp_reduction_across_blocks(warp):
+    x = np.random.default_rng(2).standard_normal(8 * 64).astype(np.float32)
+    out = np.zeros_like(x)
+    warp.get_function("warp_sum")(8, 64, (x, out), workers=3)
+    np.testing.assert_allclose(out, np.repeat(x.reshape(-1, 32).sum(1), 32), rtol=1e-5, atol=1e-5)
+
+
+def test_atomics_across_parallel_blocks(warp):
+    blocks, threads = 24, 96
+    fsum, isum, imax = np.zeros(1, np.float32), np.zeros(1, np.int32), np.zeros(1, np.int32)
+    usum, cas = np.zeros(1, np.uint64), np.zeros(1, np.int32)
+    warp.get_function("atomics")(blocks, threads, (fsum, isum, imax, usum, cas), workers=4, schedule="random")
+    n = blocks * threads
+    ids = np.arange(n)
+    assert fsum[0] == 0.5 * n and isum[0] == ids.sum() and usum[0] == n and cas[0] == n
+    assert imax[0] == ((ids * 7919) % 1000).max()
+
+
+def test_deadlock_names_block_warp_and_lanes(basics):
+    with pytest.raises(EmulatorError) as info:
+        basics.get_function("deadlock_exit")((2, 1, 1), 64, (np.zeros(64, np.float32),))
+    message = str(info.value)
+    assert "deadlock in block (0, 0, 0)" in message or "deadlock in block (1, 0, 0)" in message
+    assert "warp 0 waits in __shfl_sync with mask 0xffffffff; missing lanes [0] (exited or absent: [0])" in message
+
+
+def test_deadlock_between_barrier_and_collective(basics):
+    with pytest.raises(EmulatorError, match=r"missing lanes \[3\] \(at __syncthreads: \[3\]\)"):
+        basics.get_function("deadlock_barrier")(1, 32, (np.zeros(32, np.float32),))
+
+
+def test_partial_warp_collective_deadlocks(warp):
+    # 48 threads: warp 1 has only 16 lanes, so a full-mask shuffle can never complete.
+    with pytest.raises(EmulatorError, match=r"warp 1 waits in __shfl_xor_sync .* missing lanes \[16, 17"):
+        warp.get_function("warp_sum")(1, 48, (np.zeros(48, np.float32), np.zeros(48, np.float32)))
+
+
+def test_collective_misuse(basics):
+    with pytest.raises(EmulatorError, match="warp 0 diverged"):
+        basics.get_function("diverged")(1, 32, (np.zeros(32, np.float32),))
+    with pytest.raises(EmulatorError, match="excludes the calling lane"):
+        basics.get_function("bad_mask")(1, 32, (np.zeros(32, np.float32),))
+    with pytest.raises(EmulatorError, match=r"block \(2, 0, 0\), thread \(5, 0, 0\): __trap\(\) called"):
+        basics.get_function("trap_kernel")(4, 32, (np.zeros(1, np.float32),))
+
+
+def test_argument_checks(basics):
+    typed = basics.get_function("typed")
+    d, f = np.zeros(1), np.ones(1, np.float32)
+    good = (d, f, I32(2), np.float32(3), np.int64(4), np.uint8(1))
+    typed(1, 1, good)
+    assert d[0] == 3 + 2 + 4 + 1
+    bad = [
+        ((d, f, 2, *good[3:]), r"argument 2 \(integer, 4 bytes\): got a Python int; pass a NumPy scalar"),
+        ((d, f, np.int64(2), *good[3:]), r"argument 2 \(integer, 4 bytes\): got numpy.int64 \(8 bytes\)"),
+        ((d, f, good[2], np.float64(3), *good[4:]), r"argument 3 \(float, 4 bytes\): got numpy.float64"),
+        ((d, f, good[2], I32(3), *good[4:]), r"argument 3 \(float, 4 bytes\): got numpy.int32"),
+        ((d, d, *good[2:]), "points to 4-byte elements but the array has dtype float64"),
+        ((d, [1.0], *good[2:]), "expected a NumPy array or None, got list"),
+        ((np.broadcast_to(d, (3,)), f, *good[2:]), "the array is read-only"),
+        (good[:5], "takes 6 arguments, got 5"),
+    ]
+    for args, message in bad:
+        with pytest.raises(TypeError, match=message):
+            typed(1, 1, args)
+
+
+def test_launch_checks(basics):
+    fn = basics.get_function("reverse_dynamic")
+    x = np.zeros(256, np.float32)
+    with pytest.raises(ValueError, match="at most 1024"):
+        fn(1, (64, 32), (x, x))
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        fn(1, 256, (x, x), schedule="sideways")
+    with pytest.raises(ValueError, match="grid must be a positive int"):
+        fn(0, 256, (x, x))
+    with pytest.raises(ValueError, match="set max_dynamic_shared_size_bytes first"):
+        fn(1, 256, (x, x), shared_mem=64 * 1024)
+    fn.max_dynamic_shared_size_bytes = 64 * 1024
+    fn(1, 256, (x, x.copy()), shared_mem=64 * 1024)
+
+
+def test_name_expressions(basics):
+    mod = module("basics.cu", names=["scaled<3>"])
+    out = np.zeros(8, np.float32)
+    mod.get_function("scaled<3>")(1, 8, (out,))
+    np.testing.assert_array_equal(out, 3 * np.arange(8))
+
+
+def test_options_and_compile_errors():
+    with pytest.raises(ValueError, match="option '--bogus' is not understood"):
+        RawModule("", options=("--bogus",)).get_function("k")
+    mod = RawModule('extern "C" __global__ void k(int* o) { o[0] = VALUE; }', options=("-DVALUE=41", "-arch=sm_90", "--use_fast_math"))
+    out = np.zeros(1, np.int32)
+    mod.get_function("k")(1, 1, (out,))
+    assert out[0] == 41
+    with pytest.raises(EmulatorCompileError, match="undeclared|not declared"):
+        RawModule('extern "C" __global__ void k(int* o) { o[0] = nope; }').get_function("k")
+
+
+def test_cache_covers_local_headers(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUPY_ATTN_EMULATOR_CACHE", str(tmp_path / "cache"))
+    header = tmp_path / "value.cuh"
+    code = '#include "value.cuh"\nextern "C" __global__ void k(int* o) { o[0] = VALUE; }'
+    out = np.zeros(1, np.int32)
+    for value in (5, 6):
+        header.write_text(f"#define VALUE {value}\n")
+        RawModule(code, options=(f"-I{tmp_path}",)).get_function("k")(1, 1, (out,))
+        assert out[0] == value
+    assert len(list((tmp_path / "cache").glob("*.so"))) == 2
+    RawModule(code, options=(f"-I{tmp_path}",)).get_function("k")
+    assert len(list((tmp_path / "cache").glob("*.so"))) == 2  # a cache hit, no new build
+
+
+# ---- numerics ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def numerics():
+    return module("numerics.cu")
+
+
+def interesting_floats():
+    rng = np.random.default_rng(7)
+    random_bits = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    h = np.arange(2**16, dtype=np.uint32)
+    # every half and bfloat16 value, and the midpoints between neighbours (ties round to even)
+    half_values = h.astype(np.uint16).view(np.float16).astype(np.float32)
+    bf16_values = (h << 16).view(np.float32)
+    with np.errstate(invalid="ignore"):  # midpoints next to inf and NaN are NaN: harmless
+        half_mid = ((half_values[:-1].astype(np.float64) + half_values[1:]) / 2).astype(np.float32)
+    bf16_mid = (bf16_values.view(np.uint32) + np.uint32(0x8000)).view(np.float32)
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65520, 65519.99, 2**-24, 2**-25, 2**-26,
+                         3 * 2**-26, 1e-45, 3.4e38], np.float32)
+    return np.concatenate([random_bits, half_values, bf16_values, half_mid, bf16_mid, specials])
+
+
+def test_float_to_half_and_bfloat16_is_bit_exact(numerics):
+    x = interesting_floats()
+    h, b = np.zeros(x.size, np.uint16), np.zeros(x.size, np.uint16)
+    numerics.get_function("to_half")((x.size + 255) // 256, 256, (x, h, b, I32(x.size)))
+    nan = np.isnan(x)
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(h[~nan], x[~nan].astype(np.float16).view(np.uint16))
+    np.testing.assert_array_equal(b[~nan], x[~nan].astype(ml_dtypes.bfloat16).view(np.uint16))
+    assert np.isnan(h.view(np.float16)[nan]).all() and np.isnan(b.view(ml_dtypes.bfloat16)[nan].astype(np.float32)).all()
+
+
+def test_half_and_bfloat16_to_float_is_exact(numerics):
+    bits = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+    hf, bf = np.zeros(bits.size, np.float32), np.zeros(bits.size, np.float32)
+    numerics.get_function("from_half")(256, 256, (bits.view(np.float16), bits.view(ml_dtypes.bfloat16), hf, bf, I32(bits.size)))
+    np.testing.assert_array_equal(hf, bits.view(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(bf, bits.view(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_half_arithmetic_rounds_like_numpy(numerics):
+    rng = np.random.default_rng(3)
+    a = (rng.standard_normal(4096) * 30).astype(np.float16)
+    b = (rng.standard_normal(4096) * 30).astype(np.float16)
+    s, p = np.zeros_like(a), np.zeros_like(a)
+    pair = np.zeros(2 * a.size, np.float16)
+    numerics.get_function("half_arith")(16, 256, (a, b, s, p, pair, I32(a.size)))
+    np.testing.assert_array_equal(s, a + b)
+    np.testing.assert_array_equal(p, a * b)
+    np.testing.assert_array_equal(pair[0::2], a * np.float16(2))
+    np.testing.assert_array_equal(pair[1::2], b * np.float16(0.5))
+
+
+def test_math_functions(numerics):
+    x = np.linspace(-20, 20, 1001, dtype=np.float32)
+    out = np.zeros(8 * x.size, np.float32)
+    numerics.get_function("math")(4, 256, (x, out, I32(x.size)))
+    out = out.reshape(-1, 8)
+    want = np.stack([np.exp2(x), np.exp(x), np.log(np.abs(x) + 1), np.maximum(x, 0.25), 1 / np.sqrt(np.abs(x) + 1),
+                     np.tanh(x), np.abs(x), np.where(x > 0, np.inf, -np.inf)], axis=1)
+    np.testing.assert_allclose(out, want, rtol=2e-6)
+
+
+# ---- PTX primitives -----------------------------------------------------------------------------
+
+PRIMITIVE_NAMES = ["mma<__half>", "mma<__nv_bfloat16>"] + [
+    f"ldmatrix<{c}, {t}>" for c in (1, 2, 4) for t in ("false", "true")]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["layout", "wrong_layout"])
+def primitives(request):
+    options = ["-DWRONG_LAYOUT"] if request.param else []
+    return request.param, module("primitives.cu", options, names=PRIMITIVE_NAMES)
+
+
+def check_or_expect_failure(wrong, check):
+    if wrong:
+        with pytest.raises(AssertionError):
+            check()
+    else:
+        check()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["f16", "bf16"])
+def test_mma_m16n8k16(primitives, dtype):
+    wrong, mod = primitives
+    rng = np.random.default_rng(4)
+    A = rng.standard_normal((16, 16)).astype(dtype)
+    B = rng.standard_normal((16, 8)).astype(dtype)
+    C = rng.standard_normal((16, 8)).astype(np.float32)
+    D = np.full((16, 8), np.nan, np.float32)
+    name = "mma<__half>" if dtype == np.float16 else "mma<__nv_bfloat16>"
+    mod.get_function(name)(1, 32, (A, B, C, D))
+    want = A.astype(np.float64) @ B.astype(np.float64) + C
+    check_or_expect_failure(wrong, lambda: np.testing.assert_allclose(D, want, rtol=1e-5, atol=1e-5))
+
+
+@pytest.mark.parametrize("count", [1, 2, 4])
+@pytest.mark.parametrize("trans", [False, True])
+def test_ldmatrix(primitives, count, trans):
+    wrong, mod = primitives
+    tiles = np.arange(count * 64, dtype=np.uint16) * 3 + 1
+    out = np.zeros(32 * 4, np.uint32)
+    mod.get_function(f"ldmatrix<{count}, {'true' if trans else 'false'}>")(1, 32, (tiles, out))
+    got = out.reshape(32, 4)[:, :count]
+    m = tiles.reshape(count, 8, 8)
+    want = np.zeros((32, count), np.uint32)
+    for lane in range(32):
+        for k in range(count):
+            mat = m[k].T if trans else m[k]
+            row, col = lane // 4, 2 * (lane % 4)
+            want[lane, k] = int(mat[row, col]) | int(mat[row, col + 1]) << 16
+    check_or_expect_failure(wrong, lambda: np.testing.assert_array_equal(got, want))
+
+
+@pytest.mark.parametrize("waits", [0, 1, 2])
+def test_cp_async_lands_only_after_its_wait(waits):
+    mod = module("primitives.cu")
+    x = np.random.default_rng(5).standard_normal(64 * 4).astype(np.float32)
+    out = np.zeros_like(x)
+    mod.get_function("copy_async")(1, 32, (x, out, I32(waits)), shared_mem=64 * 16)
+    first, second = out[:128], out[128:]
+    if waits == 2:
+        assert np.isnan(out).all()
+    else:
+        np.testing.assert_array_equal(first, x[:128])
+        assert np.isnan(second).all() if waits == 1 else np.array_equal(second, x[128:])
+
+
+def test_ex2():
+    mod = module("primitives.cu")
+    x = np.array([-np.inf, -126.5, -1, 0, 0.5, 3.25, 20] + [0] * 25, np.float32)
+    y = np.zeros(32, np.float32)
+    mod.get_function("ex2")(1, 32, (x, y))
+    np.testing.assert_allclose(y, np.exp2(x), rtol=1e-6)
+
+
+# ---- AddressSanitizer -----------------------------------------------------------------------
+
+def test_address_sanitizer_catches_out_of_bounds_write():
+    libasan = subprocess.run(["g++", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    script = textwrap.dedent(f"""
+        import numpy as np
+        from cupy_attn.emulator import RawModule
+        mod = RawModule(open({str(HERE / 'basics.cu')!r}).read(), sanitize=True)
+        out = np.zeros(4096, np.float32)
+        mod.get_function("oob_write")(1, 32, (out, np.int32(4096 - 8)))
+        print("NOT CAUGHT")
+    """)
+    env = dict(os.environ, LD_PRELOAD=libasan, ASAN_OPTIONS="detect_leaks=0")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert "NOT CAUGHT" not in result.stdout
+    assert "heap-buffer-overflow" in result.stderr, result.stderr[-3000:]
+
+
+def test_sanitize_without_runtime_is_a_clear_error():
+    with pytest.raises(EmulatorError, match="LD_PRELOAD"):
+        RawModule((HERE / "basics.cu").read_text(), sanitize=True).get_function("oob_write")
