@@ -1,8 +1,9 @@
 """Backend selection and availability, in one place.
 
-"numpy" runs everywhere. "cuda" (the run-time-compiled kernels on CuPy arrays) and "emulator"
-(the same kernels compiled for the CPU) arrive with later milestones; asking for them now raises
-`BackendUnavailableError` with the reason, never a silent fallback.
+"numpy" runs everywhere; "cuda" runs the run-time-compiled kernels on CuPy arrays when CuPy
+reaches a GPU; "emulator" runs the same kernels on NumPy arrays through cupy_attn.emulator when a
+C++ compiler is present. A backend that cannot run raises `BackendUnavailableError` with the
+reason, never a silent fallback.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import importlib.util
 
 import numpy as np
 
-from . import _numpy_backend
+from . import _kernel_backend, _numpy_backend, emulator
 
 
 class BackendUnavailableError(RuntimeError):
@@ -34,13 +35,10 @@ def cuda_status() -> tuple[bool, str]:
 
 def available() -> dict[str, tuple[bool, str]]:
     """Every backend name -> (usable now, reason)."""
-    gpu, why = cuda_status()
-    not_built = "the CUDA kernels are not part of this release yet"
     return {
         "numpy": (True, "always available"),
-        "cuda": (False, not_built + ("" if gpu else f"; also {why}")),
-        "emulator": (False, "the attention kernels it would run are not part of this release yet "
-                             "(cupy_attn.emulator.RawModule itself is usable)"),
+        "cuda": cuda_status(),
+        "emulator": emulator.available(),
     }
 
 
@@ -53,17 +51,21 @@ def select(problem) -> str:
     if not usable:
         where = "NumPy" if problem.xp is np else "CuPy"
         raise BackendUnavailableError(f"backend {name!r} cannot run {where} inputs here: {why}")
-    if name == "numpy" and problem.xp is not np:
+    if name in ("numpy", "emulator") and problem.xp is not np:
         raise BackendUnavailableError(
-            "backend 'numpy' needs NumPy arrays; move CuPy inputs to the host with .get() first"
+            f"backend {name!r} needs NumPy arrays; move CuPy inputs to the host with .get() first"
         )
+    if name == "cuda" and problem.xp is np:
+        raise BackendUnavailableError("backend 'cuda' needs CuPy arrays; move NumPy inputs with cupy.asarray() first")
+    if name != "numpy":
+        _kernel_backend.check_supported(problem, name)
     return name
 
 
 def forward(name: str, problem, q, k, v):
     if name == "numpy":
         return _numpy_backend.forward(problem, q, k, v)
-    raise AssertionError(name)
+    return _kernel_backend.forward(problem, q, k, v, target=name)
 
 
 def backward(name: str, problem, dout, q, k, v, out, lse):

@@ -1,0 +1,54 @@
+"""Building kernels from kernels/*.cu for the GPU (cupy.RawModule) or the CPU (the emulator).
+
+Local headers are inlined (with #line) so CuPy's cache key, a hash of the source string, covers
+every header. One module per kernel variant, compiled on first use and memoised per device; the
+first compile of a variant is logged at INFO level with its duration, later processes hit CuPy's
+(or the emulator's) disk cache.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from functools import lru_cache
+
+from . import _paths
+from ._source import inline_local_includes
+
+log = logging.getLogger("cupy_attn")
+
+NVRTC_OPTIONS = ("-std=c++17",)
+
+
+@lru_cache(maxsize=None)
+def kernel_source(filename: str) -> str:
+    path = _paths.kernel_dir() / filename
+    return inline_local_includes(path.read_text(), [_paths.kernel_dir()], origin=str(path))
+
+
+def _device_id() -> int:
+    import cupy
+
+    return cupy.cuda.Device().id
+
+
+@lru_cache(maxsize=None)
+def _function(target: str, filename: str, name_expression: str, device: int):
+    code = kernel_source(filename)
+    start = time.perf_counter()
+    if target == "cuda":
+        import cupy
+
+        module = cupy.RawModule(code=code, options=NVRTC_OPTIONS, name_expressions=[name_expression])
+    else:
+        from .emulator import RawModule
+
+        module = RawModule(code=code, name_expressions=[name_expression])
+    function = module.get_function(name_expression)
+    log.info("compiled %s for %s in %.2f s", name_expression, target if target == "emulator" else f"GPU {device}",
+             time.perf_counter() - start)
+    return function
+
+
+def function(target: str, filename: str, name_expression: str):
+    """The kernel ``name_expression`` of ``kernels/filename`` for "cuda" or "emulator"."""
+    return _function(target, filename, name_expression, _device_id() if target == "cuda" else -1)

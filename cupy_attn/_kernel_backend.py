@@ -1,0 +1,100 @@
+"""Running kernels/*.cu: "cuda" on CuPy arrays, "emulator" on NumPy arrays, one launcher for both.
+
+The launcher turns a validated `Problem` into a grid, a block, the dynamic shared memory size and
+explicitly typed scalar arguments (numpy.int32 / int64 / float32: a Python int would be passed as
+8 bytes whatever the kernel expects).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _compile, _config
+from ._problem import Problem
+
+I32, I64, F32 = np.int32, np.int64, np.float32
+
+# The emulator's thread schedule between synchronisation points; tests vary it.
+EMULATOR_SCHEDULE = "forward"
+# Fill outputs with NaN before launching, so elements a kernel fails to write show; tests set it.
+POISON_OUTPUTS = False
+
+_CAUSAL = {None: 0, "bottom_right": 1, "top_left": 2}
+_MAX_GRID_YZ = 65535
+
+
+def check_supported(problem: Problem, target: str) -> None:
+    if problem.dtype == np.float64:
+        raise TypeError(f"float64 inputs run on the NumPy backend only; backend {target!r} takes float16, bfloat16 or float32")
+    _config.forward_tile(problem.head_dim, problem.head_dim_v)  # raises for D > 256
+    if problem.heads > _MAX_GRID_YZ or problem.batch > _MAX_GRID_YZ:
+        raise ValueError(f"at most {_MAX_GRID_YZ} heads and batch entries per call, got H = {problem.heads}, B = {problem.batch}")
+
+
+def _last_dim_contiguous(xp, x):
+    """The kernels need unit stride on the last axis; anything else is copied once."""
+    return x if x.shape[-1] <= 1 or x.strides[-1] == x.itemsize else xp.ascontiguousarray(x)
+
+
+def _bhs_strides(problem: Problem, x) -> list:
+    """(batch, head, row) strides in elements, whatever the layout."""
+    s = [st // x.itemsize for st in x.strides]
+    return [I64(s[0]), I64(s[1]), I64(s[2])] if problem.layout == "bhsd" else [I64(s[0]), I64(s[2]), I64(s[1])]
+
+
+def _mask_arguments(problem: Problem):
+    """(mask array, 4 element strides with 0 on broadcast axes, kind) for the kernel."""
+    xp, mask = problem.xp, problem.mask
+    if mask is None:
+        return xp.zeros(1, dtype=np.uint8), [I64(0)] * 4, I32(0)
+    if mask.dtype == np.bool_:
+        kind = 1
+    else:
+        kind = 2
+        mask = mask.astype(np.float32, copy=False)  # keeps the mask's own (broadcastable) shape
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    strides = [I64(0 if n == 1 else st // mask.itemsize) for n, st in zip(mask.shape, mask.strides)]
+    return mask, strides, I32(kind)
+
+
+def _lengths(problem: Problem, lengths, full: int):
+    xp = problem.xp
+    if lengths is None:
+        return xp.full(problem.batch, full, dtype=np.int32)
+    return xp.ascontiguousarray(lengths, dtype=np.int32)
+
+
+def _launch(target: str, fn, grid, block, args, shared_bytes: int):
+    if shared_bytes > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_bytes:
+        fn.max_dynamic_shared_size_bytes = shared_bytes
+    if target == "emulator":
+        fn(grid, block, args, shared_mem=shared_bytes, schedule=EMULATOR_SCHEDULE)
+    else:
+        fn(grid, block, args, shared_mem=shared_bytes)
+
+
+def forward(problem: Problem, q, k, v, *, target: str):
+    p, xp = problem, problem.xp
+    check_supported(p, target)
+    tile = _config.forward_tile(p.head_dim, p.head_dim_v)
+    q, k, v = (_last_dim_contiguous(xp, x) for x in (q, k, v))
+    out = (xp.full if POISON_OUTPUTS else xp.empty)(p.out_shape, dtype=p.dtype, **({"fill_value": np.nan} if POISON_OUTPUTS else {}))
+    lse = xp.full(p.lse_shape, np.nan, dtype=np.float32) if POISON_OUTPUTS else xp.empty(p.lse_shape, dtype=np.float32)
+    if p.batch * p.heads * p.seq_q == 0:
+        return out, lse
+    mask, mask_strides, mask_kind = _mask_arguments(p)
+    slopes = xp.zeros(1, np.float32) if p.alibi_slopes is None else xp.ascontiguousarray(p.alibi_slopes, dtype=np.float32)
+    left, right = p.window if p.window is not None else (None, None)
+    args = (
+        q, k, v, out, lse,
+        _lengths(p, p.q_lengths, p.seq_q), _lengths(p, p.kv_lengths, p.seq_k), slopes, mask,
+        I32(p.heads), I32(p.groups), I32(p.seq_q), I32(p.seq_k), I32(p.head_dim), I32(p.head_dim_v),
+        *_bhs_strides(p, q), *_bhs_strides(p, k), *_bhs_strides(p, v), *_bhs_strides(p, out),
+        *mask_strides, mask_kind,
+        I32(_CAUSAL[p.causal]), I32(-1 if left is None else left), I32(-1 if right is None else right),
+        I32(p.alibi_slopes is not None), F32(p.scale), F32(p.softcap or 0.0),
+    )
+    grid = ((p.seq_q + tile.block_m - 1) // tile.block_m, p.heads, p.batch)
+    block = (_config.FWD_THREADS,)
+    fn = _compile.function(target, "attention_fwd.cu", tile.name_expression(p.dtype))
+    _launch(target, fn, grid, block, args, tile.shared_bytes)
+    return out, lse

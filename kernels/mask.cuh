@@ -1,0 +1,50 @@
+// Scores in base-2 units, with every feature applied element by element:
+//   s = q·k·scale;  softcap c: s = c·tanh(s / c);  s -= slope·|i + off - j|;  s += float mask;
+//   -inf where the bool mask, causal, window or lengths remove the key.
+#pragma once
+#include "block_info.cuh"
+#include "numeric.cuh"
+
+namespace attn {
+
+struct ScoreTransform {
+    float scale_log2;      // scale · log2 e (no softcap)
+    float scale_over_cap;  // scale / c
+    float cap_log2;        // c · log2 e
+    float slope_log2;      // ALiBi slope of this (batch, head) · log2 e
+    bool softcap;
+
+    __device__ __forceinline__ ScoreTransform(const Params& p, const BlockInfo& b) {
+        softcap = p.softcap > 0.f;
+        scale_log2 = p.scale * kLog2e;
+        scale_over_cap = softcap ? p.scale / p.softcap : 0.f;
+        cap_log2 = p.softcap * kLog2e;
+        slope_log2 = p.has_alibi ? p.alibi_slopes[b.bidb * p.heads + b.bidh] * kLog2e : 0.f;
+    }
+
+    // qk = q·k for query row i and key j (global indices); returns the base-2 score or -inf.
+    __device__ __forceinline__ float operator()(const Params& p, const BlockInfo& b, float qk, int i, int j,
+                                                bool check_structure) const {
+        if (check_structure) {
+            int diag = i + b.diag_offset;
+            bool keep = i < b.q_len && j < b.kv_len;
+            if (p.causal) keep = keep && j <= diag;
+            if (p.window_left >= 0) keep = keep && j >= diag - p.window_left;
+            if (p.window_right >= 0) keep = keep && j <= diag + p.window_right;
+            if (!keep) return -infinity();
+        }
+        float s = softcap ? cap_log2 * tanhf(qk * scale_over_cap) : qk * scale_log2;
+        if (p.has_alibi) s -= slope_log2 * fabsf(static_cast<float>(i + b.diag_offset - j));
+        if (p.mask_kind != kMaskNone) {
+            long long at = b.bidb * p.mask_stride_b + b.bidh * p.mask_stride_h + i * p.mask_stride_q + j * p.mask_stride_k;
+            if (p.mask_kind == kMaskBool) {
+                if (!static_cast<const unsigned char*>(p.mask)[at]) return -infinity();
+            } else {
+                s += static_cast<const float*>(p.mask)[at] * kLog2e;  // -inf stays -inf
+            }
+        }
+        return s;
+    }
+};
+
+}  // namespace attn

@@ -1,0 +1,55 @@
+// Online softmax over key tiles, in base 2, for a row whose columns are spread over kLanes
+// consecutive lanes of a warp (row statistics need only shuffles within those lanes).
+#pragma once
+#include "numeric.cuh"
+
+namespace attn {
+
+template <int kLanes>
+__device__ __forceinline__ float row_reduce_max(float x) {
+    for (int offset = kLanes / 2; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    return x;
+}
+
+template <int kLanes>
+__device__ __forceinline__ float row_reduce_sum(float x) {
+    for (int offset = kLanes / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+    return x;
+}
+
+template <int kLanes>
+struct OnlineSoftmax {
+    float row_max = -infinity();  // running max of the base-2 scores seen so far
+    float row_sum = 0.f;          // running sum of exp2(score - row_max)
+
+    // Turn this lane's kCols scores of the current tile into probabilities (in place) relative
+    // to the new running max; return the factor by which earlier accumulators must be scaled.
+    template <int kCols>
+    __device__ __forceinline__ float update(float (&s)[kCols]) {
+        float tile_max = -infinity();
+        for (int c = 0; c < kCols; ++c) tile_max = fmaxf(tile_max, s[c]);
+        float new_max = fmaxf(row_max, row_reduce_max<kLanes>(tile_max));
+        // A row that has seen only masked keys has max -inf: shift by 0 instead, or
+        // exp2(-inf - -inf) = NaN. Its probabilities are exp2(-inf) = 0 either way.
+        float shift = new_max == -infinity() ? 0.f : new_max;
+        float tile_sum = 0.f;
+        for (int c = 0; c < kCols; ++c) {
+            s[c] = exp2f(s[c] - shift);
+            tile_sum += s[c];
+        }
+        float rescale = exp2f(row_max - shift);  // 0 when row_max is -inf
+        row_sum = row_sum * rescale + row_reduce_sum<kLanes>(tile_sum);
+        row_max = new_max;
+        return rescale;
+    }
+
+    // 1 / row_sum, or 0 for a row that attended nothing (its output is 0, never 0/0 = NaN).
+    __device__ __forceinline__ float inverse_sum() const { return row_sum > 0.f ? 1.f / row_sum : 0.f; }
+
+    // Natural-log logsumexp of the row's scores; -inf for a row that attended nothing.
+    __device__ __forceinline__ float lse() const {
+        return row_sum > 0.f ? (row_max + log2f(row_sum)) * kLn2 : -infinity();
+    }
+};
+
+}  // namespace attn

@@ -1,0 +1,139 @@
+"""The CUDA forward kernel, run on the CPU by the emulator, against the float64 reference.
+
+Outputs are poisoned with NaN before every launch, so an element the kernel fails to write shows.
+"""
+import numpy as np
+import pytest
+
+import cupy_attn
+from cupy_attn import _compile, _kernel_backend, reference
+from helpers import BF16, assert_close, random_qkv
+from test_forward import FEATURES, feature_keywords
+
+KERNEL_DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BF16]
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    monkeypatch.setattr(_kernel_backend, "POISON_OUTPUTS", True)
+
+
+@pytest.fixture(params=["forward", "random"])
+def schedule(request, monkeypatch):
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", request.param)
+    return request.param
+
+
+def check(q, k, v, dtype, **kw):
+    out, lse = cupy_attn.attention(q, k, v, backend="emulator", return_lse=True, **kw)
+    want_out, want_lse = reference.attention(q, k, v, **kw)
+    assert out.dtype == dtype and lse.dtype == np.float32
+    assert_close(out, want_out, dtype, what="out")
+    assert_close(lse, want_lse, dtype, what="lse")
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("d,dv", [(16, 16), (40, 40), (64, 64), (80, 80), (96, 96), (128, 128), (256, 256),
+                                  (1, 1), (7, 33), (200, 72), (64, 128), (130, 3)])
+def test_head_dims(schedule, dtype, d, dv):
+    rng = np.random.default_rng(d * 1000 + dv)
+    q, k, v = random_qkv(rng, b=2, h=2, hkv=1, sq=37, sk=70, d=d, dv=dv, dtype=dtype)
+    check(q, k, v, dtype, causal=True)
+
+
+@pytest.mark.parametrize("sq,sk", [(1, 1), (1, 203), (7, 7), (113, 203), (203, 113), (64, 64), (65, 129), (257, 31)])
+@pytest.mark.parametrize("causal", [False, True, "top_left"])
+def test_sequence_lengths(schedule, sq, sk, causal):
+    rng = np.random.default_rng(sq * 7 + sk)
+    q, k, v = random_qkv(rng, b=2, h=2, sq=sq, sk=sk, d=64)
+    check(q, k, v, np.float32, causal=causal)
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=str)
+def test_features(feature, layout, dtype):
+    rng = np.random.default_rng(len(feature) * 31 + len(layout))
+    q, k, v = random_qkv(rng, b=3, h=4, hkv=2, sq=113, sk=203, d=40, dv=24, dtype=dtype, layout=layout)
+    check(q, k, v, dtype, layout=layout, **feature_keywords(feature, rng))
+
+
+@pytest.mark.parametrize("feature", ["everything", "lengths_causal", "bool_mask"])
+def test_features_random_schedule(monkeypatch, feature):
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", "random")
+    rng = np.random.default_rng(5)
+    q, k, v = random_qkv(rng, b=3, h=4, hkv=1, sq=113, sk=203, d=72, dv=56, dtype=np.float16)
+    check(q, k, v, np.float16, **feature_keywords(feature, rng))
+
+
+def test_non_contiguous_inputs():
+    rng = np.random.default_rng(9)
+    q, k, v = random_qkv(rng, b=2, h=4, hkv=2, sq=64, sk=226, d=32)
+    # bshd views of bhsd storage, every other key, and a last axis that is not contiguous (copied once)
+    qv = q.transpose(0, 2, 1, 3)
+    kv_ = k[:, :, ::2].transpose(0, 2, 1, 3)
+    vv = np.asfortranarray(v[:, :, ::2]).transpose(0, 2, 1, 3)
+    check(qv, kv_, vv, np.float32, layout="bshd", causal=True)
+
+
+def test_fully_masked_rows_give_zero():
+    rng = np.random.default_rng(11)
+    q, k, v = random_qkv(rng, b=2, sq=90, sk=40, d=16, dtype=np.float16)
+    mask = np.ones((2, 1, 90, 40), bool)
+    mask[1, :, 70:] = False
+    out, lse = check(q, k, v, np.float16, causal=True, q_lengths=[80, 90], mask=mask)
+    assert (out[0, :, :40] == 0).all() and (lse[0, :, :40] == -np.inf).all()  # causal, q_len 80 > Sk 40
+    assert (out[0, :, 80:] == 0).all() and (out[1, :, 70:] == 0).all()
+    assert not np.isnan(out.astype(np.float32)).any()
+
+
+def test_broadcast_masks_are_read_in_place():
+    rng = np.random.default_rng(12)
+    q, k, v = random_qkv(rng, b=3, h=4, sq=33, sk=77, d=16)
+    for mask in (rng.random((3, 1, 1, 77)) < 0.8, rng.standard_normal((33, 1)).astype(np.float32),
+                 np.broadcast_to(rng.random((1, 4, 1, 77)) < 0.5, (3, 4, 33, 77))):
+        check(q, k, v, np.float32, mask=mask)
+
+
+def test_float64_is_refused():
+    q, k, v = random_qkv(np.random.default_rng(0), dtype=np.float64)
+    with pytest.raises(TypeError, match="float64 inputs run on the NumPy backend only"):
+        cupy_attn.attention(q, k, v, backend="emulator")
+
+
+def test_head_dim_above_256_is_refused():
+    q, k, v = random_qkv(np.random.default_rng(0), d=264)
+    with pytest.raises(ValueError, match="head dims up to 256"):
+        cupy_attn.attention(q, k, v, backend="emulator")
+
+
+# ---- barrier mutations: every barrier of the forward kernel is needed -------------------------
+
+BARRIERS = ("__syncthreads();", "__syncwarp();")
+
+
+def barrier_sites(source):
+    return [(i, b) for b in BARRIERS for i in range(len(source)) if source.startswith(b, i)]
+
+
+@pytest.mark.parametrize("site", range(len(barrier_sites(_compile.kernel_source("attention_fwd.cu")))))
+def test_removing_any_barrier_breaks_the_kernel(monkeypatch, site):
+    source = _compile.kernel_source("attention_fwd.cu")
+    at, barrier = barrier_sites(source)[site]
+    mutated = source[:at] + source[at + len(barrier):]
+    from cupy_attn.emulator import RawModule
+
+    def mutated_function(target, filename, name_expression):
+        return RawModule(mutated, name_expressions=[name_expression]).get_function(name_expression)
+
+    monkeypatch.setattr(_compile, "function", mutated_function)
+    rng = np.random.default_rng(13)
+    q, k, v = random_qkv(rng, b=1, h=2, sq=64, sk=200, d=32)
+    want, _ = reference.attention(q, k, v)
+    failures = 0
+    for schedule in ("forward", "reverse", "random"):
+        monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", schedule)
+        out = cupy_attn.attention(q, k, v, backend="emulator")
+        failures += not np.allclose(out, want, atol=1e-4, equal_nan=False)
+    assert failures, f"removing {barrier} at offset {at} changed nothing in any schedule"
