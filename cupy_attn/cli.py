@@ -1,10 +1,13 @@
-"""``python -m cupy_attn {info,demo}``."""
+"""``python -m cupy_attn {info,demo,kernels}``."""
 from __future__ import annotations
 
 import argparse
+import json
 import platform
+import re
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -99,6 +102,36 @@ def demo(args) -> int:
     return 1 if failures else 0
 
 
+def kernels(args) -> int:
+    from . import _compile, _config, _nvrtc
+
+    rows = []
+    for arch in args.arch:
+        for dtype, tile in _config.forward_variants():
+            name = tile.name_expression(dtype)
+            c = _nvrtc.compile_kernel(_compile.kernel_source("attention_fwd.cu"), name, arch, _compile.NVRTC_OPTIONS)
+            rows.append({"name": name, "dtype": str(dtype), "arch": arch, "registers": c.registers,
+                         "spill_stores": c.spill_stores, "spill_loads": c.spill_loads,
+                         "static_shared_bytes": c.static_shared_bytes, "dynamic_shared_bytes": tile.shared_bytes,
+                         "compile_seconds": round(c.compile_seconds, 3)})
+            if args.ptx_dir:
+                args.ptx_dir.mkdir(parents=True, exist_ok=True)
+                stem = "_".join(re.findall(r"\w+", name))
+                (args.ptx_dir / f"{stem}_{dtype}_{arch}.ptx").write_text(c.ptx)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(f"NVRTC {_nvrtc.version()}")
+        print(f"{'kernel':<52} {'arch':<7} {'regs':>4} {'spill st':>8} {'spill ld':>8} {'static smem':>11} {'dyn smem':>8} {'s':>6}")
+        for r in rows:
+            print(f"{r['name']:<52} {r['arch']:<7} {r['registers']:>4} {r['spill_stores']:>8} {r['spill_loads']:>8} "
+                  f"{r['static_shared_bytes']:>11} {r['dynamic_shared_bytes']:>8} {r['compile_seconds']:>6.2f}")
+    spills = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
+    if spills:
+        print(f"{len(spills)} variant(s) spill registers", file=sys.stderr)
+    return 1 if spills else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cupy_attn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -107,6 +140,11 @@ def main(argv=None) -> int:
     d.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(run=demo)
+    k = sub.add_parser("kernels", help="compile every kernel variant with NVRTC (no GPU needed): registers, spills, shared memory")
+    k.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"], choices=("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a"))
+    k.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    k.add_argument("--ptx-dir", type=Path, help="write each variant's PTX here")
+    k.set_defaults(run=kernels)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -1,0 +1,109 @@
+"""NVRTC through ctypes, without CuPy or a GPU: the compile report's engine.
+
+libnvrtc and the CUDA headers come from the `nvidia-cuda-nvrtc` and `nvidia-cuda-runtime` wheels
+(the test extra installs them), from $CUDA_PATH, or from /usr/local/cuda. ptxas's verbose output
+(`--ptxas-options=-v`) gives registers, spills and static shared memory per kernel.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+
+class NvrtcError(RuntimeError):
+    """NVRTC is missing or rejected a kernel."""
+
+
+def _roots() -> list[Path]:
+    roots = [Path(p) / "nvidia" for p in sys.path if (Path(p) / "nvidia").is_dir()]
+    cuda = os.environ.get("CUDA_PATH")
+    return roots + ([Path(cuda)] if cuda else []) + [Path("/usr/local/cuda")]
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL:
+    patterns = ["cu1*/lib/libnvrtc.so.*", "cuda_nvrtc/lib/libnvrtc.so.*", "lib64/libnvrtc.so*"]
+    for root in _roots():
+        for pattern in patterns:
+            for path in sorted(glob.glob(str(root / pattern)), reverse=True):
+                if "builtins" not in path and "alt" not in path:
+                    return ctypes.CDLL(path)
+    raise NvrtcError("libnvrtc not found: pip install nvidia-cuda-nvrtc nvidia-cuda-runtime (or set CUDA_PATH)")
+
+
+@lru_cache(maxsize=1)
+def include_dir() -> Path:
+    for root in _roots():
+        for candidate in [*sorted(root.glob("cu1*/include")), root / "cuda_runtime/include", root / "include"]:
+            if (candidate / "cuda_fp16.h").is_file():
+                return candidate
+    raise NvrtcError("CUDA headers (cuda_fp16.h) not found: pip install nvidia-cuda-runtime (or set CUDA_PATH)")
+
+
+def version() -> str:
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    library().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return f"{major.value}.{minor.value}"
+
+
+@dataclass
+class Compiled:
+    name: str
+    arch: str
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    static_shared_bytes: int
+    compile_seconds: float
+    ptx: str
+    log: str
+
+
+def _ptxas_number(pattern: str, log: str) -> int:
+    match = re.search(pattern, log)
+    return int(match.group(1)) if match else 0
+
+
+def compile_kernel(code: str, name_expression: str, arch: str, options=()) -> Compiled:
+    """Compile one kernel (a name expression) for ``arch`` (sm_80, sm_90, sm_90a, ...)."""
+    lib = library()
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), code.encode(), b"kernel.cu", 0, None, None):
+        raise NvrtcError("nvrtcCreateProgram failed")
+    try:
+        lib.nvrtcAddNameExpression(prog, name_expression.encode())
+        opts = [f"-arch={arch}", f"-I{include_dir()}", "--ptxas-options=-v", *options]
+        argv = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        start = time.perf_counter()
+        status = lib.nvrtcCompileProgram(prog, len(opts), argv)
+        seconds = time.perf_counter() - start
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, buf)
+        log = buf.value.decode(errors="replace")
+        if status:
+            raise NvrtcError(f"NVRTC could not compile {name_expression} for {arch}:\n{log}")
+        lowered = ctypes.c_char_p()
+        lib.nvrtcGetLoweredName(prog, name_expression.encode(), ctypes.byref(lowered))
+        lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        ptx = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetPTX(prog, ptx)
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    # ptxas reports per entry function; this program holds exactly one.
+    return Compiled(
+        name=name_expression, arch=arch,
+        registers=_ptxas_number(r"Used (\d+) registers", log),
+        spill_stores=_ptxas_number(r"(\d+) bytes spill stores", log),
+        spill_loads=_ptxas_number(r"(\d+) bytes spill loads", log),
+        static_shared_bytes=_ptxas_number(r"(\d+) bytes smem", log),
+        compile_seconds=seconds, ptx=ptx.value.decode(), log=log,
+    )
