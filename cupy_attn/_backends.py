@@ -68,7 +68,7 @@ def forward(name: str, problem, q, k, v):
     return _kernel_backend.forward(problem, q, k, v, target=name)
 
 
-def backward(name: str, problem, dout, q, k, v, out, lse):
-    if name == "numpy":
+def backward(name: str, problem, dout, q, k, v, out, lse, deterministic: bool):
+    if name == "numpy":  # always deterministic: no atomics, a fixed summation order
         return _numpy_backend.backward(problem, dout, q, k, v, out, lse)
-    raise AssertionError(name)
+    return _kernel_backend.backward(problem, dout, q, k, v, out, lse, target=name, deterministic=deterministic)

@@ -16,7 +16,7 @@ from ._arrays import BFLOAT16
 # C++ spellings of the storage types the kernels are instantiated for.
 CTYPES = {np.dtype(np.float16): "__half", BFLOAT16: "__nv_bfloat16", np.dtype(np.float32): "float"}
 
-FWD_THREADS = 128  # 4 warps; must match attn::kFwdThreads in kernels/attention_fwd.cu
+THREADS = 128  # per block, every kernel; must match attn::kThreads in kernels/tile_io.cuh
 
 
 @dataclass(frozen=True)
@@ -52,9 +52,60 @@ FORWARD_TILES = (
 MAX_HEAD_DIM = FORWARD_TILES[-1].head_dim
 
 
-def forward_tile(head_dim: int, head_dim_v: int) -> ForwardTile:
+@dataclass(frozen=True)
+class BackwardTile:
+    """Backward configurations for head dims (D and Dv) up to ``head_dim``.
+
+    The dK/dV kernel holds ``block_n`` keys and visits ``block_m`` query rows at a time; the
+    deterministic dQ kernel is laid out like the forward (``dq_block_m`` rows on
+    ``dq_lanes_per_row`` lanes each, ``dq_block_n`` keys per tile).
+    """
+
+    head_dim: int
+    block_m: int
+    block_n: int
+    dq_block_m: int
+    dq_block_n: int
+    dq_lanes_per_row: int
+    reason: str
+
+    @property
+    def dkdv_shared_bytes(self) -> int:
+        """Q, dO (block_m, D) + K, V (block_n, D + 1) + P, dS (block_m, block_n) + lse, delta (block_m)."""
+        d, m, n = self.head_dim, self.block_m, self.block_n
+        return 4 * (2 * m * d + 2 * n * (d + 1) + 2 * m * n + 2 * m)
+
+    @property
+    def dq_shared_bytes(self) -> int:
+        """Q, dO (m, D) + K, V (n, D + 1) + dS (m, n) + lse, delta (m), for the dQ kernel's m, n."""
+        d, m, n = self.head_dim, self.dq_block_m, self.dq_block_n
+        return 4 * (2 * m * d + 2 * n * (d + 1) + m * n + 2 * m)
+
+    def dkdv_name(self, dtype) -> str:
+        return f"attention_bwd_dkdv<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_m}, {self.block_n}>"
+
+    def dq_name(self, dtype) -> str:
+        return (f"attention_bwd_dq<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.dq_block_m}, "
+                f"{self.dq_block_n}, {self.dq_lanes_per_row}>")
+
+
+def preprocess_name(dtype) -> str:
+    return f"attention_bwd_preprocess<{CTYPES[np.dtype(dtype)]}>"
+
+
+# dK/dV: 128 threads hold a (block_n, D) dK and dV, D·block_n/128 <= 32 floats each per thread;
+# every entry fits sm_86's 99 KB of shared memory.
+BACKWARD_TILES = (
+    BackwardTile(32, 64, 64, 64, 64, 2, "16 + 16 dK/dV accumulators per thread; 65 KB / 48 KB shared"),
+    BackwardTile(64, 64, 64, 64, 64, 2, "32 + 32 dK/dV accumulators per thread; 97 KB / 81 KB shared"),
+    BackwardTile(128, 32, 32, 32, 32, 4, "32 + 32 dK/dV accumulators per thread; 72 KB / 68 KB shared"),
+    BackwardTile(256, 16, 16, 16, 16, 8, "32 + 32 dK/dV accumulators per thread; 66 KB / 65 KB shared"),
+)
+
+
+def _pick(tiles, head_dim: int, head_dim_v: int):
     need = max(head_dim, head_dim_v)
-    for tile in FORWARD_TILES:
+    for tile in tiles:
         if need <= tile.head_dim:
             return tile
     raise ValueError(
@@ -63,6 +114,20 @@ def forward_tile(head_dim: int, head_dim_v: int) -> ForwardTile:
     )
 
 
-def forward_variants():
-    """Every (dtype, tile) the table can select: what the compile report builds."""
-    return [(dtype, tile) for tile in FORWARD_TILES for dtype in CTYPES]
+def forward_tile(head_dim: int, head_dim_v: int) -> ForwardTile:
+    return _pick(FORWARD_TILES, head_dim, head_dim_v)
+
+
+def backward_tile(head_dim: int, head_dim_v: int) -> BackwardTile:
+    return _pick(BACKWARD_TILES, head_dim, head_dim_v)
+
+
+def kernel_variants():
+    """Every (file, name expression, dtype) the table can select: what the compile report builds."""
+    variants = []
+    for dtype in CTYPES:
+        variants += [("attention_fwd.cu", tile.name_expression(dtype), dtype) for tile in FORWARD_TILES]
+        variants.append(("attention_bwd.cu", preprocess_name(dtype), dtype))
+        for tile in BACKWARD_TILES:
+            variants += [("attention_bwd.cu", tile.dkdv_name(dtype), dtype), ("attention_bwd.cu", tile.dq_name(dtype), dtype)]
+    return variants

@@ -63,13 +63,43 @@ def _lengths(problem: Problem, lengths, full: int):
     return xp.ascontiguousarray(lengths, dtype=np.int32)
 
 
-def _launch(target: str, fn, grid, block, args, shared_bytes: int):
+def _launch(target: str, filename: str, name: str, grid, args, shared_bytes: int = 0):
+    if 0 in grid:
+        return  # nothing to compute (an empty batch, head or sequence axis)
+    fn = _compile.function(target, filename, name)
     if shared_bytes > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_bytes:
         fn.max_dynamic_shared_size_bytes = shared_bytes
+    block = (_config.THREADS,)
     if target == "emulator":
         fn(grid, block, args, shared_mem=shared_bytes, schedule=EMULATOR_SCHEDULE)
     else:
         fn(grid, block, args, shared_mem=shared_bytes)
+
+
+def _empty(xp, shape, dtype):
+    """An output buffer; NaN-filled when POISON_OUTPUTS so unwritten elements show."""
+    return xp.full(shape, np.nan, dtype=dtype) if POISON_OUTPUTS else xp.empty(shape, dtype=dtype)
+
+
+def _common_args(problem: Problem, q, k, v, fourth) -> tuple:
+    """ATTN_PARAMS (kernels/block_info.cuh): everything after a kernel's own pointers. ``fourth``
+    is out in the forward and dout in the backward."""
+    p = problem
+    mask, mask_strides, mask_kind = _mask_arguments(p)
+    slopes = p.xp.zeros(1, np.float32) if p.alibi_slopes is None else p.xp.ascontiguousarray(p.alibi_slopes, dtype=np.float32)
+    left, right = p.window if p.window is not None else (None, None)
+    return (
+        _lengths(p, p.q_lengths, p.seq_q), _lengths(p, p.kv_lengths, p.seq_k), slopes, mask,
+        I32(p.heads), I32(p.groups), I32(p.seq_q), I32(p.seq_k), I32(p.head_dim), I32(p.head_dim_v),
+        *_bhs_strides(p, q), *_bhs_strides(p, k), *_bhs_strides(p, v), *_bhs_strides(p, fourth),
+        *mask_strides, mask_kind,
+        I32(_CAUSAL[p.causal]), I32(-1 if left is None else left), I32(-1 if right is None else right),
+        I32(p.alibi_slopes is not None), F32(p.scale), F32(p.softcap or 0.0),
+    )
+
+
+def _blocks(n: int, per_block: int) -> int:
+    return (n + per_block - 1) // per_block
 
 
 def forward(problem: Problem, q, k, v, *, target: str):
@@ -77,24 +107,46 @@ def forward(problem: Problem, q, k, v, *, target: str):
     check_supported(p, target)
     tile = _config.forward_tile(p.head_dim, p.head_dim_v)
     q, k, v = (_last_dim_contiguous(xp, x) for x in (q, k, v))
-    out = (xp.full if POISON_OUTPUTS else xp.empty)(p.out_shape, dtype=p.dtype, **({"fill_value": np.nan} if POISON_OUTPUTS else {}))
-    lse = xp.full(p.lse_shape, np.nan, dtype=np.float32) if POISON_OUTPUTS else xp.empty(p.lse_shape, dtype=np.float32)
-    if p.batch * p.heads * p.seq_q == 0:
-        return out, lse
-    mask, mask_strides, mask_kind = _mask_arguments(p)
-    slopes = xp.zeros(1, np.float32) if p.alibi_slopes is None else xp.ascontiguousarray(p.alibi_slopes, dtype=np.float32)
-    left, right = p.window if p.window is not None else (None, None)
-    args = (
-        q, k, v, out, lse,
-        _lengths(p, p.q_lengths, p.seq_q), _lengths(p, p.kv_lengths, p.seq_k), slopes, mask,
-        I32(p.heads), I32(p.groups), I32(p.seq_q), I32(p.seq_k), I32(p.head_dim), I32(p.head_dim_v),
-        *_bhs_strides(p, q), *_bhs_strides(p, k), *_bhs_strides(p, v), *_bhs_strides(p, out),
-        *mask_strides, mask_kind,
-        I32(_CAUSAL[p.causal]), I32(-1 if left is None else left), I32(-1 if right is None else right),
-        I32(p.alibi_slopes is not None), F32(p.scale), F32(p.softcap or 0.0),
-    )
-    grid = ((p.seq_q + tile.block_m - 1) // tile.block_m, p.heads, p.batch)
-    block = (_config.FWD_THREADS,)
-    fn = _compile.function(target, "attention_fwd.cu", tile.name_expression(p.dtype))
-    _launch(target, fn, grid, block, args, tile.shared_bytes)
+    out = _empty(xp, p.out_shape, p.dtype)
+    lse = _empty(xp, p.lse_shape, np.float32)
+    args = (q, k, v, out, lse, *_common_args(p, q, k, v, out))
+    grid = (_blocks(p.seq_q, tile.block_m), p.heads, p.batch)
+    _launch(target, "attention_fwd.cu", tile.name_expression(p.dtype), grid, args, tile.shared_bytes)
     return out, lse
+
+
+def _to_layout(problem: Problem, x_bhsd, dtype):
+    """A float32 (B, H, S, D) result -> the caller's layout and dtype, contiguous."""
+    xp = problem.xp
+    if problem.layout == "bshd":
+        x_bhsd = x_bhsd.transpose(0, 2, 1, 3)
+    return xp.ascontiguousarray(x_bhsd.astype(dtype, copy=False))
+
+
+def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, deterministic: bool):
+    p, xp = problem, problem.xp
+    check_supported(p, target)
+    tile = _config.backward_tile(p.head_dim, p.head_dim_v)
+    q, k, v, dout, out = (_last_dim_contiguous(xp, x) for x in (q, k, v, dout, out))
+    lse = xp.ascontiguousarray(lse, dtype=np.float32)
+    b, h, sq, sk = p.batch, p.heads, p.seq_q, p.seq_k
+
+    delta = _empty(xp, p.lse_shape, np.float32)
+    _launch(target, "attention_bwd.cu", _config.preprocess_name(p.dtype), (_blocks(sq, _config.THREADS), h, b),
+            (dout, out, delta, I32(h), I32(sq), I32(p.head_dim_v), *_bhs_strides(p, dout), *_bhs_strides(p, out)))
+
+    # dQ in float32: summed by atomics (zero-initialised), or written once per row by the
+    # deterministic dQ kernel. dK, dV per query head; each GQA group is summed below.
+    dq = _empty(xp, (b, h, sq, p.head_dim), np.float32) if deterministic else xp.zeros((b, h, sq, p.head_dim), np.float32)
+    dk = _empty(xp, (b, h, sk, p.head_dim), np.float32)
+    dv = _empty(xp, (b, h, sk, p.head_dim_v), np.float32)
+    common = _common_args(p, q, k, v, dout)
+    _launch(target, "attention_bwd.cu", tile.dkdv_name(p.dtype), (_blocks(sk, tile.block_n), h, b),
+            (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), *common), tile.dkdv_shared_bytes)
+    if deterministic:
+        _launch(target, "attention_bwd.cu", tile.dq_name(p.dtype), (_blocks(sq, tile.dq_block_m), h, b),
+                (q, k, v, dout, lse, delta, dq, *common), tile.dq_shared_bytes)
+    if p.groups > 1:
+        dk = dk.reshape(b, p.kv_heads, p.groups, sk, p.head_dim).sum(axis=2)
+        dv = dv.reshape(b, p.kv_heads, p.groups, sk, p.head_dim_v).sum(axis=2)
+    return _to_layout(p, dq, p.dtype), _to_layout(p, dk, p.dtype), _to_layout(p, dv, p.dtype)

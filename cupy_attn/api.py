@@ -52,12 +52,14 @@ def attention(q, k, v, *, mask=None, causal=False, window=None, q_lengths=None, 
 
 def attention_backward(dout, q, k, v, out, lse, *, mask=None, causal=False, window=None,
                        q_lengths=None, kv_lengths=None, scale=None, softcap=None,
-                       alibi_slopes=None, layout="bhsd", backend="auto"):
+                       alibi_slopes=None, layout="bhsd", backend="auto", deterministic=False):
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     problem = make_problem(q, k, v, mask=mask, causal=causal, window=window, q_lengths=q_lengths,
                            kv_lengths=kv_lengths, scale=scale, softcap=softcap,
                            alibi_slopes=alibi_slopes, layout=layout, backend=backend)
     check_backward_inputs(problem, dout, out, lse)
-    return _backends.backward(_backends.select(problem), problem, dout, q, k, v, out, lse)
+    return _backends.backward(_backends.select(problem), problem, dout, q, k, v, out, lse, deterministic)
 
 
 attention.__doc__ = """Scaled dot-product attention, softmax(q·kᵀ·scale + mask)·v.
@@ -70,4 +72,9 @@ attention_backward.__doc__ = """Gradients (dq, dk, dv) of attention, from the fo
     dout has out's shape and dtype; the keywords must be those of the forward call. dk and dv
     are summed over the query heads that share a kv head. Gradients come in the input dtype
     and layout; the mask gets no gradient.
+
+    deterministic: on the CUDA kernels, dq is by default summed with float32 atomics (fast,
+    but the summation order, and so the last bits, vary run to run). True computes dq in a
+    separate kernel without atomics: bit-identical results run to run, at the cost of
+    recomputing the scores once more. The NumPy backend is always deterministic.
 """ + _SEMANTICS

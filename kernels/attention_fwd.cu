@@ -11,10 +11,9 @@
 #include "mask.cuh"
 #include "numeric.cuh"
 #include "softmax.cuh"
+#include "tile_io.cuh"
 
 namespace attn {
-
-constexpr int kFwdThreads = 128;
 
 // Shared memory, in floats: Q (kBlockM, D) | K (kBlockN, D + 1) | V (kBlockN, D) | P (kBlockM, kBlockN).
 // K rows are padded by one float so the lanes of a row, which read K[j][d] for consecutive j,
@@ -29,23 +28,11 @@ struct FwdSmem {
     static constexpr int kFloats = kP + kBlockM * kBlockN;
 };
 
-// Copy rows [row0, row0 + kRows) of a (rows, dims) matrix into shared memory as float, with
-// zeros past `rows` and past `dims`.
-template <int kRows, int kDims, int kStride, class T>
-__device__ __forceinline__ void stage_tile(float* dst, const T* src, long long row_stride, int row0, int rows, int dims) {
-    for (int idx = threadIdx.x; idx < kRows * kDims; idx += kFwdThreads) {
-        int r = idx / kDims, d = idx % kDims;
-        float x = 0.f;
-        if (row0 + r < rows && d < dims) x = to_float(src[(row0 + r) * row_stride + d]);
-        dst[r * kStride + d] = x;
-    }
-}
-
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kLanesPerRow>
 __device__ __forceinline__ void forward_block(const Params& p, const T* q, const T* k, const T* v, T* out, float* lse,
                                               const long long (&strides)[12]) {
     constexpr int kRowsPerWarp = 32 / kLanesPerRow;
-    static_assert(kBlockM == kRowsPerWarp * kFwdThreads / 32, "4 warps of kRowsPerWarp rows");
+    static_assert(kBlockM == kRowsPerWarp * kThreads / 32, "4 warps of kRowsPerWarp rows");
     constexpr int kCols = kBlockN / kLanesPerRow;   // scores per lane per tile
     constexpr int kDims = kHeadDim / kLanesPerRow;  // output dimensions per lane
     using Smem = FwdSmem<kHeadDim, kBlockM, kBlockN>;
@@ -55,24 +42,27 @@ __device__ __forceinline__ void forward_block(const Params& p, const T* q, const
     float* sV = smem + Smem::kV;  // (kBlockN, kHeadDim)
     float* sP = smem + Smem::kP;  // (kBlockM, kBlockN)
 
-    const BlockInfo b(p, kBlockM, blockIdx.x, blockIdx.y, blockIdx.z);
+    const BlockInfo b(p, blockIdx.y, blockIdx.z);
+    const int m0 = blockIdx.x * kBlockM;  // first query row of the tile
     const ScoreTransform score(p, b);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row = warp * kRowsPerWarp + lane / kLanesPerRow;  // this lane's row in the tile
     const int part = lane % kLanesPerRow;                       // which of the row's lanes
-    const int i = b.m0 + row;                                   // global query index
+    const int i = m0 + row;                                   // global query index
 
     const long long q_base = b.bidb * strides[0] + b.bidh * strides[1];
     const long long k_base = b.bidb * strides[3] + b.bidh_kv * strides[4];
     const long long v_base = b.bidb * strides[6] + b.bidh_kv * strides[7];
     const long long o_base = b.bidb * strides[9] + b.bidh * strides[10];
-    stage_tile<kBlockM, kHeadDim, kHeadDim>(sQ, q + q_base, strides[2], b.m0, p.seq_q, p.head_dim);
+    stage_tile<kBlockM, kHeadDim, kHeadDim>(sQ, q + q_base, strides[2], m0, p.seq_q, p.head_dim);
 
     OnlineSoftmax<kLanesPerRow> softmax;
     float acc[kDims];  // output row, dimensions part + kLanesPerRow · e
     for (int e = 0; e < kDims; ++e) acc[e] = 0.f;
 
-    const int n_begin = b.key_begin / kBlockN, n_end = (b.key_end + kBlockN - 1) / kBlockN;
+    int key_begin, key_end;
+    b.key_range(p, m0, kBlockM, &key_begin, &key_end);
+    const int n_begin = key_begin / kBlockN, n_end = (key_end + kBlockN - 1) / kBlockN;
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         const int n0 = n_block * kBlockN;
         __syncthreads();  // everyone is done reading the previous K, V (and P) tiles
@@ -86,7 +76,7 @@ __device__ __forceinline__ void forward_block(const Params& p, const T* q, const
             const float qd = sQ[row * kHeadDim + d];
             for (int c = 0; c < kCols; ++c) s[c] = fmaf(qd, sK[(part + kLanesPerRow * c) * Smem::kKStride + d], s[c]);
         }
-        const bool boundary = !b.tile_is_interior(p, kBlockM, kBlockN, n0);
+        const bool boundary = !b.tile_is_interior(p, m0, kBlockM, n0, kBlockN);
         for (int c = 0; c < kCols; ++c) s[c] = score(p, b, s[c], i, n0 + part + kLanesPerRow * c, boundary);
 
         const float rescale = softmax.update(s);
@@ -114,19 +104,9 @@ __device__ __forceinline__ void forward_block(const Params& p, const T* q, const
 }  // namespace attn
 
 // grid (ceil(Sq / kBlockM), H, B), block 128 threads, dynamic shared memory FwdSmem::kFloats · 4.
-// strides: q (batch, head, row), k (...), v (...), out (...), in elements.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kLanesPerRow>
-__global__ void __launch_bounds__(attn::kFwdThreads)
-attention_fwd(const T* q, const T* k, const T* v, T* out, float* lse,
-              const int* q_lengths, const int* kv_lengths, const float* alibi_slopes, const void* mask,
-              int heads, int kv_group, int seq_q, int seq_k, int head_dim, int head_dim_v,
-              long long q_sb, long long q_sh, long long q_sr, long long k_sb, long long k_sh, long long k_sr,
-              long long v_sb, long long v_sh, long long v_sr, long long o_sb, long long o_sh, long long o_sr,
-              long long mask_sb, long long mask_sh, long long mask_sq, long long mask_sk, int mask_kind,
-              int causal, int window_left, int window_right, int has_alibi, float scale, float softcap) {
-    const attn::Params p{q_lengths, kv_lengths, alibi_slopes, mask, heads, kv_group, seq_q, seq_k, head_dim, head_dim_v,
-                         mask_sb, mask_sh, mask_sq, mask_sk, mask_kind, causal, window_left, window_right, has_alibi,
-                         scale, softcap};
-    const long long strides[12] = {q_sb, q_sh, q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, o_sb, o_sh, o_sr};
+__global__ void __launch_bounds__(attn::kThreads)
+attention_fwd(const T* q, const T* k, const T* v, T* out, float* lse, ATTN_PARAMS) {
+    ATTN_UNPACK_PARAMS;
     attn::forward_block<T, kHeadDim, kBlockM, kBlockN, kLanesPerRow>(p, q, k, v, out, lse, strides);
 }

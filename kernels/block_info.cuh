@@ -29,33 +29,43 @@ __device__ __forceinline__ int right_reach(const Params& p) {
     return p.window_right >= 0 ? min(0, p.window_right) : 0;
 }
 
-// One (query tile of block_m rows, head, batch entry): valid lengths, the diagonal offset and
-// the range of keys the tile may attend.
+// One (head, batch entry): its valid lengths and diagonal offset, and which tiles of it are
+// worth visiting.
 struct BlockInfo {
-    int m_block, bidh, bidb, bidh_kv;
+    int bidh, bidb, bidh_kv;
     int q_len, kv_len;
     int diag_offset;  // query i lines up with key i + diag_offset
-    int m0;           // first query row of the tile
-    int key_begin, key_end;  // keys any row of the tile may attend: [key_begin, key_end)
 
-    __device__ __forceinline__ BlockInfo(const Params& p, int block_m, int m_block_, int bidh_, int bidb_)
-        : m_block(m_block_), bidh(bidh_), bidb(bidb_), bidh_kv(bidh_ / p.kv_group) {
+    __device__ __forceinline__ BlockInfo(const Params& p, int bidh_, int bidb_)
+        : bidh(bidh_), bidb(bidb_), bidh_kv(bidh_ / p.kv_group) {
         q_len = p.q_lengths[bidb];
         kv_len = p.kv_lengths[bidb];
         diag_offset = p.causal == kCausalTopLeft ? 0 : kv_len - q_len;
-        m0 = m_block * block_m;
-        int m_last = min(m0 + block_m, q_len) - 1;  // last valid query row of the tile
-        key_begin = 0;
-        key_end = m_last < m0 ? 0 : kv_len;  // a tile of padding rows attends nothing
-        if (p.window_left >= 0) key_begin = max(0, m0 + diag_offset - p.window_left);
-        int right = right_reach(p);
-        if (right >= 0) key_end = min(key_end, m_last + diag_offset + right + 1);
-        if (key_end < key_begin) key_end = key_begin;
     }
 
-    // No structural mask inside this (block_m x block_n) tile: every row valid and every key
-    // inside the causal/window band of every row. Only boundary tiles pay for masking.
-    __device__ __forceinline__ bool tile_is_interior(const Params& p, int block_m, int block_n, int n0) const {
+    // Keys [*begin, *end) that any of the rows [m0, m0 + block_m) may attend.
+    __device__ __forceinline__ void key_range(const Params& p, int m0, int block_m, int* begin, int* end) const {
+        int m_last = min(m0 + block_m, q_len) - 1;  // last valid row; < m0 for a tile of padding
+        *begin = p.window_left >= 0 ? max(0, m0 + diag_offset - p.window_left) : 0;
+        *end = m_last < m0 ? 0 : kv_len;
+        int right = right_reach(p);
+        if (right >= 0) *end = min(*end, m_last + diag_offset + right + 1);
+        *end = max(*end, *begin);
+    }
+
+    // Rows [*begin, *end) that may attend any of the keys [n0, n0 + block_n).
+    __device__ __forceinline__ void row_range(const Params& p, int n0, int block_n, int* begin, int* end) const {
+        int n_last = min(n0 + block_n, kv_len) - 1;  // last valid key; < n0 for a tile of padding
+        int right = right_reach(p);
+        *begin = right >= 0 ? max(0, n0 - diag_offset - right) : 0;  // j <= i + off + right
+        *end = n_last < n0 ? 0 : q_len;
+        if (p.window_left >= 0) *end = min(*end, n_last - diag_offset + p.window_left + 1);  // j >= i + off - left
+        *end = max(*end, *begin);
+    }
+
+    // No structural mask inside the (block_m x block_n) tile at (m0, n0): every row valid and
+    // every key inside the causal/window band of every row. Only boundary tiles pay for masking.
+    __device__ __forceinline__ bool tile_is_interior(const Params& p, int m0, int block_m, int n0, int block_n) const {
         int m1 = m0 + block_m - 1, n1 = n0 + block_n - 1;
         bool inside = m1 < q_len && n1 < kv_len;
         int right = right_reach(p);
@@ -66,3 +76,20 @@ struct BlockInfo {
 };
 
 }  // namespace attn
+
+// The run-time arguments every attention kernel takes after its pointers, and how they become
+// a Params and the stride table (q, k, v and a fourth tensor: out in the forward, dout in the
+// backward; batch, head, row strides each, in elements). One list, so the launcher builds it once.
+#define ATTN_PARAMS                                                                                              \
+    const int *q_lengths, const int *kv_lengths, const float *alibi_slopes, const void *mask, int heads,         \
+        int kv_group, int seq_q, int seq_k, int head_dim, int head_dim_v, long long q_sb, long long q_sh,        \
+        long long q_sr, long long k_sb, long long k_sh, long long k_sr, long long v_sb, long long v_sh,          \
+        long long v_sr, long long o_sb, long long o_sh, long long o_sr, long long mask_sb, long long mask_sh,    \
+        long long mask_sq, long long mask_sk, int mask_kind, int causal, int window_left, int window_right,      \
+        int has_alibi, float scale, float softcap
+#define ATTN_UNPACK_PARAMS                                                                                       \
+    const attn::Params p{q_lengths, kv_lengths, alibi_slopes, mask, heads, kv_group, seq_q, seq_k, head_dim,    \
+                         head_dim_v, mask_sb, mask_sh, mask_sq, mask_sk, mask_kind, causal, window_left,         \
+                         window_right, has_alibi, scale, softcap};                                              \
+    const long long strides[12] = {q_sb, q_sh, q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, o_sb, o_sh, o_sr}
+

@@ -22,6 +22,13 @@ struct ScoreTransform {
         slope_log2 = p.has_alibi ? p.alibi_slopes[b.bidb * p.heads + b.bidh] * kLog2e : 0.f;
     }
 
+    // d(natural-log score)/d(q·k·scale): 1, or 1 - tanh² through the softcap.
+    __device__ __forceinline__ float softcap_grad(float qk) const {
+        if (!softcap) return 1.f;
+        float t = tanhf(qk * scale_over_cap);
+        return 1.f - t * t;
+    }
+
     // qk = q·k for query row i and key j (global indices); returns the base-2 score or -inf.
     __device__ __forceinline__ float operator()(const Params& p, const BlockInfo& b, float qk, int i, int j,
                                                 bool check_structure) const {

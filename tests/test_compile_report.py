@@ -10,7 +10,7 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
     status = cli.main(["kernels", "--arch", "sm_80", "sm_90", "--json", "--ptx-dir", str(tmp_path)])
     rows = json.loads(capsys.readouterr().out)
     assert status == 0
-    assert len(rows) == 2 * len(_config.forward_variants())
+    assert len(rows) == 2 * len(_config.kernel_variants())
     keys = {"name", "arch", "registers", "spill_stores", "spill_loads", "static_shared_bytes", "compile_seconds"}
     for row in rows:
         assert keys <= row.keys()
@@ -18,16 +18,22 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
         assert 0 < row["registers"] <= 255
     for arch in ("sm_80", "sm_90"):
         for dtype in ("float16", "bfloat16", "float32"):
-            files = list(tmp_path.glob(f"attention_fwd*_{dtype}_{arch}.ptx"))
-            assert len(files) == len(_config.FORWARD_TILES)
-            assert all(".entry" in f.read_text() for f in files)
+            for kernel, count in (("attention_fwd", len(_config.FORWARD_TILES)), ("attention_bwd_preprocess", 1),
+                                  ("attention_bwd_dkdv", len(_config.BACKWARD_TILES)),
+                                  ("attention_bwd_dq", len(_config.BACKWARD_TILES))):
+                files = list(tmp_path.glob(f"{kernel}_*_{dtype}_{arch}.ptx"))
+                assert len(files) == count, (kernel, dtype, arch)
+                assert all(".entry" in f.read_text() for f in files)
 
 
-def test_tile_table_covers_every_head_dim():
+def test_tile_tables_cover_every_head_dim():
     for d in range(1, _config.MAX_HEAD_DIM + 1):
-        tile = _config.forward_tile(d, d)
-        assert tile.head_dim >= d
-        assert tile.block_m == 4 * 32 // tile.lanes_per_row  # 4 warps of 32 / lanes_per_row rows
-        assert tile.shared_bytes <= 99 * 1024  # fits every sm_80+ GPU's opt-in limit
-        assert tile.head_dim % tile.lanes_per_row == 0 and tile.block_n % tile.lanes_per_row == 0
+        fwd, bwd = _config.forward_tile(d, d), _config.backward_tile(d, d)
+        assert fwd.head_dim >= d and bwd.head_dim >= d
+        # 4 warps of 32 / lanes_per_row rows; every shared-memory budget fits sm_86's 99 KB opt-in limit
+        assert fwd.block_m == _config.THREADS // fwd.lanes_per_row
+        assert bwd.dq_block_m == _config.THREADS // bwd.dq_lanes_per_row
+        assert max(fwd.shared_bytes, bwd.dkdv_shared_bytes, bwd.dq_shared_bytes) <= 99 * 1024
+        assert fwd.head_dim % fwd.lanes_per_row == 0 and fwd.block_n % fwd.lanes_per_row == 0
+        assert _config.THREADS % bwd.block_n == 0 and _config.THREADS % bwd.block_m == 0
     assert np.dtype(np.float16) in _config.CTYPES

@@ -44,3 +44,23 @@ def test_features(feature, layout):
     rng = np.random.default_rng(3)
     q, k, v = random_qkv(rng, b=3, h=4, hkv=2, sq=113, sk=203, d=64, dtype=np.float16, layout=layout)
     check(q, k, v, np.float16, layout=layout, **feature_keywords(feature, rng))
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16), BF16], ids=str)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_backward(dtype, deterministic):
+    rng = np.random.default_rng(4)
+    q, k, v = random_qkv(rng, b=2, h=8, hkv=2, sq=700, sk=1031, d=64, dtype=dtype)
+    kw = dict(causal=True, softcap=10.0, kv_lengths=np.array([1031, 600]))
+    gq, gk, gv = on_gpu(q, k, v)
+    gkw = dict(kw, kv_lengths=cupy.asarray(kw["kv_lengths"]))
+    out, lse = cupy_attn.attention(gq, gk, gv, return_lse=True, **gkw)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    grads = cupy_attn.attention_backward(cupy.asarray(dout), gq, gk, gv, out, lse, deterministic=deterministic, **gkw)
+    want = reference.attention_gradients(dout, q, k, v, **kw)
+    for g, w in zip(grads, want):
+        assert_close(g.get(), w, dtype, grad=True)
+    if deterministic:
+        again = cupy_attn.attention_backward(cupy.asarray(dout), gq, gk, gv, out, lse, deterministic=True, **gkw)
+        for a, b in zip(grads, again):
+            assert bool((a.view(cupy.uint8) == b.view(cupy.uint8)).all())

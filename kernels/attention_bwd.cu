@@ -1,0 +1,245 @@
+// The backward kernels, FlashAttention-2's algorithm on CUDA cores (FMA), exact in fp32:
+//   attention_bwd_preprocess  delta = rowsum(dO ∘ O) per query row;
+//   attention_bwd_dkdv        one block per (key tile, query head, batch entry): loops over the
+//                             query tiles that can see its keys, recomputes P = exp(s - lse)
+//                             from the saved lse, accumulates dV += Pᵀ·dO and dK += dSᵀ·Q·scale
+//                             in registers with dS = P ∘ (dP - delta), dP = dO·Vᵀ, and (unless
+//                             deterministic) adds dQ += dS·K·scale into a float32 buffer with
+//                             atomics;
+//   attention_bwd_dq          the deterministic dQ: one block per query tile loops over key
+//                             tiles and accumulates dQ in registers, no atomics.
+// dK and dV are written per query head (float32, (B, H, Sk, D)); the host sums each GQA group
+// in a fixed order, so the deterministic mode stays bit-identical run to run.
+#include "block_info.cuh"
+#include "mask.cuh"
+#include "numeric.cuh"
+#include "softmax.cuh"
+#include "tile_io.cuh"
+
+namespace attn {
+
+// The per-row statistics the backward needs: lse in base 2 (or -inf) and delta.
+__device__ __forceinline__ void stage_row_stats(float* s_lse2, float* s_delta, const float* lse, const float* delta,
+                                                long long row_base, int m0, int block_m, int seq_q) {
+    for (int r = threadIdx.x; r < block_m; r += kThreads) {
+        bool valid = m0 + r < seq_q;
+        s_lse2[r] = valid ? lse[row_base + m0 + r] * kLog2e : -infinity();
+        s_delta[r] = valid ? delta[row_base + m0 + r] : 0.f;
+    }
+}
+
+// P = exp2(s2 - lse2) for a recomputed base-2 score s2. A fully masked row has lse -inf and only
+// -inf scores: its P is 0 (not exp2(-inf - -inf) = NaN).
+__device__ __forceinline__ float probability(float s2, float lse2) {
+    return lse2 == -infinity() ? 0.f : exp2f(s2 - lse2);
+}
+
+// Shared memory of the dK/dV kernel, in floats: Q, dO (kBlockM, D) | K, V (kBlockN, D + 1) |
+// P, dS (kBlockM, kBlockN) | lse2, delta (kBlockM). K and V rows are padded by one float: the
+// threads computing one row of scores read K[j][d] (and V[j][d]) for consecutive j.
+template <int kHeadDim, int kBlockM, int kBlockN>
+struct DkdvSmem {
+    static constexpr int kKStride = kHeadDim + 1;
+    static constexpr int kQ = 0, kDO = kQ + kBlockM * kHeadDim, kK = kDO + kBlockM * kHeadDim;
+    static constexpr int kV = kK + kBlockN * kKStride, kP = kV + kBlockN * kKStride;
+    static constexpr int kDS = kP + kBlockM * kBlockN, kLse = kDS + kBlockM * kBlockN, kDelta = kLse + kBlockM;
+    static constexpr int kFloats = kDelta + kBlockM;
+};
+
+template <class T, int kHeadDim, int kBlockM, int kBlockN>
+__device__ __forceinline__ void dkdv_block(const Params& p, const T* q, const T* k, const T* v, const T* dout,
+                                           const float* lse, const float* delta, float* dq_accum, float* dk_part,
+                                           float* dv_part, int accumulate_dq, const long long (&strides)[12]) {
+    using Smem = DkdvSmem<kHeadDim, kBlockM, kBlockN>;
+    constexpr int kPerKey = kThreads / kBlockN;        // threads per key row of dK/dV
+    constexpr int kKeyDims = kHeadDim / kPerKey;       // dK (and dV) dims per thread
+    constexpr int kPerRow = kThreads / kBlockM;        // threads per query row of dQ
+    constexpr int kRowDims = kHeadDim / kPerRow;       // dQ dims per thread
+    constexpr int kEntries = kBlockM * kBlockN / kThreads;  // score entries per thread
+    static_assert(kThreads % kBlockN == 0 && kThreads % kBlockM == 0 && (kBlockM * kBlockN) % kThreads == 0, "tile");
+    extern __shared__ float smem[];
+    float *sQ = smem + Smem::kQ, *sDO = smem + Smem::kDO, *sK = smem + Smem::kK, *sV = smem + Smem::kV;
+    float *sP = smem + Smem::kP, *sDS = smem + Smem::kDS, *sLse2 = smem + Smem::kLse, *sDelta = smem + Smem::kDelta;
+
+    const BlockInfo b(p, blockIdx.y, blockIdx.z);
+    const ScoreTransform score(p, b);
+    const int n0 = blockIdx.x * kBlockN;
+    const long long q_base = b.bidb * strides[0] + b.bidh * strides[1];
+    const long long k_base = b.bidb * strides[3] + b.bidh_kv * strides[4];
+    const long long v_base = b.bidb * strides[6] + b.bidh_kv * strides[7];
+    const long long do_base = b.bidb * strides[9] + b.bidh * strides[10];
+    const long long row_base = (static_cast<long long>(b.bidb) * p.heads + b.bidh) * p.seq_q;  // lse, delta, dq_accum rows
+    stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sK, k + k_base, strides[5], n0, p.seq_k, p.head_dim);
+    stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sV, v + v_base, strides[8], n0, p.seq_k, p.head_dim_v);
+
+    const int key = threadIdx.x / kPerKey, key_part = threadIdx.x % kPerKey;  // this thread's dK/dV row
+    const int qrow = threadIdx.x / kPerRow, row_part = threadIdx.x % kPerRow;  // this thread's dQ row
+    float dk[kKeyDims], dv[kKeyDims];
+    for (int e = 0; e < kKeyDims; ++e) dk[e] = dv[e] = 0.f;
+
+    int row_begin, row_end;
+    b.row_range(p, n0, kBlockN, &row_begin, &row_end);
+    const int m_begin = row_begin / kBlockM, m_end = (row_end + kBlockM - 1) / kBlockM;
+    for (int m_block = m_begin; m_block < m_end; ++m_block) {
+        const int m0 = m_block * kBlockM;
+        __syncthreads();  // the previous query tile's Q, dO, P and dS are no longer read
+        stage_tile<kBlockM, kHeadDim, kHeadDim>(sQ, q + q_base, strides[2], m0, p.seq_q, p.head_dim);
+        stage_tile<kBlockM, kHeadDim, kHeadDim>(sDO, dout + do_base, strides[11], m0, p.seq_q, p.head_dim_v);
+        stage_row_stats(sLse2, sDelta, lse, delta, row_base, m0, kBlockM, p.seq_q);
+        __syncthreads();  // K, V (first pass), Q, dO and the row statistics are staged
+
+        const bool boundary = !b.tile_is_interior(p, m0, kBlockM, n0, kBlockN);
+        for (int e = 0; e < kEntries; ++e) {
+            const int idx = threadIdx.x + kThreads * e, r = idx / kBlockN, c = idx % kBlockN;
+            float qk = 0.f, dp = 0.f;
+            for (int d = 0; d < kHeadDim; ++d) {
+                qk = fmaf(sQ[r * kHeadDim + d], sK[c * Smem::kKStride + d], qk);
+                dp = fmaf(sDO[r * kHeadDim + d], sV[c * Smem::kKStride + d], dp);
+            }
+            const float prob = probability(score(p, b, qk, m0 + r, n0 + c, boundary), sLse2[r]);
+            sP[idx] = prob;
+            sDS[idx] = prob * (dp - sDelta[r]) * score.softcap_grad(qk);  // dS of the pre-softcap score
+        }
+        __syncthreads();  // P and dS complete
+
+        for (int r = 0; r < kBlockM; ++r) {
+            const float pr = sP[r * kBlockN + key], dsr = sDS[r * kBlockN + key];
+            for (int e = 0; e < kKeyDims; ++e) {
+                const int d = key_part + kPerKey * e;
+                dv[e] = fmaf(pr, sDO[r * kHeadDim + d], dv[e]);
+                dk[e] = fmaf(dsr, sQ[r * kHeadDim + d], dk[e]);
+            }
+        }
+        if (accumulate_dq && m0 + qrow < p.seq_q) {
+            for (int e = 0; e < kRowDims; ++e) {
+                const int d = row_part + kPerRow * e;
+                if (d >= p.head_dim) break;
+                float sum = 0.f;
+                for (int c = 0; c < kBlockN; ++c) sum = fmaf(sDS[qrow * kBlockN + c], sK[c * Smem::kKStride + d], sum);
+                atomicAdd(dq_accum + (row_base + m0 + qrow) * p.head_dim + d, sum * p.scale);
+            }
+        }
+    }
+
+    // Every key row inside the sequence is written, those no query could see included (as 0).
+    if (n0 + key < p.seq_k) {
+        const long long out_row = ((static_cast<long long>(b.bidb) * p.heads + b.bidh) * p.seq_k + n0 + key);
+        for (int e = 0; e < kKeyDims; ++e) {
+            const int d = key_part + kPerKey * e;
+            if (d < p.head_dim) dk_part[out_row * p.head_dim + d] = dk[e] * p.scale;
+            if (d < p.head_dim_v) dv_part[out_row * p.head_dim_v + d] = dv[e];
+        }
+    }
+}
+
+// Shared memory of the dQ kernel, in floats: Q, dO (kBlockM, D) | K, V (kBlockN, D + 1) |
+// dS (kBlockM, kBlockN) | lse2, delta (kBlockM).
+template <int kHeadDim, int kBlockM, int kBlockN>
+struct DqSmem {
+    static constexpr int kKStride = kHeadDim + 1;
+    static constexpr int kQ = 0, kDO = kQ + kBlockM * kHeadDim, kK = kDO + kBlockM * kHeadDim;
+    static constexpr int kV = kK + kBlockN * kKStride, kDS = kV + kBlockN * kKStride;
+    static constexpr int kLse = kDS + kBlockM * kBlockN, kDelta = kLse + kBlockM;
+    static constexpr int kFloats = kDelta + kBlockM;
+};
+
+// The deterministic dQ: laid out like the forward (each query row on kLanesPerRow lanes of one
+// warp), accumulating dQ = Σ_key-tiles dS·K·scale in registers in a fixed order.
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kLanesPerRow>
+__device__ __forceinline__ void dq_block(const Params& p, const T* q, const T* k, const T* v, const T* dout,
+                                         const float* lse, const float* delta, float* dq_accum,
+                                         const long long (&strides)[12]) {
+    using Smem = DqSmem<kHeadDim, kBlockM, kBlockN>;
+    constexpr int kRowsPerWarp = 32 / kLanesPerRow;
+    static_assert(kBlockM == kRowsPerWarp * kThreads / 32, "4 warps of kRowsPerWarp rows");
+    constexpr int kCols = kBlockN / kLanesPerRow;
+    constexpr int kDims = kHeadDim / kLanesPerRow;
+    extern __shared__ float smem[];
+    float *sQ = smem + Smem::kQ, *sDO = smem + Smem::kDO, *sK = smem + Smem::kK, *sV = smem + Smem::kV;
+    float *sDS = smem + Smem::kDS, *sLse2 = smem + Smem::kLse, *sDelta = smem + Smem::kDelta;
+
+    const BlockInfo b(p, blockIdx.y, blockIdx.z);
+    const ScoreTransform score(p, b);
+    const int m0 = blockIdx.x * kBlockM;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row = warp * kRowsPerWarp + lane / kLanesPerRow, part = lane % kLanesPerRow;
+    const long long q_base = b.bidb * strides[0] + b.bidh * strides[1];
+    const long long k_base = b.bidb * strides[3] + b.bidh_kv * strides[4];
+    const long long v_base = b.bidb * strides[6] + b.bidh_kv * strides[7];
+    const long long do_base = b.bidb * strides[9] + b.bidh * strides[10];
+    const long long row_base = (static_cast<long long>(b.bidb) * p.heads + b.bidh) * p.seq_q;
+    stage_tile<kBlockM, kHeadDim, kHeadDim>(sQ, q + q_base, strides[2], m0, p.seq_q, p.head_dim);
+    stage_tile<kBlockM, kHeadDim, kHeadDim>(sDO, dout + do_base, strides[11], m0, p.seq_q, p.head_dim_v);
+    stage_row_stats(sLse2, sDelta, lse, delta, row_base, m0, kBlockM, p.seq_q);
+
+    float acc[kDims];
+    for (int e = 0; e < kDims; ++e) acc[e] = 0.f;
+    int key_begin, key_end;
+    b.key_range(p, m0, kBlockM, &key_begin, &key_end);
+    const int n_begin = key_begin / kBlockN, n_end = (key_end + kBlockN - 1) / kBlockN;
+    for (int n_block = n_begin; n_block < n_end; ++n_block) {
+        const int n0 = n_block * kBlockN;
+        __syncthreads();  // the previous K and V tiles are no longer read
+        stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sK, k + k_base, strides[5], n0, p.seq_k, p.head_dim);
+        stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sV, v + v_base, strides[8], n0, p.seq_k, p.head_dim_v);
+        __syncthreads();  // Q, dO, row statistics (first pass), K and V staged
+
+        const bool boundary = !b.tile_is_interior(p, m0, kBlockM, n0, kBlockN);
+        for (int c = 0; c < kCols; ++c) {
+            const int j = part + kLanesPerRow * c;
+            float qk = 0.f, dp = 0.f;
+            for (int d = 0; d < kHeadDim; ++d) {
+                qk = fmaf(sQ[row * kHeadDim + d], sK[j * Smem::kKStride + d], qk);
+                dp = fmaf(sDO[row * kHeadDim + d], sV[j * Smem::kKStride + d], dp);
+            }
+            const float prob = probability(score(p, b, qk, m0 + row, n0 + j, boundary), sLse2[row]);
+            sDS[row * kBlockN + j] = prob * (dp - sDelta[row]) * score.softcap_grad(qk);
+        }
+        __syncwarp();  // the row's dS, written by its lanes (all in this warp), is visible
+        for (int j = 0; j < kBlockN; ++j) {
+            const float ds = sDS[row * kBlockN + j];
+            for (int e = 0; e < kDims; ++e) acc[e] = fmaf(ds, sK[j * Smem::kKStride + part + kLanesPerRow * e], acc[e]);
+        }
+    }
+    if (m0 + row < p.seq_q) {
+        for (int e = 0; e < kDims; ++e) {
+            const int d = part + kLanesPerRow * e;
+            if (d < p.head_dim) dq_accum[(row_base + m0 + row) * p.head_dim + d] = acc[e] * p.scale;
+        }
+    }
+}
+
+}  // namespace attn
+
+// grid (ceil(Sq / 128), H, B), block 128: delta[b, h, i] = Σ_d dout · out, in float32.
+template <class T>
+__global__ void __launch_bounds__(attn::kThreads)
+attention_bwd_preprocess(const T* dout, const T* out, float* delta, int heads, int seq_q, int head_dim_v,
+                         long long do_sb, long long do_sh, long long do_sr, long long o_sb, long long o_sh, long long o_sr) {
+    const int i = blockIdx.x * attn::kThreads + threadIdx.x;
+    if (i >= seq_q) return;
+    const T* d_row = dout + blockIdx.z * do_sb + blockIdx.y * do_sh + i * do_sr;
+    const T* o_row = out + blockIdx.z * o_sb + blockIdx.y * o_sh + i * o_sr;
+    float sum = 0.f;
+    for (int d = 0; d < head_dim_v; ++d) sum = fmaf(attn::to_float(d_row[d]), attn::to_float(o_row[d]), sum);
+    delta[(static_cast<long long>(blockIdx.z) * heads + blockIdx.y) * seq_q + i] = sum;
+}
+
+// grid (ceil(Sk / kBlockN), H, B), block 128, dynamic shared memory DkdvSmem::kFloats · 4.
+template <class T, int kHeadDim, int kBlockM, int kBlockN>
+__global__ void __launch_bounds__(attn::kThreads)
+attention_bwd_dkdv(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,
+                   float* dq_accum, float* dk_part, float* dv_part, int accumulate_dq, ATTN_PARAMS) {
+    ATTN_UNPACK_PARAMS;
+    attn::dkdv_block<T, kHeadDim, kBlockM, kBlockN>(p, q, k, v, dout, lse, delta, dq_accum, dk_part, dv_part,
+                                                    accumulate_dq, strides);
+}
+
+// grid (ceil(Sq / kBlockM), H, B), block 128, dynamic shared memory DqSmem::kFloats · 4.
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kLanesPerRow>
+__global__ void __launch_bounds__(attn::kThreads)
+attention_bwd_dq(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,
+                 float* dq_accum, ATTN_PARAMS) {
+    ATTN_UNPACK_PARAMS;
+    attn::dq_block<T, kHeadDim, kBlockM, kBlockN, kLanesPerRow>(p, q, k, v, dout, lse, delta, dq_accum, strides);
+}

@@ -1,0 +1,60 @@
+"""Barrier mutations: removing any __syncthreads / __syncwarp from an attention kernel must make
+some emulated case fail in some schedule (a barrier that is only defensive would say so in a
+comment and be listed here as such; there are none)."""
+import numpy as np
+import pytest
+
+import cupy_attn
+from cupy_attn import _compile, _kernel_backend
+from cupy_attn.emulator import RawModule
+from helpers import random_qkv
+
+BARRIERS = ("__syncthreads();", "__syncwarp();")
+KERNEL_FILES = ("attention_fwd.cu", "attention_bwd.cu")
+
+
+def barrier_sites(filename):
+    source = _compile.kernel_source(filename)
+    return [(filename, at, b) for b in BARRIERS for at in range(len(source)) if source.startswith(b, at)]
+
+
+SITES = [site for f in KERNEL_FILES for site in barrier_sites(f)]
+
+
+def results(filename):
+    """What the kernels of ``filename`` compute on a case with several query and key tiles."""
+    rng = np.random.default_rng(13)
+    q, k, v = random_qkv(rng, b=1, h=2, sq=150, sk=200, d=32)
+    if filename == "attention_fwd.cu":
+        return [cupy_attn.attention(q, k, v, backend="emulator")]
+    out, lse = cupy_attn.attention(q, k, v, return_lse=True)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    grads = []
+    for deterministic in (False, True):
+        grads += cupy_attn.attention_backward(dout, q, k, v, out, lse, backend="emulator", deterministic=deterministic)
+    return grads
+
+
+def test_every_kernel_has_barriers():
+    assert {f for f, _, _ in SITES} == set(KERNEL_FILES)
+
+
+@pytest.mark.parametrize("filename,at,barrier", SITES, ids=[f"{f}@{at}:{b[:-3]}" for f, at, b in SITES])
+def test_removing_a_barrier_breaks_a_kernel(monkeypatch, filename, at, barrier):
+    want = results(filename)
+    source = _compile.kernel_source(filename)
+    mutated = source[:at] + source[at + len(barrier):]
+    real_function = _compile.function
+
+    def function(target, name, name_expression):
+        if name != filename:
+            return real_function(target, name, name_expression)
+        return RawModule(mutated, name_expressions=[name_expression]).get_function(name_expression)
+
+    monkeypatch.setattr(_compile, "function", function)
+    monkeypatch.setattr(_kernel_backend, "POISON_OUTPUTS", True)
+    broken = 0
+    for schedule in ("forward", "reverse", "random"):
+        monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", schedule)
+        broken += any(not np.allclose(g, w, atol=1e-4) for g, w in zip(results(filename), want))
+    assert broken, f"removing {barrier} at offset {at} of {filename} changed nothing in any schedule"
