@@ -1,7 +1,7 @@
 """The public attention functions."""
 from __future__ import annotations
 
-from . import _backends
+from . import _backends, _interop
 from ._problem import check_backward_inputs, make_problem
 
 _SEMANTICS = """
@@ -35,7 +35,8 @@ _SEMANTICS = """
 
     A row that can attend to nothing gives output 0 and lse −inf (never NaN), and zero gradients.
     fp16/bf16/fp32 inputs are computed in float32, float64 in float64 (NumPy backend only).
-    Results are arrays of the inputs' library (NumPy in, NumPy out; CuPy in, CuPy out).
+    Results are arrays of the inputs' library (NumPy in, NumPy out; CuPy in, CuPy out; PyTorch
+    and JAX arrays, on the CPU or a CUDA device, go in and come back zero-copy through DLPack).
     Bad arguments raise ValueError or TypeError naming the argument.
 """
 
@@ -43,10 +44,15 @@ _SEMANTICS = """
 def attention(q, k, v, *, mask=None, causal=False, window=None, q_lengths=None, kv_lengths=None,
               scale=None, softcap=None, alibi_slopes=None, layout="bhsd", return_lse=False,
               backend="auto"):
-    problem = make_problem(q, k, v, mask=mask, causal=causal, window=window, q_lengths=q_lengths,
-                           kv_lengths=kv_lengths, scale=scale, softcap=softcap,
-                           alibi_slopes=alibi_slopes, layout=layout, backend=backend)
-    out, lse = _backends.forward(_backends.select(problem), problem, q, k, v)
+    framework, lead = _interop.lead(q, k, v)
+    with _interop.caller_stream(framework, lead):
+        q, k, v, mask, q_lengths, kv_lengths, alibi_slopes = map(
+            _interop.to_backend, (q, k, v, mask, q_lengths, kv_lengths, alibi_slopes))
+        problem = make_problem(q, k, v, mask=mask, causal=causal, window=window, q_lengths=q_lengths,
+                               kv_lengths=kv_lengths, scale=scale, softcap=softcap,
+                               alibi_slopes=alibi_slopes, layout=layout, backend=backend)
+        out, lse = _backends.forward(_backends.select(problem), problem, q, k, v)
+        out, lse = (_interop.to_framework(framework, x) for x in (out, lse))
     return (out, lse) if return_lse else out
 
 
@@ -55,11 +61,16 @@ def attention_backward(dout, q, k, v, out, lse, *, mask=None, causal=False, wind
                        alibi_slopes=None, layout="bhsd", backend="auto", deterministic=False):
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    problem = make_problem(q, k, v, mask=mask, causal=causal, window=window, q_lengths=q_lengths,
-                           kv_lengths=kv_lengths, scale=scale, softcap=softcap,
-                           alibi_slopes=alibi_slopes, layout=layout, backend=backend)
-    check_backward_inputs(problem, dout, out, lse)
-    return _backends.backward(_backends.select(problem), problem, dout, q, k, v, out, lse, deterministic)
+    framework, lead = _interop.lead(q, k, v)
+    with _interop.caller_stream(framework, lead):
+        dout, q, k, v, out, lse, mask, q_lengths, kv_lengths, alibi_slopes = map(
+            _interop.to_backend, (dout, q, k, v, out, lse, mask, q_lengths, kv_lengths, alibi_slopes))
+        problem = make_problem(q, k, v, mask=mask, causal=causal, window=window, q_lengths=q_lengths,
+                               kv_lengths=kv_lengths, scale=scale, softcap=softcap,
+                               alibi_slopes=alibi_slopes, layout=layout, backend=backend)
+        check_backward_inputs(problem, dout, out, lse)
+        grads = _backends.backward(_backends.select(problem), problem, dout, q, k, v, out, lse, deterministic)
+        return tuple(_interop.to_framework(framework, g) for g in grads)
 
 
 attention.__doc__ = """Scaled dot-product attention, softmax(q·kᵀ·scale + mask)·v.

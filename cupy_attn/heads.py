@@ -1,6 +1,7 @@
 """Multi-head reshaping and a complete multi-head attention layer."""
 from __future__ import annotations
 
+from . import _interop
 from ._arrays import is_integer, require_array
 from ._problem import LAYOUTS, check_choice
 from .api import attention
@@ -14,6 +15,11 @@ def _count(name: str, value) -> int:
 
 def split_heads(x, num_heads, layout="bhsd"):
     """(B, S, H·D) -> (B, H, S, D) for "bhsd" or (B, S, H, D) for "bshd"; a view, no copy."""
+    framework, _ = _interop.lead(x)
+    return _interop.to_framework(framework, _split_heads(_interop.to_backend(x), num_heads, layout))
+
+
+def _split_heads(x, num_heads, layout):
     require_array("x", x)
     layout = check_choice("layout", layout, LAYOUTS)
     num_heads = _count("num_heads", num_heads)
@@ -28,6 +34,11 @@ def split_heads(x, num_heads, layout="bhsd"):
 
 def merge_heads(x, layout="bhsd"):
     """The inverse of `split_heads`: (B, H, S, D) or (B, S, H, D) -> (B, S, H·D)."""
+    framework, _ = _interop.lead(x)
+    return _interop.to_framework(framework, _merge_heads(_interop.to_backend(x), layout))
+
+
+def _merge_heads(x, layout):
     require_array("x", x)
     layout = check_choice("layout", layout, LAYOUTS)
     if x.ndim != 4:
@@ -61,6 +72,17 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o, num_heads, *, num_kv_heads=None,
     (B, S, E_out) in x's library and dtype (with lse too when return_lse=True). Every keyword of
     `cupy_attn.attention` passes through; "layout" picks the internal head layout.
     """
+    framework, lead = _interop.lead(x)
+    with _interop.caller_stream(framework, lead):
+        arrays = [_interop.to_backend(a) for a in (x, w_q, w_k, w_v, w_o, context)]
+        keywords = {n: _interop.to_backend(a) for n, a in attention_keywords.items()}
+        result = _multi_head_attention(*arrays, num_heads, num_kv_heads, keywords)
+        if isinstance(result, tuple):
+            return tuple(_interop.to_framework(framework, r) for r in result)
+        return _interop.to_framework(framework, result)
+
+
+def _multi_head_attention(x, w_q, w_k, w_v, w_o, context, num_heads, num_kv_heads, attention_keywords):
     xp = require_array("x", x)
     num_heads = _count("num_heads", num_heads)
     num_kv_heads = num_heads if num_kv_heads is None else _count("num_kv_heads", num_kv_heads)
@@ -87,10 +109,10 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o, num_heads, *, num_kv_heads=None,
     if w_o.dtype != x.dtype:
         raise TypeError(f"w_o has dtype {w_o.dtype} but x has {x.dtype}; they must match")
     layout = attention_keywords.get("layout", "bhsd")
-    q = split_heads(x @ w_q, num_heads, layout)
-    k = split_heads(context @ w_k, num_kv_heads, layout)
-    v = split_heads(context @ w_v, num_kv_heads, layout)
+    q = _split_heads(x @ w_q, num_heads, layout)
+    k = _split_heads(context @ w_k, num_kv_heads, layout)
+    v = _split_heads(context @ w_v, num_kv_heads, layout)
     result = attention(q, k, v, **attention_keywords)
     out, lse = result if attention_keywords.get("return_lse") else (result, None)
-    y = merge_heads(out, layout) @ w_o
+    y = _merge_heads(out, layout) @ w_o
     return (y, lse) if lse is not None else y

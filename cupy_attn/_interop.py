@@ -1,0 +1,103 @@
+"""PyTorch and JAX arrays in and out, zero-copy through DLPack, without importing either.
+
+Framework arrays are recognised by their type's module. A CPU array becomes a NumPy array
+(``numpy.from_dlpack``), a CUDA array a CuPy array (``cupy.from_dlpack``); results go back as the
+caller's framework type. NumPy's DLPack does not know bfloat16, so on the CPU bfloat16 crosses as
+16-bit integers reinterpreted in place: still zero-copy for PyTorch (and for JAX inputs), while
+bfloat16 results handed to JAX are copied once (JAX cannot import them without a conversion).
+JAX also copies a NumPy result that is not 64-byte aligned (its requirement for sharing a buffer)
+or that is read-only.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import numpy as np
+
+from ._arrays import BFLOAT16, is_cupy_array
+
+_CPU, _CUDA = 1, 2  # DLPack device types
+
+
+def framework_of(x) -> str | None:
+    """"torch" or "jax" for their arrays, None for anything else (NumPy, CuPy, lists, ...)."""
+    root = type(x).__module__.split(".")[0]
+    if root == "torch" and hasattr(x, "__dlpack__"):
+        return "torch"
+    if root in ("jax", "jaxlib") and hasattr(x, "__dlpack__"):
+        return "jax"
+    return None
+
+
+def _is_bfloat16(x) -> bool:
+    return str(x.dtype).endswith("bfloat16")
+
+
+def to_backend(x):
+    """A framework array as a NumPy (CPU) or CuPy (CUDA) array sharing its memory; anything
+    else unchanged."""
+    framework = framework_of(x)
+    if framework is None:
+        return x
+    if "Tracer" in type(x).__name__:
+        raise TypeError(
+            "cupy_attn.attention got a traced JAX value (inside jax.jit, vmap or grad); use "
+            "cupy_attn.jax.attention, which supports jax.grad and, on the CPU, jax.jit"
+        )
+    if framework == "torch":
+        x = x.detach()
+    device = int(x.__dlpack_device__()[0])
+    if device == _CPU:
+        if _is_bfloat16(x):
+            if framework == "torch":
+                import torch
+
+                return np.from_dlpack(x.view(torch.int16)).view(BFLOAT16)
+            return np.asarray(x)  # JAX exposes its CPU buffer with ml_dtypes' bfloat16
+        return np.from_dlpack(x)
+    if device == _CUDA:
+        cupy = importlib.import_module("cupy")
+        return cupy.from_dlpack(x)
+    raise TypeError(f"{framework} arrays on DLPack device type {device} are not supported (CPU and CUDA are)")
+
+
+def to_framework(framework: str | None, x):
+    """A NumPy/CuPy result back into ``framework``'s array type (zero-copy where DLPack allows)."""
+    if framework is None or not (isinstance(x, np.ndarray) or is_cupy_array(x)):
+        return x
+    bf16 = x.dtype == BFLOAT16
+    if framework == "torch":
+        import torch
+
+        if bf16:
+            return torch.from_dlpack(x.view(np.int16)).view(torch.bfloat16)
+        return torch.from_dlpack(x)
+    import jax.numpy as jnp
+
+    if isinstance(x, np.ndarray) and (bf16 or not x.flags.writeable):
+        # A copy: JAX's DLPack import takes neither bfloat16 nor read-only NumPy arrays (views
+        # of JAX's own buffers, e.g. from split_heads).
+        return jnp.asarray(x)
+    return jnp.from_dlpack(x)
+
+
+def lead(*arrays):
+    """(framework, array) of the first framework array among ``arrays``: the caller's type,
+    which results are handed back as; (None, None) if there is none."""
+    return next(((f, a) for a in arrays if (f := framework_of(a)) is not None), (None, None))
+
+
+@contextlib.contextmanager
+def caller_stream(framework: str | None, x):
+    """Run CuPy work on PyTorch's current CUDA stream, so no synchronisation is needed and the
+    caller's later work on that stream sees the results. ``x`` is the lead array of `lead`."""
+    if framework != "torch" or int(x.__dlpack_device__()[0]) != _CUDA:
+        yield
+        return
+    import cupy
+    import torch
+
+    stream = torch.cuda.current_stream(x.device)
+    with cupy.cuda.Device(x.device.index), cupy.cuda.ExternalStream(stream.cuda_stream, x.device.index):
+        yield

@@ -1,0 +1,66 @@
+"""PyTorch CUDA tensors and JAX GPU arrays through cupy_attn (marked gpu)."""
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+pytest.importorskip("cupy")
+
+import cupy_attn  # noqa: E402
+import cupy_attn.torch  # noqa: E402
+
+needs_torch_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="PyTorch has no CUDA device")
+
+
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_cuda_against_sdpa(dtype, causal):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 8, 777, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    out = cupy_attn.torch.attention(q, k, v, causal=causal)
+    assert out.device.type == "cuda" and out.dtype == dtype
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    # SDPA in float32 (top-left causal equals bottom-right here: Sq = Sk)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, is_causal=causal)
+    ref_grads = torch.autograd.grad(ref, (q32, k32, v32), dout.float())
+    tol = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.float(), r, atol=5 * tol, rtol=5 * tol)
+
+
+@needs_torch_cuda
+def test_torch_non_default_stream():
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(4, 8, 2048, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        q2 = q * 1  # work queued on the side stream that the attention must wait for
+        out = cupy_attn.attention(q2, k, v)
+        result = out.float() + 0  # consumed on the same stream without synchronising
+    torch.cuda.synchronize()
+    torch.testing.assert_close(result, want, atol=4e-3, rtol=4e-3)
+
+
+def test_jax_gpu_arrays():
+    jax = pytest.importorskip("jax")
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX has no GPU backend here")
+    import jax.numpy as jnp
+
+    import cupy_attn.jax
+
+    rng = np.random.default_rng(2)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 4, 300, 64)).astype(np.float32)) for _ in range(3))
+    out = cupy_attn.attention(q, k, v, causal=True)
+    assert isinstance(out, jax.Array) and out.devices() == q.devices()
+    want = cupy_attn.reference.attention(*(np.asarray(x) for x in (q, k, v)), causal=True)[0]
+    np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, rtol=2e-5)
+    g = jax.grad(lambda q: cupy_attn.jax.attention(q, k, v, causal=True).sum())(q)
+    assert g.shape == q.shape
+    with pytest.raises(NotImplementedError, match="outside jax.jit on the GPU"):
+        jax.jit(lambda q: cupy_attn.jax.attention(q, k, v))(q)

@@ -1,0 +1,92 @@
+"""JAX arrays through cupy_attn: eager calls, jax.grad, and jax.jit on the CPU."""
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+
+import cupy_attn  # noqa: E402
+import cupy_attn.jax  # noqa: E402
+from cupy_attn import _interop, reference  # noqa: E402
+from helpers import BF16, assert_close  # noqa: E402
+
+
+def arrays(dtype=np.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((2, 4, 37, 16)).astype(dtype)
+    k = rng.standard_normal((2, 2, 50, 16)).astype(dtype)
+    v = rng.standard_normal((2, 2, 50, 8)).astype(dtype)
+    return (q, k, v), tuple(jnp.asarray(x) for x in (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16], ids=str)
+def test_attention_and_backward(dtype):
+    (q, k, v), (jq, jk, jv) = arrays(dtype)
+    kw = dict(causal=True, kv_lengths=np.array([50, 31]))
+    out, lse = cupy_attn.attention(jq, jk, jv, return_lse=True, **dict(kw, kv_lengths=jnp.asarray(kw["kv_lengths"])))
+    assert isinstance(out, jax.Array) and out.dtype == jq.dtype
+    want_out, want_lse = reference.attention(q, k, v, **kw)
+    assert_close(np.asarray(out), want_out, np.dtype(dtype))
+    assert_close(np.asarray(lse), want_lse, np.dtype(dtype))
+    dout = jnp.asarray(np.random.default_rng(1).standard_normal(out.shape).astype(dtype))
+    grads = cupy_attn.attention_backward(dout, jq, jk, jv, out, lse, **kw)
+    for g, w in zip(grads, reference.attention_gradients(np.asarray(dout), q, k, v, **kw)):
+        assert isinstance(g, jax.Array)
+        assert_close(np.asarray(g), w, np.dtype(dtype), grad=True)
+
+
+def loss(q, k, v, mask):
+    return (cupy_attn.jax.attention(q, k, v, causal=True, mask=mask, softcap=4.0) ** 2).sum()
+
+
+def test_grad_eager_and_jit_agree_with_reference():
+    (q, k, v), (jq, jk, jv) = arrays()
+    mask = np.random.default_rng(2).random((37, 50)) < 0.9
+    eager = jax.grad(loss, argnums=(0, 1, 2))(jq, jk, jv, jnp.asarray(mask))
+    jitted = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(jq, jk, jv, jnp.asarray(mask))
+    out, _ = reference.attention(q, k, v, causal=True, mask=mask, softcap=4.0)
+    want = reference.attention_gradients(2 * out, q, k, v, causal=True, mask=mask, softcap=4.0)
+    for e, j, w in zip(eager, jitted, want):
+        np.testing.assert_array_equal(np.asarray(e), np.asarray(j))
+        assert_close(np.asarray(e), w, np.dtype(np.float32), grad=True)
+
+
+def test_jit_forward_and_vmap():
+    (q, k, v), (jq, jk, jv) = arrays()
+    f = jax.jit(lambda q, k, v: cupy_attn.jax.attention(q, k, v, window=(4, 4)))
+    want, _ = reference.attention(q, k, v, window=(4, 4))
+    assert_close(np.asarray(f(jq, jk, jv)), want, np.dtype(np.float32))
+    batched = jax.vmap(lambda q, k, v: cupy_attn.jax.attention(q[None], k[None], v[None])[0])(jq, jk, jv)
+    assert_close(np.asarray(batched), reference.attention(q, k, v)[0], np.dtype(np.float32))
+
+
+def test_plain_attention_refuses_tracers_clearly():
+    (_, (jq, jk, jv)) = arrays()
+    with pytest.raises(TypeError, match="use cupy_attn.jax.attention"):
+        jax.jit(lambda q: cupy_attn.attention(q, jk, jv))(jq)
+
+
+def test_return_lse_is_refused():
+    (_, (jq, jk, jv)) = arrays()
+    with pytest.raises(TypeError, match="does not take return_lse"):
+        cupy_attn.jax.attention(jq, jk, jv, return_lse=True)
+
+
+def test_zero_copy_on_the_cpu():
+    j = jnp.arange(12.0, dtype=jnp.float32).reshape(3, 4)
+    assert _interop.to_backend(j).ctypes.data == j.unsafe_buffer_pointer()
+    # JAX imports a NumPy buffer in place when it is 64-byte aligned (its own requirement).
+    raw = np.zeros(64 * 4 + 64, np.uint8)
+    n = raw[-raw.ctypes.data % 64:][:64 * 4].view(np.float32).reshape(4, 16)
+    assert n.ctypes.data % 64 == 0
+    assert _interop.to_framework("jax", n).unsafe_buffer_pointer() == n.ctypes.data
+
+
+def test_head_helpers_take_jax_arrays():
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 9, 24)).astype(np.float32))
+    heads = cupy_attn.split_heads(x, 3)
+    assert isinstance(heads, jax.Array) and heads.shape == (2, 3, 9, 8)
+    np.testing.assert_array_equal(np.asarray(cupy_attn.merge_heads(heads)), np.asarray(x))
+    w = [jnp.asarray(np.random.default_rng(i).standard_normal((24, 24)).astype(np.float32) / 5) for i in range(4)]
+    y = cupy_attn.multi_head_attention(x, *w, 3)
+    assert isinstance(y, jax.Array) and y.shape == (2, 9, 24)

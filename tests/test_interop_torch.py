@@ -1,0 +1,121 @@
+"""PyTorch tensors through cupy_attn (CPU here; CUDA tensors in test_gpu_interop.py)."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cupy_attn  # noqa: E402
+import cupy_attn.torch  # noqa: E402
+from cupy_attn import _interop, reference  # noqa: E402
+from helpers import assert_close  # noqa: E402
+
+TORCH_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64}
+
+
+def tensors(dtype=torch.float32, layout="bhsd", requires_grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(2, 4, 37, 16), (2, 2, 50, 16), (2, 2, 50, 8)]
+    if layout == "bshd":
+        shapes = [(b, s, h, d) for b, h, s, d in shapes]
+    return [torch.randn(s, generator=g, dtype=torch.float32).to(dtype).requires_grad_(requires_grad) for s in shapes]
+
+
+def numpy_of(t):
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.detach().float().numpy().astype(ml_dtypes.bfloat16)
+    return t.detach().numpy()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_attention_and_backward(dtype, layout):
+    q, k, v = tensors(dtype, layout)
+    kw = dict(causal=True, layout=layout, kv_lengths=torch.tensor([50, 31]), mask=torch.rand(37, 50) < 0.9)
+    out, lse = cupy_attn.attention(q, k, v, return_lse=True, **kw)
+    assert isinstance(out, torch.Tensor) and out.dtype == dtype and out.device.type == "cpu"
+    assert isinstance(lse, torch.Tensor) and lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    np_kw = dict(kw, kv_lengths=kw["kv_lengths"].numpy(), mask=kw["mask"].numpy())
+    want_out, want_lse = reference.attention(*map(numpy_of, (q, k, v)), **np_kw)
+    np_dtype = numpy_of(q).dtype
+    assert_close(numpy_of(out), want_out, np_dtype)
+    assert_close(lse.numpy(), want_lse, np_dtype)
+    dout = torch.randn(out.shape, dtype=torch.float32).to(dtype)
+    grads = cupy_attn.attention_backward(dout, q, k, v, out, lse, **kw)
+    want = reference.attention_gradients(numpy_of(dout), *map(numpy_of, (q, k, v)), **np_kw)
+    for g, w in zip(grads, want):
+        assert isinstance(g, torch.Tensor) and g.dtype == dtype
+        assert_close(numpy_of(g), w, np_dtype, grad=True)
+
+
+def test_gradcheck_float64():
+    q, k, v = (t[:1, :, :6, :4].detach().clone().double().requires_grad_() for t in tensors())
+    for kw in (dict(causal=True), dict(softcap=2.0, alibi_slopes=torch.tensor([0.3, 0.1, 0.2, 0.5])),
+               dict(window=(2, 1), q_lengths=torch.tensor([5]), layout="bhsd")):
+        assert torch.autograd.gradcheck(lambda q, k, v: cupy_attn.torch.attention(q, k, v, **kw), (q, k, v))
+
+
+def test_autograd_adapter_trains():
+    """A tiny model with cupy_attn.torch.attention inside learns (the README example)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 10, 32)
+    target = torch.randn(4, 10, 32)
+    proj = torch.nn.Linear(32, 3 * 32)
+    opt = torch.optim.Adam(proj.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(30):
+        q, k, v = proj(x).chunk(3, dim=-1)
+        q, k, v = (t.reshape(4, 10, 4, 8) for t in (q, k, v))
+        out = cupy_attn.torch.attention(q, k, v, causal=True, layout="bshd")
+        loss = ((out.reshape(4, 10, 32) - target) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.9 * losses[0]
+
+
+def test_adapter_matches_functional_gradients():
+    q, k, v = tensors(requires_grad=True)
+    out, lse = cupy_attn.torch.attention(q, k, v, return_lse=True, window=(8, 0), deterministic=True)
+    dout = torch.randn_like(out)
+    (out * dout).sum().backward()
+    want = cupy_attn.attention_backward(dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, window=(8, 0))
+    for t, w in zip((q, k, v), want):
+        torch.testing.assert_close(t.grad, w)
+    assert not lse.requires_grad
+
+
+def test_zero_copy_both_ways():
+    t = torch.randn(3, 5)
+    a = _interop.to_backend(t)
+    assert a.ctypes.data == t.data_ptr()
+    b16 = torch.randn(3, 5).to(torch.bfloat16)
+    a16 = _interop.to_backend(b16)
+    assert str(a16.dtype) == "bfloat16" and a16.ctypes.data == b16.data_ptr()
+    back = _interop.to_framework("torch", a16)
+    assert back.dtype == torch.bfloat16 and back.data_ptr() == a16.ctypes.data
+    n = np.ones((2, 3), np.float32)
+    assert _interop.to_framework("torch", n).data_ptr() == n.ctypes.data
+
+
+def test_head_helpers_take_tensors():
+    x = torch.randn(2, 9, 24)
+    for layout in ("bhsd", "bshd"):
+        heads = cupy_attn.split_heads(x, 3, layout)
+        assert isinstance(heads, torch.Tensor) and heads.data_ptr() == x.data_ptr()  # a view
+        torch.testing.assert_close(cupy_attn.merge_heads(heads, layout), x)
+    w = [torch.randn(24, 24) / 5 for _ in range(4)]
+    y = cupy_attn.multi_head_attention(x, *w, 3, causal=True)
+    want = cupy_attn.multi_head_attention(x.numpy(), *(t.numpy() for t in w), 3, causal=True)
+    assert isinstance(y, torch.Tensor)
+    np.testing.assert_allclose(y.numpy(), want, rtol=1e-6)
+
+
+def test_traced_values_are_refused_clearly():
+    q, k, v = tensors()
+    out = cupy_attn.attention(q, k, v, backend="numpy")
+    assert isinstance(out, torch.Tensor)
+    with pytest.raises(TypeError, match="q must be a NumPy or CuPy array"):
+        cupy_attn.attention([1.0], k, v)
