@@ -1,0 +1,499 @@
+"""Benchmark cupy_attn against PyTorch SDPA (every backend), JAX and NumPy.
+
+    python bench/bench_attention.py [--quick] [--out DIR] [--impls NAME ...] [--pass fwd,bwd]
+                                    [--compile-times] [--device auto|gpu|cpu]
+
+On a GPU: cupy_attn's CUDA kernels against each available PyTorch SDPA backend (flash,
+efficient, cudnn, math) and jax.nn.dot_product_attention, in FlashAttention's configurations
+(B·S = 16k, H·D = 2048, S 512 to 16k, D 64/128/256, fp16/bf16, causal and not) plus a GQA case, a
+padding-mask case and a decode case. Without a GPU: the NumPy backend against naive NumPy and
+PyTorch SDPA on the CPU, at CPU-sized shapes.
+
+Timing: warm-up calls first (compilation is never timed), then the median of many repetitions
+(CUDA events on the GPU), cycling through several input sets whose total size exceeds the L2
+cache. FLOPs follow FlashAttention's convention: 4·B·H·Sq·Sk·D forward (halved when causal),
+2.5× that backward. Peak memory is what the call allocates beyond its inputs.
+
+Writes results.json (a list of records) and one PNG per pass into --out, and prints a table of
+cupy_attn's speed relative to the best other implementation last.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+import tracemalloc
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
+import cupy_attn  # noqa: E402
+from cupy_attn import _backends  # noqa: E402
+
+L2_BYTES = 64 * 2**20  # a little above an H100/H200's L2
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    B: int
+    H: int
+    Hkv: int
+    Sq: int
+    Sk: int
+    D: int
+    dtype: str
+    causal: bool
+    padding: bool = False  # a bool (B, 1, 1, Sk) key-padding mask
+
+    def flops(self, pass_: str) -> float:
+        f = 4.0 * self.B * self.H * self.Sq * self.Sk * self.D / (2 if self.causal else 1)
+        return f * (2.5 if pass_ == "bwd" else 1.0)
+
+
+def gpu_cases(quick: bool) -> list[Case]:
+    cases = []
+    dtypes = ["float16"] if quick else ["float16", "bfloat16"]
+    dims = [64, 128] if quick else [64, 128, 256]
+    seqs = [1024, 4096] if quick else [512, 1024, 2048, 4096, 8192, 16384]
+    for dtype in dtypes:
+        for d in dims:
+            for s in seqs:
+                for causal in (False, True):
+                    cases.append(Case("sweep", 16384 // s, 2048 // d, 2048 // d, s, s, d, dtype, causal))
+    cases.append(Case("gqa", 2, 32, 8, 4096, 4096, 128, "bfloat16", True))
+    cases.append(Case("padding_mask", 4, 16, 16, 4096, 4096, 128, "float16", False, padding=True))
+    cases.append(Case("decode", 8, 32, 8, 1, 32768 if not quick else 8192, 128, "float16", False))
+    return cases
+
+
+def cpu_cases(quick: bool) -> list[Case]:
+    seqs = [256, 512, 1024] if quick else [256, 512, 1024, 2048, 4096]
+    cases = [Case("sweep", 1, 4, 4, s, s, 64, "float32", c) for s in seqs for c in (False, True)]
+    cases.append(Case("padding_mask", 2, 4, 4, 512, 512, 64, "float32", False, padding=True))
+    return cases
+
+
+# ---- inputs -----------------------------------------------------------------------------------
+
+def host_inputs(case: Case, seed: int):
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(cupy_attn._arrays.BFLOAT16 if case.dtype == "bfloat16" else case.dtype)
+    q = rng.standard_normal((case.B, case.H, case.Sq, case.D), dtype=np.float32).astype(dtype)
+    k = rng.standard_normal((case.B, case.Hkv, case.Sk, case.D), dtype=np.float32).astype(dtype)
+    v = rng.standard_normal((case.B, case.Hkv, case.Sk, case.D), dtype=np.float32).astype(dtype)
+    dout = rng.standard_normal(q.shape, dtype=np.float32).astype(dtype)
+    lengths = rng.integers(case.Sk // 2, case.Sk + 1, case.B) if case.padding else None
+    mask = (np.arange(case.Sk)[None, :] < lengths[:, None])[:, None, None, :] if case.padding else None
+    return q, k, v, dout, mask
+
+
+def input_sets(case: Case) -> int:
+    per_set = 2 * (case.B * case.H * case.Sq + 2 * case.B * case.Hkv * case.Sk) * case.D
+    return int(min(8, max(1, np.ceil(2 * L2_BYTES / per_set))))
+
+
+# ---- implementations: each returns (prepare(case, pass) -> callable, or a reason it cannot run) ----
+
+class Impl:
+    name: str
+    device: str  # "gpu" or "cpu"
+
+    def available(self) -> str | None:
+        """None if usable, else why not."""
+        return None
+
+    def prepare(self, case: Case, pass_: str, sets: list):
+        raise NotImplementedError
+
+
+class CupyAttnCuda(Impl):
+    name, device = "cupy_attn", "gpu"
+
+    def available(self):
+        usable, why = _backends.cuda_status()
+        return None if usable else why
+
+    def prepare(self, case, pass_, sets):
+        import cupy
+
+        dev = [tuple(None if x is None else cupy.asarray(x) for x in s) for s in sets]
+        calls = []
+        for q, k, v, dout, mask in dev:
+            if pass_ == "fwd":
+                calls.append(lambda q=q, k=k, v=v, mask=mask: cupy_attn.attention(q, k, v, causal=case.causal, mask=mask))
+            else:
+                out, lse = cupy_attn.attention(q, k, v, causal=case.causal, mask=mask, return_lse=True)
+                calls.append(lambda q=q, k=k, v=v, d=dout, o=out, l=lse, mask=mask: cupy_attn.attention_backward(
+                    d, q, k, v, o, l, causal=case.causal, mask=mask))
+        return calls
+
+
+class TorchSdpa(Impl):
+    device = "gpu"
+
+    def __init__(self, backend: str):
+        self.backend = backend
+        self.name = f"torch_sdpa_{backend}"
+
+    def available(self):
+        if importlib.util.find_spec("torch") is None:
+            return "PyTorch is not installed"
+        import torch
+
+        return None if torch.cuda.is_available() else "PyTorch sees no CUDA device"
+
+    def prepare(self, case, pass_, sets):
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                   "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[self.backend]
+        dtype = getattr(torch, case.dtype)
+        calls = []
+        for q, k, v, dout, mask in sets:
+            tq, tk, tv, td = (torch.from_numpy(np.asarray(x, np.float32)).to("cuda", dtype) for x in (q, k, v, dout))
+            tm = None if mask is None else torch.from_numpy(mask).cuda()
+            tq.requires_grad_(pass_ == "bwd")
+            tk.requires_grad_(pass_ == "bwd")
+            tv.requires_grad_(pass_ == "bwd")
+            # is_causal is top-left in SDPA; it equals bottom-right for the Sq = Sk cases used here.
+            kw = dict(attn_mask=tm, is_causal=case.causal and case.Sq > 1, enable_gqa=case.Hkv != case.H)
+
+            def fwd(tq=tq, tk=tk, tv=tv, kw=kw):
+                with sdpa_kernel(backend):
+                    return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, **kw)
+
+            if pass_ == "fwd":
+                calls.append(fwd)
+            else:
+                out = fwd()
+                calls.append(lambda out=out, tq=tq, tk=tk, tv=tv, td=td: torch.autograd.grad(
+                    out, (tq, tk, tv), td, retain_graph=True))
+        return calls
+
+
+class JaxDotProductAttention(Impl):
+    name, device = "jax_dot_product_attention", "gpu"
+
+    def available(self):
+        if importlib.util.find_spec("jax") is None:
+            return "JAX is not installed"
+        import jax
+
+        return None if jax.default_backend() == "gpu" else "JAX has no GPU backend"
+
+    def prepare(self, case, pass_, sets):
+        import jax
+        import jax.numpy as jnp
+
+        impl = "cudnn" if case.dtype in ("float16", "bfloat16") and not case.padding else None
+
+        def attn(q, k, v, mask):
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=case.causal, implementation=impl)
+
+        fwd = jax.jit(attn)
+        bwd = jax.jit(lambda q, k, v, mask, d: jax.vjp(lambda q, k, v: attn(q, k, v, mask), q, k, v)[1](d))
+        calls = []
+        for q, k, v, dout, mask in sets:
+            # JAX's layout is (B, S, H, D)
+            jq, jk, jv, jd = (jnp.asarray(np.swapaxes(x, 1, 2)) for x in (q, k, v, dout))
+            jm = None if mask is None else jnp.asarray(mask)
+            if pass_ == "fwd":
+                calls.append(lambda jq=jq, jk=jk, jv=jv, jm=jm: fwd(jq, jk, jv, jm).block_until_ready())
+            else:
+                calls.append(lambda jq=jq, jk=jk, jv=jv, jm=jm, jd=jd: jax.block_until_ready(bwd(jq, jk, jv, jm, jd)))
+        return calls
+
+
+class NumpyBackend(Impl):
+    name, device = "cupy_attn_numpy", "cpu"
+
+    def prepare(self, case, pass_, sets):
+        calls = []
+        for q, k, v, dout, mask in sets:
+            if pass_ == "fwd":
+                calls.append(lambda q=q, k=k, v=v, mask=mask: cupy_attn.attention(q, k, v, causal=case.causal, mask=mask))
+            else:
+                out, lse = cupy_attn.attention(q, k, v, causal=case.causal, mask=mask, return_lse=True)
+                calls.append(lambda q=q, k=k, v=v, d=dout, o=out, l=lse, mask=mask: cupy_attn.attention_backward(
+                    d, q, k, v, o, l, causal=case.causal, mask=mask))
+        return calls
+
+
+class NaiveNumpy(Impl):
+    name, device = "naive_numpy", "cpu"
+
+    def prepare(self, case, pass_, sets):
+        if pass_ == "bwd":
+            return "forward only"
+
+        def naive(q, k, v, mask):
+            s = q @ k.swapaxes(-1, -2) / np.float32(np.sqrt(q.shape[-1]))
+            if case.causal:
+                s = np.where(np.tri(s.shape[-2], s.shape[-1], s.shape[-1] - s.shape[-2], dtype=bool), s, -np.inf)
+            if mask is not None:
+                s = np.where(mask, s, -np.inf)
+            s = np.exp(s - s.max(-1, keepdims=True))
+            return (s / s.sum(-1, keepdims=True)) @ v
+
+        return [lambda q=q, k=k, v=v, mask=mask: naive(q, k, v, mask) for q, k, v, _, mask in sets]
+
+
+class TorchSdpaCpu(Impl):
+    name, device = "torch_sdpa_cpu", "cpu"
+
+    def available(self):
+        return None if importlib.util.find_spec("torch") else "PyTorch is not installed"
+
+    def prepare(self, case, pass_, sets):
+        import torch
+
+        calls = []
+        for q, k, v, dout, mask in sets:
+            tq, tk, tv, td = (torch.from_numpy(np.ascontiguousarray(x)) for x in (q, k, v, dout))
+            tm = None if mask is None else torch.from_numpy(mask)
+            for t in (tq, tk, tv):
+                t.requires_grad_(pass_ == "bwd")
+            kw = dict(attn_mask=tm, is_causal=case.causal)
+            if pass_ == "fwd":
+                calls.append(lambda tq=tq, tk=tk, tv=tv, kw=kw: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, **kw))
+            else:
+                out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, **kw)
+                calls.append(lambda out=out, tq=tq, tk=tk, tv=tv, td=td: torch.autograd.grad(out, (tq, tk, tv), td, retain_graph=True))
+        return calls
+
+
+IMPLS = [CupyAttnCuda(), *(TorchSdpa(b) for b in ("flash", "efficient", "cudnn", "math")), JaxDotProductAttention(),
+         NumpyBackend(), NaiveNumpy(), TorchSdpaCpu()]
+
+
+# ---- timing -------------------------------------------------------------------------------------
+
+def time_gpu(calls, reps: int) -> tuple[float, int]:
+    import cupy
+
+    hook = PeakMemoryHook()
+    torch_peak = _torch_peak_start()
+    with hook:
+        calls[0]()
+    cupy.cuda.Device().synchronize()
+    peak = max(hook.peak, _torch_peak_end(torch_peak))
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for i in range(reps):
+        start.record()
+        calls[i % len(calls)]()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times), peak
+
+
+def time_cpu(calls, reps: int) -> tuple[float, int]:
+    tracemalloc.start()
+    calls[0]()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    times = []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        calls[i % len(calls)]()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), peak
+
+
+def _torch_peak_start():
+    if "torch" not in sys.modules:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def _torch_peak_end(base) -> int:
+    if base is None:
+        return 0
+    import torch
+
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+class PeakMemoryHook:
+    """The most bytes CuPy's memory pool held for the call at any moment."""
+
+    def __enter__(self):
+        import cupy
+
+        pool = cupy.get_default_memory_pool()
+        self.base = self.now = pool.used_bytes()
+        self.peak = 0
+
+        class Hook(cupy.cuda.MemoryHook):
+            name = "peak"
+
+            def malloc_postprocess(hook, device_id, size, mem_size, mem_ptr, pmem_id):
+                self.now += mem_size
+                self.peak = max(self.peak, self.now - self.base)
+
+            def free_postprocess(hook, device_id, mem_size, mem_ptr, pmem_id):
+                self.now -= mem_size
+
+        self.hook = Hook()
+        self.hook.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hook.__exit__(*exc)
+
+
+# ---- driver -------------------------------------------------------------------------------------
+
+def run(args) -> list[dict]:
+    device = args.device
+    if device == "auto":
+        device = "gpu" if _backends.cuda_status()[0] else "cpu"
+    cases = gpu_cases(args.quick) if device == "gpu" else cpu_cases(args.quick)
+    impls = [i for i in IMPLS if i.device == device and (not args.impls or i.name in args.impls)]
+    reps = 10 if args.quick else 30
+    records = []
+    for impl in impls:
+        why = impl.available()
+        if why:
+            print(f"skipping {impl.name}: {why}", file=sys.stderr)
+            continue
+        for case in cases:
+            for pass_ in args.passes:
+                sets = [host_inputs(case, seed) for seed in range(input_sets(case) if device == "gpu" else 1)]
+                try:
+                    calls = impl.prepare(case, pass_, sets)
+                    if isinstance(calls, str):
+                        continue
+                    for call in calls[:2]:  # warm-up: compilation and autotuning stay out of the timing
+                        call()
+                    ms, peak = (time_gpu if device == "gpu" else time_cpu)(calls, reps)
+                except Exception as exc:  # an implementation that rejects a case is reported, not fatal
+                    print(f"{impl.name} {case.name} S={case.Sq} D={case.D} {case.dtype} causal={case.causal} "
+                          f"{pass_}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}", file=sys.stderr)
+                    continue
+                record = dict(asdict(case), impl=impl.name, device=device, ms_median=ms,
+                              tflops=case.flops(pass_) / (ms * 1e-3) / 1e12, peak_bytes=int(peak), reps=reps)
+                record["pass"] = pass_
+                records.append(record)
+                print(f"{impl.name:<28} {case.name:<12} {case.dtype:<8} B={case.B:<3} H={case.H:<3} S={case.Sq:>5}/{case.Sk:<5} "
+                      f"D={case.D:<3} causal={case.causal!s:<5} {pass_} {ms:9.3f} ms {record['tflops']:8.3f} TFLOP/s", flush=True)
+    return records
+
+
+def plot(records: list[dict], out: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for pass_ in sorted({r["pass"] for r in records}):
+        rows = [r for r in records if r["pass"] == pass_ and r["name"] == "sweep"]
+        panels = sorted({(r["dtype"], r["D"], r["causal"]) for r in rows})
+        if not panels:
+            continue
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
+        for ax, (dtype, d, causal) in zip(axes[0], panels):
+            for impl in sorted({r["impl"] for r in rows}):
+                pts = sorted((r["Sq"], r["tflops"]) for r in rows
+                             if r["impl"] == impl and (r["dtype"], r["D"], r["causal"]) == (dtype, d, causal))
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=impl)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{pass_} {dtype} D={d}{' causal' if causal else ''}", fontsize=9)
+            ax.set_xlabel("sequence length")
+            ax.set_ylabel("TFLOP/s")
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / f"{pass_}.png", dpi=110)
+        plt.close(fig)
+
+
+def summary(records: list[dict]) -> str:
+    lines = ["cupy_attn relative to the best other implementation (>1: cupy_attn faster)",
+             f"{'case':<12} {'dtype':<9} {'S':>11} {'D':>4} {'causal':<6} {'pass':<4} {'cupy_attn':>10} {'best other':>28} {'ratio':>6}"]
+    key = lambda r: (r["name"], r["dtype"], r["Sq"], r["Sk"], r["D"], r["causal"], r["B"], r["H"], r["pass"])  # noqa: E731
+    groups: dict = {}
+    for r in records:
+        groups.setdefault(key(r), []).append(r)
+    for k in sorted(groups):
+        ours = [r for r in groups[k] if r["impl"].startswith("cupy_attn")]
+        others = [r for r in groups[k] if not r["impl"].startswith("cupy_attn")]
+        if not ours or not others:
+            continue
+        best = max(others, key=lambda r: r["tflops"])
+        mine = max(ours, key=lambda r: r["tflops"])
+        lines.append(f"{k[0]:<12} {k[1]:<9} {f'{k[2]}/{k[3]}':>11} {k[4]:>4} {k[5]!s:<6} {k[8]:<4} "
+                     f"{mine['tflops']:>10.3f} {best['impl'] + ' ' + format(best['tflops'], '.3f'):>28} "
+                     f"{mine['tflops'] / best['tflops']:>6.2f}")
+    return "\n".join(lines)
+
+
+def compile_times() -> list[dict]:
+    """Cold NVRTC compile per variant (no GPU needed); with a GPU also CuPy's cold and warm load."""
+    import os
+    import subprocess
+    import tempfile
+
+    from cupy_attn import _compile, _config, _nvrtc
+
+    rows = []
+    for filename, name, dtype in _config.kernel_variants():
+        c = _nvrtc.compile_kernel(_compile.kernel_source(filename), name, "sm_90", _compile.NVRTC_OPTIONS)
+        rows.append({"kernel": name, "nvrtc_cold_s": round(c.compile_seconds, 3)})
+        print(f"{name:<58} NVRTC cold {c.compile_seconds:6.2f} s", flush=True)
+    if _backends.cuda_status()[0]:
+        probe = ("import time, cupy_attn._compile as c, cupy_attn._config as k, numpy as np;"
+                 "t = time.perf_counter(); c.function('cuda', 'attention_fwd.cu', k.FORWARD_TILES[2].name_expression(np.float16));"
+                 "print(time.perf_counter() - t)")
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, CUPY_CACHE_DIR=cache)
+            cold, warm = (float(subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                                               check=True).stdout) for _ in range(2))
+        rows.append({"kernel": "attention_fwd (D=128, fp16) via CuPy", "cupy_cold_s": cold, "cupy_warm_s": warm})
+        print(f"CuPy load of one forward variant: cold {cold:.2f} s, warm (disk cache) {warm:.3f} s")
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a small subset (under two minutes on a CPU)")
+    parser.add_argument("--out", type=Path, default=Path("bench/out"))
+    parser.add_argument("--impls", nargs="*", help="implementation names to run (default: all available)")
+    parser.add_argument("--pass", dest="passes", default="fwd,bwd", type=lambda s: [p for p in s.split(",") if p],
+                        help="fwd, bwd or fwd,bwd")
+    parser.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto")
+    parser.add_argument("--compile-times", action="store_true", help="report kernel compile times instead")
+    args = parser.parse_args(argv)
+    if any(p not in ("fwd", "bwd") for p in args.passes):
+        parser.error(f"--pass takes fwd, bwd or fwd,bwd, got {','.join(args.passes)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.compile_times:
+        (args.out / "compile_times.json").write_text(json.dumps(compile_times(), indent=1))
+        return 0
+    records = run(args)
+    (args.out / "results.json").write_text(json.dumps(records, indent=1))
+    if importlib.util.find_spec("matplotlib"):
+        plot(records, args.out)
+    else:
+        print("matplotlib is not installed (pip install 'cupy_attn[bench]'): no plots", file=sys.stderr)
+    print(summary(records))
+    return 0 if records else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""The benchmark script runs without a GPU and writes what it promises."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quick_cpu_benchmark_writes_json_and_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_attention.py"), "--quick", "--device", "cpu",
+                             "--impls", "cupy_attn_numpy", "naive_numpy", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    records = json.loads((tmp_path / "results.json").read_text())
+    keys = {"impl", "pass", "B", "H", "Sq", "Sk", "D", "dtype", "causal", "ms_median", "tflops", "peak_bytes"}
+    assert records and all(keys <= r.keys() for r in records)
+    assert {r["impl"] for r in records} == {"cupy_attn_numpy", "naive_numpy"}
+    assert {r["pass"] for r in records} == {"fwd", "bwd"}
+    assert all(r["ms_median"] > 0 and r["tflops"] > 0 for r in records)
+    assert (tmp_path / "fwd.png").stat().st_size > 1000 and (tmp_path / "bwd.png").exists()
+    assert "relative to the best other implementation" in result.stdout
