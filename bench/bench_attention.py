@@ -119,12 +119,14 @@ class CupyAttnCuda(Impl):
         usable, why = _backends.cuda_status()
         return None if usable else why
 
-    def prepare(self, case, pass_, sets):
+    def to_device(self, x):
         import cupy
 
-        dev = [tuple(None if x is None else cupy.asarray(x) for x in s) for s in sets]
+        return cupy.asarray(x)
+
+    def prepare(self, case, pass_, sets):
         calls = []
-        for q, k, v, dout, mask in dev:
+        for q, k, v, dout, mask in ([None if x is None else self.to_device(x) for x in s] for s in sets):
             if pass_ == "fwd":
                 calls.append(lambda q=q, k=k, v=v, mask=mask: cupy_attn.attention(q, k, v, causal=case.causal, mask=mask))
             else:
@@ -211,19 +213,16 @@ class JaxDotProductAttention(Impl):
         return calls
 
 
-class NumpyBackend(Impl):
+class NumpyBackend(CupyAttnCuda):
+    """The same calls on host arrays: the NumPy backend."""
+
     name, device = "cupy_attn_numpy", "cpu"
 
-    def prepare(self, case, pass_, sets):
-        calls = []
-        for q, k, v, dout, mask in sets:
-            if pass_ == "fwd":
-                calls.append(lambda q=q, k=k, v=v, mask=mask: cupy_attn.attention(q, k, v, causal=case.causal, mask=mask))
-            else:
-                out, lse = cupy_attn.attention(q, k, v, causal=case.causal, mask=mask, return_lse=True)
-                calls.append(lambda q=q, k=k, v=v, d=dout, o=out, l=lse, mask=mask: cupy_attn.attention_backward(
-                    d, q, k, v, o, l, causal=case.causal, mask=mask))
-        return calls
+    def available(self):
+        return None
+
+    def to_device(self, x):
+        return x
 
 
 class NaiveNumpy(Impl):

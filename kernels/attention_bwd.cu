@@ -20,11 +20,11 @@ namespace attn {
 
 // The per-row statistics the backward needs: lse in base 2 (or -inf) and delta.
 __device__ __forceinline__ void stage_row_stats(float* s_lse2, float* s_delta, const float* lse, const float* delta,
-                                                long long row_base, int m0, int block_m, int seq_q) {
+                                                long long first_row, int m0, int block_m, int seq_q) {
     for (int r = threadIdx.x; r < block_m; r += kThreads) {
         bool valid = m0 + r < seq_q;
-        s_lse2[r] = valid ? lse[row_base + m0 + r] * kLog2e : -infinity();
-        s_delta[r] = valid ? delta[row_base + m0 + r] : 0.f;
+        s_lse2[r] = valid ? lse[first_row + m0 + r] * kLog2e : -infinity();
+        s_delta[r] = valid ? delta[first_row + m0 + r] : 0.f;
     }
 }
 
@@ -64,13 +64,9 @@ __device__ __forceinline__ void dkdv_block(const Params& p, const T* q, const T*
     const BlockInfo b(p, blockIdx.y, blockIdx.z);
     const ScoreTransform score(p, b);
     const int n0 = blockIdx.x * kBlockN;
-    const long long q_base = b.bidb * strides[0] + b.bidh * strides[1];
-    const long long k_base = b.bidb * strides[3] + b.bidh_kv * strides[4];
-    const long long v_base = b.bidb * strides[6] + b.bidh_kv * strides[7];
-    const long long do_base = b.bidb * strides[9] + b.bidh * strides[10];
-    const long long row_base = (static_cast<long long>(b.bidb) * p.heads + b.bidh) * p.seq_q;  // lse, delta, dq_accum rows
-    stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sK, k + k_base, strides[5], n0, p.seq_k, p.head_dim);
-    stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sV, v + v_base, strides[8], n0, p.seq_k, p.head_dim_v);
+    const HeadView at = head_view(p, b, strides);  // .o is dout; .stats indexes lse, delta and dq rows
+    stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sK, k + at.k, at.k_row, n0, p.seq_k, p.head_dim);
+    stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sV, v + at.v, at.v_row, n0, p.seq_k, p.head_dim_v);
 
     const int key = threadIdx.x / kPerKey, key_part = threadIdx.x % kPerKey;  // this thread's dK/dV row
     const int qrow = threadIdx.x / kPerRow, row_part = threadIdx.x % kPerRow;  // this thread's dQ row
@@ -83,9 +79,9 @@ __device__ __forceinline__ void dkdv_block(const Params& p, const T* q, const T*
     for (int m_block = m_begin; m_block < m_end; ++m_block) {
         const int m0 = m_block * kBlockM;
         __syncthreads();  // the previous query tile's Q, dO, P and dS are no longer read
-        stage_tile<kBlockM, kHeadDim, kHeadDim>(sQ, q + q_base, strides[2], m0, p.seq_q, p.head_dim);
-        stage_tile<kBlockM, kHeadDim, kHeadDim>(sDO, dout + do_base, strides[11], m0, p.seq_q, p.head_dim_v);
-        stage_row_stats(sLse2, sDelta, lse, delta, row_base, m0, kBlockM, p.seq_q);
+        stage_tile<kBlockM, kHeadDim, kHeadDim>(sQ, q + at.q, at.q_row, m0, p.seq_q, p.head_dim);
+        stage_tile<kBlockM, kHeadDim, kHeadDim>(sDO, dout + at.o, at.o_row, m0, p.seq_q, p.head_dim_v);
+        stage_row_stats(sLse2, sDelta, lse, delta, at.stats, m0, kBlockM, p.seq_q);
         __syncthreads();  // K, V (first pass), Q, dO and the row statistics are staged
 
         const bool boundary = !b.tile_is_interior(p, m0, kBlockM, n0, kBlockN);
@@ -116,7 +112,7 @@ __device__ __forceinline__ void dkdv_block(const Params& p, const T* q, const T*
                 if (d >= p.head_dim) break;
                 float sum = 0.f;
                 for (int c = 0; c < kBlockN; ++c) sum = fmaf(sDS[qrow * kBlockN + c], sK[c * Smem::kKStride + d], sum);
-                atomicAdd(dq_accum + (row_base + m0 + qrow) * p.head_dim + d, sum * p.scale);
+                atomicAdd(dq_accum + (at.stats + m0 + qrow) * p.head_dim + d, sum * p.scale);
             }
         }
     }
@@ -163,14 +159,10 @@ __device__ __forceinline__ void dq_block(const Params& p, const T* q, const T* k
     const int m0 = blockIdx.x * kBlockM;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row = warp * kRowsPerWarp + lane / kLanesPerRow, part = lane % kLanesPerRow;
-    const long long q_base = b.bidb * strides[0] + b.bidh * strides[1];
-    const long long k_base = b.bidb * strides[3] + b.bidh_kv * strides[4];
-    const long long v_base = b.bidb * strides[6] + b.bidh_kv * strides[7];
-    const long long do_base = b.bidb * strides[9] + b.bidh * strides[10];
-    const long long row_base = (static_cast<long long>(b.bidb) * p.heads + b.bidh) * p.seq_q;
-    stage_tile<kBlockM, kHeadDim, kHeadDim>(sQ, q + q_base, strides[2], m0, p.seq_q, p.head_dim);
-    stage_tile<kBlockM, kHeadDim, kHeadDim>(sDO, dout + do_base, strides[11], m0, p.seq_q, p.head_dim_v);
-    stage_row_stats(sLse2, sDelta, lse, delta, row_base, m0, kBlockM, p.seq_q);
+    const HeadView at = head_view(p, b, strides);
+    stage_tile<kBlockM, kHeadDim, kHeadDim>(sQ, q + at.q, at.q_row, m0, p.seq_q, p.head_dim);
+    stage_tile<kBlockM, kHeadDim, kHeadDim>(sDO, dout + at.o, at.o_row, m0, p.seq_q, p.head_dim_v);
+    stage_row_stats(sLse2, sDelta, lse, delta, at.stats, m0, kBlockM, p.seq_q);
 
     float acc[kDims];
     for (int e = 0; e < kDims; ++e) acc[e] = 0.f;
@@ -180,8 +172,8 @@ __device__ __forceinline__ void dq_block(const Params& p, const T* q, const T* k
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         const int n0 = n_block * kBlockN;
         __syncthreads();  // the previous K and V tiles are no longer read
-        stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sK, k + k_base, strides[5], n0, p.seq_k, p.head_dim);
-        stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sV, v + v_base, strides[8], n0, p.seq_k, p.head_dim_v);
+        stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sK, k + at.k, at.k_row, n0, p.seq_k, p.head_dim);
+        stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sV, v + at.v, at.v_row, n0, p.seq_k, p.head_dim_v);
         __syncthreads();  // Q, dO, row statistics (first pass), K and V staged
 
         const bool boundary = !b.tile_is_interior(p, m0, kBlockM, n0, kBlockN);
@@ -204,7 +196,7 @@ __device__ __forceinline__ void dq_block(const Params& p, const T* q, const T* k
     if (m0 + row < p.seq_q) {
         for (int e = 0; e < kDims; ++e) {
             const int d = part + kLanesPerRow * e;
-            if (d < p.head_dim) dq_accum[(row_base + m0 + row) * p.head_dim + d] = acc[e] * p.scale;
+            if (d < p.head_dim) dq_accum[(at.stats + m0 + row) * p.head_dim + d] = acc[e] * p.scale;
         }
     }
 }

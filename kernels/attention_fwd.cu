@@ -50,11 +50,8 @@ __device__ __forceinline__ void forward_block(const Params& p, const T* q, const
     const int part = lane % kLanesPerRow;                       // which of the row's lanes
     const int i = m0 + row;                                   // global query index
 
-    const long long q_base = b.bidb * strides[0] + b.bidh * strides[1];
-    const long long k_base = b.bidb * strides[3] + b.bidh_kv * strides[4];
-    const long long v_base = b.bidb * strides[6] + b.bidh_kv * strides[7];
-    const long long o_base = b.bidb * strides[9] + b.bidh * strides[10];
-    stage_tile<kBlockM, kHeadDim, kHeadDim>(sQ, q + q_base, strides[2], m0, p.seq_q, p.head_dim);
+    const HeadView at = head_view(p, b, strides);
+    stage_tile<kBlockM, kHeadDim, kHeadDim>(sQ, q + at.q, at.q_row, m0, p.seq_q, p.head_dim);
 
     OnlineSoftmax<kLanesPerRow> softmax;
     float acc[kDims];  // output row, dimensions part + kLanesPerRow · e
@@ -66,8 +63,8 @@ __device__ __forceinline__ void forward_block(const Params& p, const T* q, const
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         const int n0 = n_block * kBlockN;
         __syncthreads();  // everyone is done reading the previous K, V (and P) tiles
-        stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sK, k + k_base, strides[5], n0, p.seq_k, p.head_dim);
-        stage_tile<kBlockN, kHeadDim, kHeadDim>(sV, v + v_base, strides[8], n0, p.seq_k, p.head_dim_v);
+        stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sK, k + at.k, at.k_row, n0, p.seq_k, p.head_dim);
+        stage_tile<kBlockN, kHeadDim, kHeadDim>(sV, v + at.v, at.v_row, n0, p.seq_k, p.head_dim_v);
         __syncthreads();  // Q (first pass), K and V staged
 
         float s[kCols];  // scores of keys n0 + part + kLanesPerRow · c
@@ -95,9 +92,9 @@ __device__ __forceinline__ void forward_block(const Params& p, const T* q, const
         const float inv = softmax.inverse_sum();
         for (int e = 0; e < kDims; ++e) {
             const int d = part + kLanesPerRow * e;
-            if (d < p.head_dim_v) out[o_base + i * strides[11] + d] = from_float<T>(acc[e] * inv);
+            if (d < p.head_dim_v) out[at.o + i * at.o_row + d] = from_float<T>(acc[e] * inv);
         }
-        if (part == 0) lse[(static_cast<long long>(b.bidb) * p.heads + b.bidh) * p.seq_q + i] = softmax.lse();
+        if (part == 0) lse[at.stats + i] = softmax.lse();
     }
 }
 

@@ -75,6 +75,21 @@ struct BlockInfo {
     }
 };
 
+// Where one (batch entry, head) starts in q, k, v and the fourth tensor (out or dout), in
+// elements, with their row strides; and its first row in the (B, H, Sq) lse and delta arrays.
+struct HeadView {
+    long long q, k, v, o;
+    long long q_row, k_row, v_row, o_row;
+    long long stats;
+};
+
+__device__ __forceinline__ HeadView head_view(const Params& p, const BlockInfo& b, const long long (&s)[12]) {
+    return HeadView{b.bidb * s[0] + b.bidh * s[1], b.bidb * s[3] + b.bidh_kv * s[4],
+                    b.bidb * s[6] + b.bidh_kv * s[7], b.bidb * s[9] + b.bidh * s[10],
+                    s[2], s[5], s[8], s[11],
+                    (static_cast<long long>(b.bidb) * p.heads + b.bidh) * p.seq_q};
+}
+
 }  // namespace attn
 
 // The run-time arguments every attention kernel takes after its pointers, and how they become
