@@ -40,7 +40,8 @@ class ForwardTile:
                 f"{self.block_n}, {self.lanes_per_row}>")
 
 
-# The same tiles serve fp16, bf16 and fp32: this CUDA-core kernel stages every tile as float32.
+# The CUDA-core forward serves fp32 (exact, no TF32); fp16/bf16 take the tensor-core kernel below.
+# It stages every tile as float32.
 # Per-lane registers: D / lanes_per_row output accumulators + block_n / lanes_per_row scores,
 # kept at <= 32 + 32 so that no variant spills.
 FORWARD_TILES = (
@@ -89,6 +90,35 @@ class BackwardTile:
                 f"{self.dq_block_n}, {self.dq_lanes_per_row}>")
 
 
+@dataclass(frozen=True)
+class TensorCoreTile:
+    """The fp16/bf16 forward on mma.sync: 64 query rows (4 warps x 16) per block."""
+
+    head_dim: int
+    block_n: int
+    reason: str
+    block_m: int = 64
+
+    @property
+    def shared_bytes(self) -> int:
+        """Q (64, D + 8) + K, V (block_n, D + 8), 16-bit; rows padded by 16 bytes for ldmatrix."""
+        return 2 * (self.block_m + 2 * self.block_n) * (self.head_dim + 8)
+
+    def name_expression(self, dtype) -> str:
+        return f"attention_fwd_tc<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_n}>"
+
+
+# Per thread: D/2 float accumulators of O plus block_n/2 of S; FlashAttention-2 uses the same
+# 64-row blocks of 4 warps. D = 256 halves block_n to keep O + S under ~150 registers.
+TENSOR_CORE_TILES = (
+    TensorCoreTile(32, 64, "16 + 32 accumulators per thread; 14 KB shared"),
+    TensorCoreTile(64, 64, "32 + 32 accumulators per thread; 27 KB shared"),
+    TensorCoreTile(128, 64, "64 + 32 accumulators per thread; 52 KB shared"),
+    TensorCoreTile(256, 32, "128 + 16 accumulators per thread; 66 KB shared"),
+)
+TENSOR_CORE_DTYPES = (np.dtype(np.float16), BFLOAT16)
+
+
 def preprocess_name(dtype) -> str:
     return f"attention_bwd_preprocess<{CTYPES[np.dtype(dtype)]}>"
 
@@ -114,7 +144,10 @@ def _pick(tiles, head_dim: int, head_dim_v: int):
     )
 
 
-def forward_tile(head_dim: int, head_dim_v: int) -> ForwardTile:
+def forward_tile(head_dim: int, head_dim_v: int, dtype=np.float32):
+    """The forward configuration: tensor cores for fp16/bf16, CUDA cores for fp32."""
+    if np.dtype(dtype) in TENSOR_CORE_DTYPES:
+        return _pick(TENSOR_CORE_TILES, head_dim, head_dim_v)
     return _pick(FORWARD_TILES, head_dim, head_dim_v)
 
 
@@ -126,7 +159,10 @@ def kernel_variants():
     """Every (file, name expression, dtype) the table can select: what the compile report builds."""
     variants = []
     for dtype in CTYPES:
-        variants += [("attention_fwd.cu", tile.name_expression(dtype), dtype) for tile in FORWARD_TILES]
+        if dtype in TENSOR_CORE_DTYPES:
+            variants += [("attention_fwd_tc.cu", tile.name_expression(dtype), dtype) for tile in TENSOR_CORE_TILES]
+        else:
+            variants += [("attention_fwd.cu", tile.name_expression(dtype), dtype) for tile in FORWARD_TILES]
         variants.append(("attention_bwd.cu", preprocess_name(dtype), dtype))
         for tile in BACKWARD_TILES:
             variants += [("attention_bwd.cu", tile.dkdv_name(dtype), dtype), ("attention_bwd.cu", tile.dq_name(dtype), dtype)]

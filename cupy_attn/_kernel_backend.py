@@ -105,14 +105,26 @@ def _blocks(n: int, per_block: int) -> int:
 def forward(problem: Problem, q, k, v, *, target: str):
     p, xp = problem, problem.xp
     check_supported(p, target)
-    tile = _config.forward_tile(p.head_dim, p.head_dim_v)
+    tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype)
     q, k, v = (_last_dim_contiguous(xp, x) for x in (q, k, v))
     out = _empty(xp, p.out_shape, p.dtype)
     lse = _empty(xp, p.lse_shape, np.float32)
-    args = (q, k, v, out, lse, *_common_args(p, q, k, v, out))
     grid = (_blocks(p.seq_q, tile.block_m), p.heads, p.batch)
-    _launch(target, "attention_fwd.cu", tile.name_expression(p.dtype), grid, args, tile.shared_bytes)
+    if isinstance(tile, _config.TensorCoreTile):
+        vectorised = sum(bit for bit, x in ((1, q), (2, k), (4, v)) if _copies_in_16_bytes(x))
+        args = (q, k, v, out, lse, I32(vectorised), *_common_args(p, q, k, v, out))
+        _launch(target, "attention_fwd_tc.cu", tile.name_expression(p.dtype), grid, args, tile.shared_bytes)
+    else:
+        args = (q, k, v, out, lse, *_common_args(p, q, k, v, out))
+        _launch(target, "attention_fwd.cu", tile.name_expression(p.dtype), grid, args, tile.shared_bytes)
     return out, lse
+
+
+def _copies_in_16_bytes(x) -> bool:
+    """Whether every row of x starts 16-byte aligned, so the tensor-core kernel may copy 8-element
+    chunks with cp.async (else it copies element by element)."""
+    pointer = x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
+    return pointer % 16 == 0 and all((st // x.itemsize) % 8 == 0 for st in x.strides[:3])
 
 
 def _to_layout(problem: Problem, x_bhsd, dtype):

@@ -13,7 +13,7 @@ from cupy_attn import _paths
 from cupy_attn.emulator import EmulatorCompileError, EmulatorError, RawModule
 
 HERE = Path(__file__).parent / "emulator_kernels"
-SCHEDULES = ["forward", "reverse", "random"]
+SCHEDULES = ["forward", "reverse", "random", "warps", "warps_reverse"]
 
 
 def module(name, options=(), names=None):

@@ -18,7 +18,7 @@ def poisoned_outputs(monkeypatch):
     monkeypatch.setattr(_kernel_backend, "POISON_OUTPUTS", True)
 
 
-@pytest.fixture(params=["forward", "random"])
+@pytest.fixture(params=["random", "warps"])
 def schedule(request, monkeypatch):
     monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", request.param)
     return request.param
@@ -67,14 +67,25 @@ def test_features_random_schedule(monkeypatch, feature):
     check(q, k, v, np.float16, **feature_keywords(feature, rng))
 
 
-def test_non_contiguous_inputs():
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+def test_non_contiguous_inputs(dtype):
     rng = np.random.default_rng(9)
-    q, k, v = random_qkv(rng, b=2, h=4, hkv=2, sq=64, sk=226, d=32)
+    q, k, v = random_qkv(rng, b=2, h=4, hkv=2, sq=64, sk=226, d=32, dtype=dtype)
     # bshd views of bhsd storage, every other key, and a last axis that is not contiguous (copied once)
     qv = q.transpose(0, 2, 1, 3)
     kv_ = k[:, :, ::2].transpose(0, 2, 1, 3)
     vv = np.asfortranarray(v[:, :, ::2]).transpose(0, 2, 1, 3)
-    check(qv, kv_, vv, np.float32, layout="bshd", causal=True)
+    check(qv, kv_, vv, dtype, layout="bshd", causal=True)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_tensor_core_copies_with_any_alignment(offset):
+    """cp.async needs 16-byte-aligned rows; other inputs take the element-by-element copy."""
+    rng = np.random.default_rng(10)
+    buf = rng.standard_normal(3 * 2 * 4 * 90 * 48 + offset).astype(np.float16)
+    q, k, v = (buf[offset + i * 2 * 4 * 90 * 48:][:2 * 4 * 90 * 48].reshape(2, 4, 90, 48) for i in range(3))
+    assert _kernel_backend._copies_in_16_bytes(q) == (offset == 0)
+    check(q, k, v, np.float16, causal=True)
 
 
 def test_fully_masked_rows_give_zero():

@@ -9,7 +9,7 @@ import numpy as np
 
 from ._build import EmulatorError, build
 
-SCHEDULES = {"forward": 0, "reverse": 1, "random": 2}
+SCHEDULES = {"forward": 0, "reverse": 1, "random": 2, "warps": 3, "warps_reverse": 4}
 _KIND_NAMES = {"p": "pointer", "c": "const pointer", "i": "integer", "f": "float", "b": "bool", "o": "struct"}
 STATIC_SHARED_LIMIT = 48 * 1024  # without opting in, as on the GPU
 MAX_SHARED = 227 * 1024  # sm_90's per-block maximum with max_dynamic_shared_size_bytes

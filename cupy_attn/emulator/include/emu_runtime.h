@@ -20,7 +20,11 @@
 namespace emu {
 
 enum class State : unsigned char { Ready, AtBarrier, AtWarp, Done };
-enum Schedule { kForward = 0, kReverse = 1, kRandom = 2 };
+// Between synchronisation points threads run in thread order, in reverse, in a random order per
+// round, or warp by warp (each warp runs alone until it waits at a block barrier or exits,
+// lowest or highest warp first): the warp schedules let one warp race far ahead of the others,
+// as it can on hardware, which round-robin schedules keep in lockstep.
+enum Schedule { kForward = 0, kReverse = 1, kRandom = 2, kWarps = 3, kWarpsReverse = 4 };
 
 // A cp.async copy waits here until its group is waited for, so code that reads shared memory
 // before `cp.async.wait_group` sees the poison, as it could on hardware.
@@ -181,19 +185,35 @@ inline void run_block(Launch& L, unsigned long long linear_block) {
     tl_block = &b;
     std::vector<unsigned> order(n);
     std::iota(order.begin(), order.end(), 0u);
-    if (L.schedule == kReverse) std::reverse(order.begin(), order.end());
     std::mt19937_64 rng(L.seed * 0x9e3779b97f4a7c15ull + linear_block);
+    if (L.schedule == kReverse || L.schedule == kWarpsReverse) std::reverse(order.begin(), order.end());
+    const bool by_warp = L.schedule == kWarps || L.schedule == kWarpsReverse;
+    auto resume = [&](Fiber& f) {
+        tl_fiber = &f;
+        switch_context(b.scheduler, f.ctx);
+        tl_fiber = nullptr;
+    };
     while (b.live) {
         if (L.schedule == kRandom) std::shuffle(order.begin(), order.end(), rng);
         bool ran = false;
-        for (unsigned t : order) {
-            Fiber& f = b.fibers[t];
-            if (f.state != State::Ready) continue;
-            tl_fiber = &f;
-            switch_context(b.scheduler, f.ctx);
-            tl_fiber = nullptr;
-            ran = true;
-            if (b.aborted) break;
+        if (by_warp) {
+            // `order` lists the warps' threads together, in warp order (or reversed).
+            for (size_t first = 0; first < order.size() && !b.aborted; first += 32) {
+                size_t last = std::min(order.size(), first + 32);
+                for (bool warp_ran = true; warp_ran && !b.aborted;) {
+                    warp_ran = false;
+                    for (size_t i = first; i < last && !b.aborted; ++i)
+                        if (b.fibers[order[i]].state == State::Ready) { resume(b.fibers[order[i]]); warp_ran = ran = true; }
+                }
+            }
+        } else {
+            for (unsigned t : order) {
+                Fiber& f = b.fibers[t];
+                if (f.state != State::Ready) continue;
+                resume(f);
+                ran = true;
+                if (b.aborted) break;
+            }
         }
         if (b.aborted || !b.live) break;
         unsigned waiting = 0;

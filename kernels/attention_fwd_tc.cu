@@ -1,0 +1,187 @@
+// The tensor-core forward kernel for fp16/bf16: FlashAttention-2's algorithm on mma.sync.
+//
+// One block of 4 warps per (query tile of 64 rows, head, batch entry); each warp owns 16 query
+// rows, so a row's max and sum live in the 4 lanes of one quad and need two shuffles. Q, K and V
+// tiles are copied to shared memory with cp.async (rows padded by 16 bytes so ldmatrix is free of
+// bank conflicts) and read into fragments with ldmatrix (transposed for V). S = Q·Kᵀ and O += P·V
+// are m16n8k16 MMAs with float32 accumulators; P never leaves registers: the accumulator layout
+// of S is re-packed as the A operand of P·V. Softmax is online, in base 2, with scale·log2 e
+// folded in (kernels/softmax.cuh's rules for -inf rows); masking is done on boundary tiles only.
+#include "block_info.cuh"
+#include "mask.cuh"
+#include "numeric.cuh"
+#include "ptx.cuh"
+#include "tile_io.cuh"
+
+namespace attn {
+
+constexpr int kTcBlockM = 64;  // 4 warps x 16 rows
+
+template <int kHeadDim>
+struct TcLayout {
+    static constexpr int kStride = kHeadDim + 8;  // halves per shared-memory row (+16 bytes)
+};
+
+// Stage rows [row0, row0 + kRows) x kHeadDim of a 16-bit matrix in shared memory: 16-byte
+// chunks by cp.async where the source allows it (`vectorised`: aligned base and strides), element
+// by element otherwise; zeros past `rows` and `dims`. The caller commits and waits.
+template <int kRows, int kHeadDim, class T>
+__device__ __forceinline__ void stage_async(T* dst, const T* src, long long row_stride, int row0, int rows, int dims,
+                                            bool vectorised) {
+    constexpr int kChunks = kHeadDim / 8;
+    for (int idx = threadIdx.x; idx < kRows * kChunks; idx += kThreads) {
+        const int r = idx / kChunks, c = (idx % kChunks) * 8;
+        T* d = dst + r * TcLayout<kHeadDim>::kStride + c;
+        const T* s = src + (row0 + r) * row_stride + c;
+        if (vectorised && row0 + r < rows && c + 8 <= dims) {
+            ptx::cp_async<16>(d, s);
+        } else {
+            for (int e = 0; e < 8; ++e) d[e] = (row0 + r < rows && c + e < dims) ? s[e] : from_float<T>(0.f);
+        }
+    }
+}
+
+template <class T>
+__device__ __forceinline__ unsigned pack_pair(float lo, float hi) {
+    T a = from_float<T>(lo), b = from_float<T>(hi);
+    unsigned short ua, ub;
+    memcpy(&ua, &a, 2);
+    memcpy(&ub, &b, 2);
+    return static_cast<unsigned>(ua) | static_cast<unsigned>(ub) << 16;
+}
+
+template <class T, int kHeadDim, int kBlockN>
+__device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, const T* k, const T* v, T* out, float* lse,
+                                                 const long long (&strides)[12], int vectorised) {
+    constexpr int kStride = TcLayout<kHeadDim>::kStride;
+    constexpr int kNTiles = kBlockN / 8;    // 8-key column tiles of S
+    constexpr int kDTiles = kHeadDim / 8;   // 8-dim column tiles of O
+    constexpr int kKSteps = kHeadDim / 16;  // k-steps of Q·Kᵀ
+    extern __shared__ __align__(16) unsigned char smem_bytes[];
+    T* sQ = reinterpret_cast<T*>(smem_bytes);        // (64, kStride)
+    T* sK = sQ + kTcBlockM * kStride;                // (kBlockN, kStride)
+    T* sV = sK + kBlockN * kStride;                  // (kBlockN, kStride)
+
+    const BlockInfo b(p, blockIdx.y, blockIdx.z);
+    const ScoreTransform score(p, b);
+    const HeadView at = head_view(p, b, strides);
+    const int m0 = blockIdx.x * kTcBlockM;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;           // groupID, threadID_in_group
+    const int row_lo = m0 + warp * 16 + g;          // this lane's two rows: row_lo and row_lo + 8
+    const bool vq = vectorised & 1, vk = vectorised & 2, vv = vectorised & 4;
+
+    stage_async<kTcBlockM, kHeadDim>(sQ, q + at.q, at.q_row, m0, p.seq_q, p.head_dim, vq);
+
+    float o[kDTiles][4];
+    for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+    float row_max[2] = {-infinity(), -infinity()}, row_sum[2] = {0.f, 0.f};
+
+    int key_begin, key_end;
+    b.key_range(p, m0, kTcBlockM, &key_begin, &key_end);
+    const int n_begin = key_begin / kBlockN, n_end = (key_end + kBlockN - 1) / kBlockN;
+    for (int n_block = n_begin; n_block < n_end; ++n_block) {
+        const int n0 = n_block * kBlockN;
+        __syncthreads();  // every warp is done reading the previous K and V tiles
+        stage_async<kBlockN, kHeadDim>(sK, k + at.k, at.k_row, n0, p.seq_k, p.head_dim, vk);
+        stage_async<kBlockN, kHeadDim>(sV, v + at.v, at.v_row, n0, p.seq_k, p.head_dim_v, vv);
+        ptx::cp_async_commit();
+        ptx::cp_async_wait<0>();
+        __syncthreads();  // every thread's copies (Q on the first pass, K, V) have landed
+
+        // S = Q·Kᵀ for this warp's 16 rows: s[j] holds rows (g, g+8) x keys (8j + 2t, 8j + 2t + 1).
+        float s[kNTiles][4];
+        for (int j = 0; j < kNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+        for (int kk = 0; kk < kKSteps; ++kk) {
+            unsigned a[4];
+            const int m = lane / 8;  // ldmatrix.x4: lane addresses row lane%8 of 8x8 matrix m
+            ptx::ldmatrix<4>(a, sQ + (warp * 16 + (m % 2) * 8 + lane % 8) * kStride + kk * 16 + (m / 2) * 8);
+            for (int j = 0; j < kNTiles; j += 2) {
+                unsigned bk[4];  // B fragments of key tiles j (bk[0..1]) and j + 1 (bk[2..3])
+                ptx::ldmatrix<4>(bk, sK + (j * 8 + (m / 2) * 8 + lane % 8) * kStride + kk * 16 + (m % 2) * 8);
+                ptx::mma_m16n8k16<T>(s[j], a, {bk[0], bk[1]}, s[j]);
+                ptx::mma_m16n8k16<T>(s[j + 1], a, {bk[2], bk[3]}, s[j + 1]);
+            }
+        }
+
+        // Scores -> base-2 units with every feature applied; -inf where masked.
+        const bool boundary = !b.tile_is_interior(p, m0, kTcBlockM, n0, kBlockN);
+        float tile_max[2] = {-infinity(), -infinity()};
+        for (int j = 0; j < kNTiles; ++j) {
+            for (int e = 0; e < 4; ++e) {
+                const int r = e / 2;
+                s[j][e] = score(p, b, s[j][e], row_lo + 8 * r, n0 + j * 8 + 2 * t + (e & 1), boundary);
+                tile_max[r] = fmaxf(tile_max[r], s[j][e]);
+            }
+        }
+        float rescale[2];
+        for (int r = 0; r < 2; ++r) {
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+            const float new_max = fmaxf(row_max[r], tile_max[r]);
+            // A row that has seen only masked keys has max -inf: shift by 0 (exp2(-inf - -inf) = NaN).
+            const float shift = new_max == -infinity() ? 0.f : new_max;
+            rescale[r] = exp2f(row_max[r] - shift);
+            row_max[r] = new_max;
+            tile_max[r] = shift;  // reused below as this tile's shift
+        }
+        float tile_sum[2] = {0.f, 0.f};
+        for (int j = 0; j < kNTiles; ++j) {
+            for (int e = 0; e < 4; ++e) {
+                s[j][e] = exp2f(s[j][e] - tile_max[e / 2]);
+                tile_sum[e / 2] += s[j][e];
+            }
+        }
+        for (int r = 0; r < 2; ++r) {
+            tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 1);
+            tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 2);
+            row_sum[r] = row_sum[r] * rescale[r] + tile_sum[r];
+        }
+        for (int d = 0; d < kDTiles; ++d) {
+            o[d][0] *= rescale[0];
+            o[d][1] *= rescale[0];
+            o[d][2] *= rescale[1];
+            o[d][3] *= rescale[1];
+        }
+
+        // O += P·V: P's accumulator layout is the A operand of the next MMA (16 keys per k-step).
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            const unsigned a[4] = {pack_pair<T>(s[2 * kk][0], s[2 * kk][1]), pack_pair<T>(s[2 * kk][2], s[2 * kk][3]),
+                                   pack_pair<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                   pack_pair<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            const int m = lane / 8;
+            for (int d = 0; d < kDTiles; d += 2) {
+                unsigned bv[4];  // V^T fragments of dim tiles d (bv[0..1]) and d + 1 (bv[2..3])
+                ptx::ldmatrix<4, true>(bv, sV + (kk * 16 + (m % 2) * 8 + lane % 8) * kStride + d * 8 + (m / 2) * 8);
+                ptx::mma_m16n8k16<T>(o[d], a, {bv[0], bv[1]}, o[d]);
+                ptx::mma_m16n8k16<T>(o[d + 1], a, {bv[2], bv[3]}, o[d + 1]);
+            }
+        }
+    }
+
+    // Normalise once; rows that attended nothing (row_sum 0) give 0, not 0/0. Every row of the
+    // tile inside the sequence is written.
+    for (int r = 0; r < 2; ++r) {
+        const int i = row_lo + 8 * r;
+        if (i >= p.seq_q) continue;
+        const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+        for (int d = 0; d < kDTiles; ++d) {
+            const int col = d * 8 + 2 * t;
+            if (col < p.head_dim_v) out[at.o + i * at.o_row + col] = from_float<T>(o[d][2 * r] * inv);
+            if (col + 1 < p.head_dim_v) out[at.o + i * at.o_row + col + 1] = from_float<T>(o[d][2 * r + 1] * inv);
+        }
+        if (t == 0) lse[at.stats + i] = row_sum[r] > 0.f ? (row_max[r] + log2f(row_sum[r])) * kLn2 : -infinity();
+    }
+}
+
+}  // namespace attn
+
+// grid (ceil(Sq / 64), H, B), block 128 threads, dynamic shared memory (64 + 2 kBlockN) rows of
+// (kHeadDim + 8) 16-bit elements. vectorised: bit 0/1/2 set when q/k/v rows may be copied in
+// 16-byte chunks (16-byte aligned base, strides multiples of 8 elements).
+template <class T, int kHeadDim, int kBlockN>
+__global__ void __launch_bounds__(attn::kThreads)
+attention_fwd_tc(const T* q, const T* k, const T* v, T* out, float* lse, int vectorised, ATTN_PARAMS) {
+    ATTN_UNPACK_PARAMS;
+    attn::forward_tc_block<T, kHeadDim, kBlockN>(p, q, k, v, out, lse, strides, vectorised);
+}
