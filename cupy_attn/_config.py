@@ -119,6 +119,34 @@ TENSOR_CORE_TILES = (
 TENSOR_CORE_DTYPES = (np.dtype(np.float16), BFLOAT16)
 
 
+@dataclass(frozen=True)
+class TensorCoreBackwardTile:
+    """The fp16/bf16 dK/dV kernel on mma.sync: 64 keys (4 warps x 16) per block, block_m query
+    rows per step. Its dq either goes by atomics or comes from the CUDA-core dQ kernel."""
+
+    head_dim: int
+    block_m: int
+    reason: str
+    block_n: int = 64
+
+    @property
+    def shared_bytes(self) -> int:
+        """K, V (64, D + 8) + Q, dO (block_m, D + 8) + dS (block_m, 72), 16-bit; lse, delta float."""
+        return 2 * (2 * self.block_n + 2 * self.block_m) * (self.head_dim + 8) + 2 * self.block_m * 72 + 8 * self.block_m
+
+    def name_expression(self, dtype) -> str:
+        return f"attention_bwd_dkdv_tc<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_m}>"
+
+
+# dK and dV accumulate D/2 + D/2 floats per thread, Sᵀ and dPᵀ block_m/2 + block_m/2. D = 256 would
+# need 256 accumulators per thread: it stays on the CUDA-core backward.
+TENSOR_CORE_BACKWARD_TILES = (
+    TensorCoreBackwardTile(32, 64, "32 + 64 accumulators per thread; 30 KB shared"),
+    TensorCoreBackwardTile(64, 64, "64 + 64 accumulators per thread; 47 KB shared"),
+    TensorCoreBackwardTile(128, 32, "128 + 32 accumulators per thread; 57 KB shared"),
+)
+
+
 def preprocess_name(dtype) -> str:
     return f"attention_bwd_preprocess<{CTYPES[np.dtype(dtype)]}>"
 
@@ -152,7 +180,16 @@ def forward_tile(head_dim: int, head_dim_v: int, dtype=np.float32):
 
 
 def backward_tile(head_dim: int, head_dim_v: int) -> BackwardTile:
+    """The CUDA-core backward (every dtype; its dQ kernel also serves deterministic mode)."""
     return _pick(BACKWARD_TILES, head_dim, head_dim_v)
+
+
+def tensor_core_backward_tile(head_dim: int, head_dim_v: int, dtype):
+    """The tensor-core dK/dV configuration, or None where the CUDA-core kernel runs instead."""
+    need = max(head_dim, head_dim_v)
+    if np.dtype(dtype) not in TENSOR_CORE_DTYPES or need > TENSOR_CORE_BACKWARD_TILES[-1].head_dim:
+        return None
+    return _pick(TENSOR_CORE_BACKWARD_TILES, head_dim, head_dim_v)
 
 
 def kernel_variants():
@@ -165,5 +202,9 @@ def kernel_variants():
             variants += [("attention_fwd.cu", tile.name_expression(dtype), dtype) for tile in FORWARD_TILES]
         variants.append(("attention_bwd.cu", preprocess_name(dtype), dtype))
         for tile in BACKWARD_TILES:
-            variants += [("attention_bwd.cu", tile.dkdv_name(dtype), dtype), ("attention_bwd.cu", tile.dq_name(dtype), dtype)]
+            variants.append(("attention_bwd.cu", tile.dq_name(dtype), dtype))
+            if tensor_core_backward_tile(tile.head_dim, tile.head_dim, dtype) is None:
+                variants.append(("attention_bwd.cu", tile.dkdv_name(dtype), dtype))
+        if dtype in TENSOR_CORE_DTYPES:
+            variants += [("attention_bwd_tc.cu", t.name_expression(dtype), dtype) for t in TENSOR_CORE_BACKWARD_TILES]
     return variants

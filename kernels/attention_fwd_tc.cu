@@ -11,44 +11,11 @@
 #include "mask.cuh"
 #include "numeric.cuh"
 #include "ptx.cuh"
-#include "tile_io.cuh"
+#include "tc_tile.cuh"
 
 namespace attn {
 
 constexpr int kTcBlockM = 64;  // 4 warps x 16 rows
-
-template <int kHeadDim>
-struct TcLayout {
-    static constexpr int kStride = kHeadDim + 8;  // halves per shared-memory row (+16 bytes)
-};
-
-// Stage rows [row0, row0 + kRows) x kHeadDim of a 16-bit matrix in shared memory: 16-byte
-// chunks by cp.async where the source allows it (`vectorised`: aligned base and strides), element
-// by element otherwise; zeros past `rows` and `dims`. The caller commits and waits.
-template <int kRows, int kHeadDim, class T>
-__device__ __forceinline__ void stage_async(T* dst, const T* src, long long row_stride, int row0, int rows, int dims,
-                                            bool vectorised) {
-    constexpr int kChunks = kHeadDim / 8;
-    for (int idx = threadIdx.x; idx < kRows * kChunks; idx += kThreads) {
-        const int r = idx / kChunks, c = (idx % kChunks) * 8;
-        T* d = dst + r * TcLayout<kHeadDim>::kStride + c;
-        const T* s = src + (row0 + r) * row_stride + c;
-        if (vectorised && row0 + r < rows && c + 8 <= dims) {
-            ptx::cp_async<16>(d, s);
-        } else {
-            for (int e = 0; e < 8; ++e) d[e] = (row0 + r < rows && c + e < dims) ? s[e] : from_float<T>(0.f);
-        }
-    }
-}
-
-template <class T>
-__device__ __forceinline__ unsigned pack_pair(float lo, float hi) {
-    T a = from_float<T>(lo), b = from_float<T>(hi);
-    unsigned short ua, ub;
-    memcpy(&ua, &a, 2);
-    memcpy(&ub, &b, 2);
-    return static_cast<unsigned>(ua) | static_cast<unsigned>(ub) << 16;
-}
 
 template <class T, int kHeadDim, int kBlockN>
 __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, const T* k, const T* v, T* out, float* lse,
@@ -74,6 +41,7 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     stage_async<kTcBlockM, kHeadDim>(sQ, q + at.q, at.q_row, m0, p.seq_q, p.head_dim, vq);
 
     float o[kDTiles][4];
+    #pragma unroll
     for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
     float row_max[2] = {-infinity(), -infinity()}, row_sum[2] = {0.f, 0.f};
 
@@ -91,14 +59,16 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
 
         // S = Q·Kᵀ for this warp's 16 rows: s[j] holds rows (g, g+8) x keys (8j + 2t, 8j + 2t + 1).
         float s[kNTiles][4];
+        #pragma unroll
         for (int j = 0; j < kNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+        #pragma unroll
         for (int kk = 0; kk < kKSteps; ++kk) {
             unsigned a[4];
-            const int m = lane / 8;  // ldmatrix.x4: lane addresses row lane%8 of 8x8 matrix m
-            ptx::ldmatrix<4>(a, sQ + (warp * 16 + (m % 2) * 8 + lane % 8) * kStride + kk * 16 + (m / 2) * 8);
+            ptx::ldmatrix<4>(a, a_address<kStride>(sQ, warp * 16, kk * 16, lane));
+            #pragma unroll
             for (int j = 0; j < kNTiles; j += 2) {
                 unsigned bk[4];  // B fragments of key tiles j (bk[0..1]) and j + 1 (bk[2..3])
-                ptx::ldmatrix<4>(bk, sK + (j * 8 + (m / 2) * 8 + lane % 8) * kStride + kk * 16 + (m % 2) * 8);
+                ptx::ldmatrix<4>(bk, b_address<kStride>(sK, j * 8, kk * 16, lane));
                 ptx::mma_m16n8k16<T>(s[j], a, {bk[0], bk[1]}, s[j]);
                 ptx::mma_m16n8k16<T>(s[j + 1], a, {bk[2], bk[3]}, s[j + 1]);
             }
@@ -107,7 +77,9 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
         // Scores -> base-2 units with every feature applied; -inf where masked.
         const bool boundary = !b.tile_is_interior(p, m0, kTcBlockM, n0, kBlockN);
         float tile_max[2] = {-infinity(), -infinity()};
+        #pragma unroll
         for (int j = 0; j < kNTiles; ++j) {
+            #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int r = e / 2;
                 s[j][e] = score(p, b, s[j][e], row_lo + 8 * r, n0 + j * 8 + 2 * t + (e & 1), boundary);
@@ -115,6 +87,7 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
             }
         }
         float rescale[2];
+        #pragma unroll
         for (int r = 0; r < 2; ++r) {
             tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
             tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
@@ -126,17 +99,21 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
             tile_max[r] = shift;  // reused below as this tile's shift
         }
         float tile_sum[2] = {0.f, 0.f};
+        #pragma unroll
         for (int j = 0; j < kNTiles; ++j) {
+            #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 s[j][e] = exp2f(s[j][e] - tile_max[e / 2]);
                 tile_sum[e / 2] += s[j][e];
             }
         }
+        #pragma unroll
         for (int r = 0; r < 2; ++r) {
             tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 1);
             tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 2);
             row_sum[r] = row_sum[r] * rescale[r] + tile_sum[r];
         }
+        #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
             o[d][0] *= rescale[0];
             o[d][1] *= rescale[0];
@@ -145,14 +122,14 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
         }
 
         // O += P·V: P's accumulator layout is the A operand of the next MMA (16 keys per k-step).
+        #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
-            const unsigned a[4] = {pack_pair<T>(s[2 * kk][0], s[2 * kk][1]), pack_pair<T>(s[2 * kk][2], s[2 * kk][3]),
-                                   pack_pair<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                   pack_pair<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-            const int m = lane / 8;
+            unsigned a[4];
+            accumulators_as_a<T>(a, s[2 * kk], s[2 * kk + 1]);
+            #pragma unroll
             for (int d = 0; d < kDTiles; d += 2) {
-                unsigned bv[4];  // V^T fragments of dim tiles d (bv[0..1]) and d + 1 (bv[2..3])
-                ptx::ldmatrix<4, true>(bv, sV + (kk * 16 + (m % 2) * 8 + lane % 8) * kStride + d * 8 + (m / 2) * 8);
+                unsigned bv[4];  // V fragments (transposed) of dim tiles d (bv[0..1]) and d + 1 (bv[2..3])
+                ptx::ldmatrix<4, true>(bv, a_address<kStride>(sV, kk * 16, d * 8, lane));
                 ptx::mma_m16n8k16<T>(o[d], a, {bv[0], bv[1]}, o[d]);
                 ptx::mma_m16n8k16<T>(o[d + 1], a, {bv[2], bv[3]}, o[d + 1]);
             }
@@ -161,10 +138,12 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
 
     // Normalise once; rows that attended nothing (row_sum 0) give 0, not 0/0. Every row of the
     // tile inside the sequence is written.
+    #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int i = row_lo + 8 * r;
         if (i >= p.seq_q) continue;
         const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+        #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
             const int col = d * 8 + 2 * t;
             if (col < p.head_dim_v) out[at.o + i * at.o_row + col] = from_float<T>(o[d][2 * r] * inv);

@@ -10,7 +10,7 @@ from cupy_attn.emulator import RawModule
 from helpers import random_qkv
 
 BARRIERS = ("__syncthreads();", "__syncwarp();", "ptx::cp_async_wait<0>();")
-KERNEL_FILES = ("attention_fwd.cu", "attention_fwd_tc.cu", "attention_bwd.cu")
+KERNEL_FILES = ("attention_fwd.cu", "attention_fwd_tc.cu", "attention_bwd.cu", "attention_bwd_tc.cu")
 
 
 def barrier_sites(filename):
@@ -24,12 +24,12 @@ SITES = [site for f in KERNEL_FILES for site in barrier_sites(f)]
 def results(filename):
     """What the kernels of ``filename`` compute on a case with several query and key tiles."""
     rng = np.random.default_rng(13)
-    dtype = np.float16 if filename == "attention_fwd_tc.cu" else np.float32
+    dtype = np.float16 if filename.endswith("_tc.cu") else np.float32  # fp16 takes the tensor-core kernels
     q, k, v = random_qkv(rng, b=1, h=2, sq=150, sk=200, d=32, dtype=dtype)
     if filename.startswith("attention_fwd"):
         return [cupy_attn.attention(q, k, v, backend="emulator")]
     out, lse = cupy_attn.attention(q, k, v, return_lse=True)
-    dout = rng.standard_normal(out.shape).astype(np.float32)
+    dout = rng.standard_normal(out.shape).astype(dtype)
     grads = []
     for deterministic in (False, True):
         grads += cupy_attn.attention_backward(dout, q, k, v, out, lse, backend="emulator", deterministic=deterministic)

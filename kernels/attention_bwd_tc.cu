@@ -1,0 +1,190 @@
+// The tensor-core dK/dV kernel for fp16/bf16 (FlashAttention-2's backward on mma.sync).
+//
+// One block of 4 warps per (64 keys, query head, batch entry); warp w owns keys 16w..16w+15 and
+// accumulates their dK and dV rows in float32 registers. For each query tile of kBlockM rows
+// that can see the block's keys (Q and dO staged by cp.async):
+//   Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ          (16 keys x kBlockM queries per warp, MMAs)
+//   Pᵀ = exp2(s - lse), dSᵀ = Pᵀ ∘ (dPᵀ - delta) · softcap'   (in registers)
+//   dV += Pᵀ·dO, dK += dSᵀ·Q            (Pᵀ and dSᵀ re-packed as A operands; dO and Q
+//                                         read transposed with ldmatrix .trans)
+//   dQ += dS·K·scale                     (dS through shared memory; float32 atomics) unless the
+//                                         deterministic dQ kernel of attention_bwd.cu runs after.
+// P and dS are rounded to the input type before their MMAs, as in FlashAttention-2.
+#include "block_info.cuh"
+#include "mask.cuh"
+#include "numeric.cuh"
+#include "ptx.cuh"
+#include "tc_tile.cuh"
+
+namespace attn {
+
+constexpr int kTcKeys = 64;  // keys per block: 4 warps x 16
+
+template <class T, int kHeadDim, int kBlockM>
+__device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const T* k, const T* v, const T* dout,
+                                              const float* lse, const float* delta, float* dq_accum, float* dk_part,
+                                              float* dv_part, int accumulate_dq, int vectorised,
+                                              const long long (&strides)[12]) {
+    constexpr int kStride = TcLayout<kHeadDim>::kStride;
+    constexpr int kSStride = kTcKeys + 8;       // dS tile (kBlockM, 64 keys), 16-bit, padded
+    constexpr int kQTiles = kBlockM / 8;        // 8-query column tiles of Sᵀ
+    constexpr int kDTiles = kHeadDim / 8;       // 8-dim column tiles of dK, dV
+    constexpr int kRowGroups = kBlockM / 16;    // 16-row groups of the dQ tile
+    constexpr int kDimGroups = 4 / kRowGroups;  // warps sharing one row group's dimensions
+    static_assert(kBlockM % 16 == 0 && 4 % kRowGroups == 0, "dQ rows split over the 4 warps");
+    extern __shared__ __align__(16) unsigned char smem_bytes[];
+    T* sK = reinterpret_cast<T*>(smem_bytes);   // (64, kStride)
+    T* sV = sK + kTcKeys * kStride;             // (64, kStride)
+    T* sQ = sV + kTcKeys * kStride;             // (kBlockM, kStride)
+    T* sDO = sQ + kBlockM * kStride;            // (kBlockM, kStride)
+    T* sDS = sDO + kBlockM * kStride;           // (kBlockM, kSStride): dS with queries as rows
+    float* sLse2 = reinterpret_cast<float*>(sDS + kBlockM * kSStride);
+    float* sDelta = sLse2 + kBlockM;
+
+    const BlockInfo b(p, blockIdx.y, blockIdx.z);
+    const ScoreTransform score(p, b);
+    const HeadView at = head_view(p, b, strides);  // .o is dout; .stats indexes lse, delta, dq rows
+    const int n0 = blockIdx.x * kTcKeys;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const bool vq = vectorised & 1, vk = vectorised & 2, vv = vectorised & 4, vdo = vectorised & 8;
+    stage_async<kTcKeys, kHeadDim>(sK, k + at.k, at.k_row, n0, p.seq_k, p.head_dim, vk);
+    stage_async<kTcKeys, kHeadDim>(sV, v + at.v, at.v_row, n0, p.seq_k, p.head_dim_v, vv);
+
+    float dk[kDTiles][4], dv[kDTiles][4];
+    #pragma unroll
+    for (int d = 0; d < kDTiles; ++d)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = 0.f;
+
+    int row_begin, row_end;
+    b.row_range(p, n0, kTcKeys, &row_begin, &row_end);
+    const int m_begin = row_begin / kBlockM, m_end = (row_end + kBlockM - 1) / kBlockM;
+    for (int m_block = m_begin; m_block < m_end; ++m_block) {
+        const int m0 = m_block * kBlockM;
+        __syncthreads();  // every warp is done with the previous Q, dO and dS tiles
+        stage_async<kBlockM, kHeadDim>(sQ, q + at.q, at.q_row, m0, p.seq_q, p.head_dim, vq);
+        stage_async<kBlockM, kHeadDim>(sDO, dout + at.o, at.o_row, m0, p.seq_q, p.head_dim_v, vdo);
+        for (int r = threadIdx.x; r < kBlockM; r += kThreads) {
+            const bool valid = m0 + r < p.seq_q;
+            // lse -inf (a row that attended nothing) stays -inf: its P is 0, see below.
+            sLse2[r] = valid ? lse[at.stats + m0 + r] * kLog2e : -infinity();
+            sDelta[r] = valid ? delta[at.stats + m0 + r] : 0.f;
+        }
+        ptx::cp_async_commit();
+        ptx::cp_async_wait<0>();
+        __syncthreads();  // K, V (first pass), Q, dO and the row statistics are in place
+
+        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: st[j], dpt[j] hold keys (g, g+8) x queries (8j + 2t, +1).
+        float st[kQTiles][4], dpt[kQTiles][4];
+        #pragma unroll
+        for (int j = 0; j < kQTiles; ++j)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) st[j][e] = dpt[j][e] = 0.f;
+        #pragma unroll
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+            unsigned ak[4], av[4];
+            ptx::ldmatrix<4>(ak, a_address<kStride>(sK, warp * 16, kk * 16, lane));
+            ptx::ldmatrix<4>(av, a_address<kStride>(sV, warp * 16, kk * 16, lane));
+            #pragma unroll
+            for (int j = 0; j < kQTiles; j += 2) {
+                unsigned bq[4], bdo[4];
+                ptx::ldmatrix<4>(bq, b_address<kStride>(sQ, j * 8, kk * 16, lane));
+                ptx::ldmatrix<4>(bdo, b_address<kStride>(sDO, j * 8, kk * 16, lane));
+                ptx::mma_m16n8k16<T>(st[j], ak, {bq[0], bq[1]}, st[j]);
+                ptx::mma_m16n8k16<T>(st[j + 1], ak, {bq[2], bq[3]}, st[j + 1]);
+                ptx::mma_m16n8k16<T>(dpt[j], av, {bdo[0], bdo[1]}, dpt[j]);
+                ptx::mma_m16n8k16<T>(dpt[j + 1], av, {bdo[2], bdo[3]}, dpt[j + 1]);
+            }
+        }
+
+        // Pᵀ and dSᵀ in place of Sᵀ and dPᵀ; dS also to shared memory (queries as rows) for dQ.
+        const bool boundary = !b.tile_is_interior(p, m0, kBlockM, n0, kTcKeys);
+        #pragma unroll
+        for (int j = 0; j < kQTiles; ++j) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = warp * 16 + g + 8 * (e / 2), query = j * 8 + 2 * t + (e & 1);
+                const float qk = st[j][e];
+                const float s2 = score(p, b, qk, m0 + query, n0 + key, boundary);
+                // A fully masked row has lse -inf and only -inf scores: P = 0, not exp2(NaN).
+                const float prob = sLse2[query] == -infinity() ? 0.f : exp2f(s2 - sLse2[query]);
+                const float ds = prob * (dpt[j][e] - sDelta[query]) * score.softcap_grad(qk);
+                st[j][e] = prob;
+                dpt[j][e] = ds;
+                if (accumulate_dq) sDS[query * kSStride + key] = from_float<T>(ds);
+            }
+        }
+
+        // dV += Pᵀ·dO and dK += dSᵀ·Q over this tile's queries (16 per k-step).
+        #pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk) {
+            unsigned ap[4], ads[4];
+            accumulators_as_a<T>(ap, st[2 * kk], st[2 * kk + 1]);
+            accumulators_as_a<T>(ads, dpt[2 * kk], dpt[2 * kk + 1]);
+            #pragma unroll
+            for (int d = 0; d < kDTiles; d += 2) {
+                unsigned bdo[4], bq[4];  // dO and Q read transposed: (query, dim) tiles as B
+                ptx::ldmatrix<4, true>(bdo, a_address<kStride>(sDO, kk * 16, d * 8, lane));
+                ptx::ldmatrix<4, true>(bq, a_address<kStride>(sQ, kk * 16, d * 8, lane));
+                ptx::mma_m16n8k16<T>(dv[d], ap, {bdo[0], bdo[1]}, dv[d]);
+                ptx::mma_m16n8k16<T>(dv[d + 1], ap, {bdo[2], bdo[3]}, dv[d + 1]);
+                ptx::mma_m16n8k16<T>(dk[d], ads, {bq[0], bq[1]}, dk[d]);
+                ptx::mma_m16n8k16<T>(dk[d + 1], ads, {bq[2], bq[3]}, dk[d + 1]);
+            }
+        }
+
+        if (accumulate_dq) {
+            __syncthreads();  // every warp's dS is in shared memory
+            // dQ (kBlockM x D) = dS (kBlockM x 64 keys) · K: warp w takes 16 rows and every
+            // kDimGroups-th pair of dim tiles.
+            const int rows = (warp % kRowGroups) * 16;
+            #pragma unroll
+            for (int d = 2 * (warp / kRowGroups); d < kDTiles; d += 2 * kDimGroups) {
+                float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+                #pragma unroll
+                for (int kk = 0; kk < kTcKeys / 16; ++kk) {
+                    unsigned a[4], bk[4];
+                    ptx::ldmatrix<4>(a, a_address<kSStride>(sDS, rows, kk * 16, lane));
+                    ptx::ldmatrix<4, true>(bk, a_address<kStride>(sK, kk * 16, d * 8, lane));
+                    ptx::mma_m16n8k16<T>(c0, a, {bk[0], bk[1]}, c0);
+                    ptx::mma_m16n8k16<T>(c1, a, {bk[2], bk[3]}, c1);
+                }
+                #pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    const int i = m0 + rows + g + 8 * ((e % 4) / 2), col = (d + e / 4) * 8 + 2 * t + (e & 1);
+                    const float value = e < 4 ? c0[e] : c1[e - 4];
+                    if (i < p.seq_q && col < p.head_dim) atomicAdd(dq_accum + (at.stats + i) * p.head_dim + col, value * p.scale);
+                }
+            }
+        }
+    }
+
+    // Every key row inside the sequence is written, those no query could see included (as 0).
+    const long long key_rows = (static_cast<long long>(b.bidb) * p.heads + b.bidh) * p.seq_k + n0;
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const int key = warp * 16 + g + 8 * (e / 2);
+        if (n0 + key >= p.seq_k) continue;
+        #pragma unroll
+        for (int d = 0; d < kDTiles; ++d) {
+            const int col = d * 8 + 2 * t + (e & 1);
+            if (col < p.head_dim) dk_part[(key_rows + key) * p.head_dim + col] = dk[d][e] * p.scale;
+            if (col < p.head_dim_v) dv_part[(key_rows + key) * p.head_dim_v + col] = dv[d][e];
+        }
+    }
+}
+
+}  // namespace attn
+
+// grid (ceil(Sk / 64), H, B), block 128, dynamic shared memory: K, V (64 rows) and Q, dO
+// (kBlockM rows) of kHeadDim + 8 16-bit elements, dS (kBlockM x 72, 16-bit), lse and delta
+// (kBlockM floats each). vectorised: bits 0-3 for q, k, v, dout rows copyable in 16-byte chunks.
+// minBlocksPerSM = 1 lets ptxas use up to 255 registers: dK and dV stay in registers, unspilled.
+template <class T, int kHeadDim, int kBlockM>
+__global__ void __launch_bounds__(attn::kThreads, 1)
+attention_bwd_dkdv_tc(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,
+                      float* dq_accum, float* dk_part, float* dv_part, int accumulate_dq, int vectorised, ATTN_PARAMS) {
+    ATTN_UNPACK_PARAMS;
+    attn::dkdv_tc_block<T, kHeadDim, kBlockM>(p, q, k, v, dout, lse, delta, dq_accum, dk_part, dv_part, accumulate_dq,
+                                              vectorised, strides);
+}

@@ -1,0 +1,73 @@
+// Shared pieces of the tensor-core kernels: 16-bit tiles in shared memory and fragment packing.
+#pragma once
+#include "numeric.cuh"
+#include "ptx.cuh"
+#include "tile_io.cuh"
+
+namespace attn {
+
+template <int kHeadDim>
+struct TcLayout {
+    static constexpr int kStride = kHeadDim + 8;  // halves per shared-memory row (+16 bytes)
+};
+
+// Stage rows [row0, row0 + kRows) x kHeadDim of a 16-bit matrix in shared memory: 16-byte
+// chunks by cp.async where the source allows it (`vectorised`: aligned base and strides), element
+// by element otherwise; zeros past `rows` and `dims`. The caller commits and waits.
+template <int kRows, int kHeadDim, class T>
+__device__ __forceinline__ void stage_async(T* dst, const T* src, long long row_stride, int row0, int rows, int dims,
+                                            bool vectorised) {
+    constexpr int kChunks = kHeadDim / 8;
+    for (int idx = threadIdx.x; idx < kRows * kChunks; idx += kThreads) {
+        const int r = idx / kChunks, c = (idx % kChunks) * 8;
+        T* d = dst + r * TcLayout<kHeadDim>::kStride + c;
+        const T* s = src + (row0 + r) * row_stride + c;
+        if (vectorised && row0 + r < rows && c + 8 <= dims) {
+            ptx::cp_async<16>(d, s);
+        } else {
+            for (int e = 0; e < 8; ++e) d[e] = (row0 + r < rows && c + e < dims) ? s[e] : from_float<T>(0.f);
+        }
+    }
+}
+
+template <class T>
+__device__ __forceinline__ unsigned pack_pair(float lo, float hi) {
+    T a = from_float<T>(lo), b = from_float<T>(hi);
+    unsigned short ua, ub;
+    memcpy(&ua, &a, 2);
+    memcpy(&ub, &b, 2);
+    return static_cast<unsigned>(ua) | static_cast<unsigned>(ub) << 16;
+}
+
+// ldmatrix.x4 address for this lane: row (lane % 8) of 8x8 matrix (lane / 8) of the 16 x 16
+// block at (row0, col0) of a row-major tile, matrices ordered (rows 0-7, cols 0-7), (rows 8-15,
+// cols 0-7), (rows 0-7, cols 8-15), (rows 8-15, cols 8-15): the A-operand order of mma.m16n8k16.
+// With ldmatrix .trans the same addresses give the B operands of two adjacent n-tiles of a tile
+// stored (k, n) row-major (registers 0-1: columns 0-7, registers 2-3: columns 8-15).
+template <int kStride, class T>
+__device__ __forceinline__ const T* a_address(const T* tile, int row0, int col0, int lane) {
+    const int m = lane / 8;
+    return tile + (row0 + (m % 2) * 8 + lane % 8) * kStride + col0 + (m / 2) * 8;
+}
+
+// ldmatrix.x4 address for B operands of two adjacent n-tiles of 8: matrices (rows 0-7, cols 0-7),
+// (rows 0-7, cols 8-15), (rows 8-15, cols 0-7), (rows 8-15, cols 8-15), so registers 0-1 are
+// the fragment of the rows 0-7 and registers 2-3 that of rows 8-15. For a non-transposed load
+// the rows are n (e.g. keys of K for Q·Kᵀ) and the columns k.
+template <int kStride, class T>
+__device__ __forceinline__ const T* b_address(const T* tile, int row0, int col0, int lane) {
+    const int m = lane / 8;
+    return tile + (row0 + (m / 2) * 8 + lane % 8) * kStride + col0 + (m % 2) * 8;
+}
+
+// The accumulator fragments of two adjacent 8-column tiles (16 rows x 16 columns, float) as the
+// A operand of the next MMA, rounded to T: FlashAttention-2's register-resident P.
+template <class T>
+__device__ __forceinline__ void accumulators_as_a(unsigned (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+    a[0] = pack_pair<T>(lo[0], lo[1]);
+    a[1] = pack_pair<T>(lo[2], lo[3]);
+    a[2] = pack_pair<T>(hi[0], hi[1]);
+    a[3] = pack_pair<T>(hi[2], hi[3]);
+}
+
+}  // namespace attn
