@@ -25,9 +25,11 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     constexpr int kDTiles = kHeadDim / 8;   // 8-dim column tiles of O
     constexpr int kKSteps = kHeadDim / 16;  // k-steps of Q·Kᵀ
     extern __shared__ __align__(16) unsigned char smem_bytes[];
-    T* sQ = reinterpret_cast<T*>(smem_bytes);        // (64, kStride)
-    T* sK = sQ + kTcBlockM * kStride;                // (kBlockN, kStride)
-    T* sV = sK + kBlockN * kStride;                  // (kBlockN, kStride)
+    // Q (64, kStride), then two stages of K and V (kBlockN, kStride) each: while the warps work
+    // on one key tile, cp.async brings the next into the other stage.
+    T* sQ = reinterpret_cast<T*>(smem_bytes);
+    T* const stage_k[2] = {sQ + kTcBlockM * kStride, sQ + (kTcBlockM + 2 * kBlockN) * kStride};
+    T* const stage_v[2] = {stage_k[0] + kBlockN * kStride, stage_k[1] + kBlockN * kStride};
 
     const BlockInfo b(p, blockIdx.y, blockIdx.z);
     const ScoreTransform score(p, b);
@@ -48,14 +50,22 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     int key_begin, key_end;
     b.key_range(p, m0, kTcBlockM, &key_begin, &key_end);
     const int n_begin = key_begin / kBlockN, n_end = (key_end + kBlockN - 1) / kBlockN;
+    auto stage_keys = [&](int n_block) {
+        const int stage = (n_block - n_begin) % 2;
+        stage_async<kBlockN, kHeadDim>(stage_k[stage], k + at.k, at.k_row, n_block * kBlockN, p.seq_k, p.head_dim, vk);
+        stage_async<kBlockN, kHeadDim>(stage_v[stage], v + at.v, at.v_row, n_block * kBlockN, p.seq_k, p.head_dim_v, vv);
+        ptx::cp_async_commit();
+    };
+    if (n_begin < n_end) stage_keys(n_begin);
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         const int n0 = n_block * kBlockN;
-        __syncthreads();  // every warp is done reading the previous K and V tiles
-        stage_async<kBlockN, kHeadDim>(sK, k + at.k, at.k_row, n0, p.seq_k, p.head_dim, vk);
-        stage_async<kBlockN, kHeadDim>(sV, v + at.v, at.v_row, n0, p.seq_k, p.head_dim_v, vv);
-        ptx::cp_async_commit();
-        ptx::cp_async_wait<0>();
-        __syncthreads();  // every thread's copies (Q on the first pass, K, V) have landed
+        const T* sK = stage_k[(n_block - n_begin) % 2];
+        const T* sV = stage_v[(n_block - n_begin) % 2];
+        ptx::cp_async_wait<0>();  // this thread's copies of this tile (and of Q) have landed
+        // Everyone's copies have landed, and every warp is done with the previous tile, whose
+        // stage the next prefetch overwrites.
+        __syncthreads();
+        if (n_block + 1 < n_end) stage_keys(n_block + 1);
 
         // S = Q·Kᵀ for this warp's 16 rows: s[j] holds rows (g, g+8) x keys (8j + 2t, 8j + 2t + 1).
         float s[kNTiles][4];
@@ -155,7 +165,7 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
 
 }  // namespace attn
 
-// grid (ceil(Sq / 64), H, B), block 128 threads, dynamic shared memory (64 + 2 kBlockN) rows of
+// grid (ceil(Sq / 64), H, B), block 128 threads, dynamic shared memory (64 + 4 kBlockN) rows of
 // (kHeadDim + 8) 16-bit elements. vectorised: bit 0/1/2 set when q/k/v rows may be copied in
 // 16-byte chunks (16-byte aligned base, strides multiples of 8 elements).
 template <class T, int kHeadDim, int kBlockN>
