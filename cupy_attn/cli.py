@@ -77,7 +77,15 @@ def _reference_mha(x, w_q, w_k, w_v, w_o, heads, kv_heads, keywords):
 
 def demo(args) -> int:
     backend, why = _best_backend()
+    if args.dtype == "float64" and backend != "numpy":
+        backend, why = "numpy", "float64 runs on the NumPy backend only"
     print(f"backend: {backend}; {why}")
+    if backend == "cuda":
+        import cupy
+
+        to_device, to_host = cupy.asarray, cupy.asnumpy
+    else:
+        to_device = to_host = np.asarray
     rng = np.random.default_rng(args.seed)
     dtype = np.dtype(args.dtype)
     tolerance = {np.float32: 1e-4, np.float64: 1e-10}[dtype.type]
@@ -90,9 +98,11 @@ def demo(args) -> int:
                          for n in (heads, kv_heads, kv_heads))
         w_o = (rng.standard_normal((heads * head_dim, embed)) / np.sqrt(embed)).astype(dtype)
         keywords = _mask_keywords(kind, batch, seq, rng)
+        device_arrays = [to_device(a) for a in (x, w_q, w_k, w_v, w_o)]
+        device_keywords = {n: to_device(a) if isinstance(a, np.ndarray) else a for n, a in keywords.items()}
         start = time.perf_counter()
-        y = multi_head_attention(x, w_q, w_k, w_v, w_o, heads, num_kv_heads=kv_heads,
-                                 backend=backend, **keywords)
+        y = to_host(multi_head_attention(*device_arrays, heads, num_kv_heads=kv_heads, backend=backend,
+                                         **device_keywords))
         ms = (time.perf_counter() - start) * 1e3
         ref = _reference_mha(*(a.astype(np.float64) for a in (x, w_q, w_k, w_v, w_o)), heads, kv_heads, keywords)
         err = float(np.abs(np.asarray(y, np.float64) - ref).max())
