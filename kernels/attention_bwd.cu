@@ -73,9 +73,8 @@ __device__ __forceinline__ void dkdv_block(const Params& p, const T* q, const T*
     float dk[kKeyDims], dv[kKeyDims];
     for (int e = 0; e < kKeyDims; ++e) dk[e] = dv[e] = 0.f;
 
-    int row_begin, row_end;
-    b.row_range(p, n0, kBlockN, &row_begin, &row_end);
-    const int m_begin = row_begin / kBlockM, m_end = (row_end + kBlockM - 1) / kBlockM;
+    int m_begin, m_end;
+    b.row_tiles(p, n0, kBlockN, kBlockM, &m_begin, &m_end);
     for (int m_block = m_begin; m_block < m_end; ++m_block) {
         const int m0 = m_block * kBlockM;
         __syncthreads();  // the previous query tile's Q, dO, P and dS are no longer read
@@ -166,9 +165,8 @@ __device__ __forceinline__ void dq_block(const Params& p, const T* q, const T* k
 
     float acc[kDims];
     for (int e = 0; e < kDims; ++e) acc[e] = 0.f;
-    int key_begin, key_end;
-    b.key_range(p, m0, kBlockM, &key_begin, &key_end);
-    const int n_begin = key_begin / kBlockN, n_end = (key_end + kBlockN - 1) / kBlockN;
+    int n_begin, n_end;
+    b.key_tiles(p, m0, kBlockM, kBlockN, &n_begin, &n_end);
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         const int n0 = n_block * kBlockN;
         __syncthreads();  // the previous K and V tiles are no longer read

@@ -56,9 +56,8 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
         #pragma unroll
         for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = 0.f;
 
-    int row_begin, row_end;
-    b.row_range(p, n0, kTcKeys, &row_begin, &row_end);
-    const int m_begin = row_begin / kBlockM, m_end = (row_end + kBlockM - 1) / kBlockM;
+    int m_begin, m_end;
+    b.row_tiles(p, n0, kTcKeys, kBlockM, &m_begin, &m_end);
     for (int m_block = m_begin; m_block < m_end; ++m_block) {
         const int m0 = m_block * kBlockM;
         __syncthreads();  // every warp is done with the previous Q, dO and dS tiles

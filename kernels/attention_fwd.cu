@@ -57,9 +57,8 @@ __device__ __forceinline__ void forward_block(const Params& p, const T* q, const
     float acc[kDims];  // output row, dimensions part + kLanesPerRow · e
     for (int e = 0; e < kDims; ++e) acc[e] = 0.f;
 
-    int key_begin, key_end;
-    b.key_range(p, m0, kBlockM, &key_begin, &key_end);
-    const int n_begin = key_begin / kBlockN, n_end = (key_end + kBlockN - 1) / kBlockN;
+    int n_begin, n_end;
+    b.key_tiles(p, m0, kBlockM, kBlockN, &n_begin, &n_end);
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         const int n0 = n_block * kBlockN;
         __syncthreads();  // everyone is done reading the previous K, V (and P) tiles

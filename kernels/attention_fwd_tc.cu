@@ -47,9 +47,8 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
     float row_max[2] = {-infinity(), -infinity()}, row_sum[2] = {0.f, 0.f};
 
-    int key_begin, key_end;
-    b.key_range(p, m0, kTcBlockM, &key_begin, &key_end);
-    const int n_begin = key_begin / kBlockN, n_end = (key_end + kBlockN - 1) / kBlockN;
+    int n_begin, n_end;
+    b.key_tiles(p, m0, kTcBlockM, kBlockN, &n_begin, &n_end);
     auto stage_keys = [&](int n_block) {
         const int stage = (n_block - n_begin) % 2;
         stage_async<kBlockN, kHeadDim>(stage_k[stage], k + at.k, at.k_row, n_block * kBlockN, p.seq_k, p.head_dim, vk);

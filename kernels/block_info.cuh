@@ -63,6 +63,22 @@ struct BlockInfo {
         *end = max(*end, *begin);
     }
 
+    // Key tiles [*begin, *end) of block_n keys that rows [m0, m0 + block_m) must visit.
+    __device__ __forceinline__ void key_tiles(const Params& p, int m0, int block_m, int block_n, int* begin, int* end) const {
+        int first, last;
+        key_range(p, m0, block_m, &first, &last);
+        *begin = first / block_n;
+        *end = (last + block_n - 1) / block_n;
+    }
+
+    // Query tiles [*begin, *end) of block_m rows that keys [n0, n0 + block_n) must visit.
+    __device__ __forceinline__ void row_tiles(const Params& p, int n0, int block_n, int block_m, int* begin, int* end) const {
+        int first, last;
+        row_range(p, n0, block_n, &first, &last);
+        *begin = first / block_m;
+        *end = (last + block_m - 1) / block_m;
+    }
+
     // No structural mask inside the (block_m x block_n) tile at (m0, n0): every row valid and
     // every key inside the causal/window band of every row. Only boundary tiles pay for masking.
     __device__ __forceinline__ bool tile_is_interior(const Params& p, int m0, int block_m, int n0, int block_n) const {
