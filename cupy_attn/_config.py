@@ -108,6 +108,15 @@ class TensorCoreTile:
     def name_expression(self, dtype) -> str:
         return f"attention_fwd_tc<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_n}>"
 
+    @property
+    def dq_shared_bytes(self) -> int:
+        """The deterministic dQ kernel on the same tile: Q, dO (64, D + 8) + K, V (block_n, D + 8),
+        16-bit, and lse, delta (64 floats)."""
+        return 2 * (2 * self.block_m + 2 * self.block_n) * (self.head_dim + 8) + 8 * self.block_m
+
+    def dq_name(self, dtype) -> str:
+        return f"attention_bwd_dq_tc<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_n}>"
+
 
 # Per thread: D/2 float accumulators of O plus block_n/2 of S; FlashAttention-2 uses the same
 # 64-row blocks of 4 warps. D = 256 takes 16-key tiles so that O's 128 accumulators fit and the
@@ -203,10 +212,13 @@ def kernel_variants():
         else:
             variants += [("attention_fwd.cu", tile.name_expression(dtype), dtype) for tile in FORWARD_TILES]
         variants.append(("attention_bwd.cu", preprocess_name(dtype), dtype))
+        tensor_cores = dtype in TENSOR_CORE_DTYPES
         for tile in BACKWARD_TILES:
-            variants.append(("attention_bwd.cu", tile.dq_name(dtype), dtype))
+            if not tensor_cores:
+                variants.append(("attention_bwd.cu", tile.dq_name(dtype), dtype))
             if tensor_core_backward_tile(tile.head_dim, tile.head_dim, dtype) is None:
                 variants.append(("attention_bwd.cu", tile.dkdv_name(dtype), dtype))
-        if dtype in TENSOR_CORE_DTYPES:
+        if tensor_cores:
             variants += [("attention_bwd_tc.cu", t.name_expression(dtype), dtype) for t in TENSOR_CORE_BACKWARD_TILES]
+            variants += [("attention_bwd_tc.cu", t.dq_name(dtype), dtype) for t in TENSOR_CORE_TILES]
     return variants

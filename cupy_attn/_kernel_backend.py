@@ -154,14 +154,18 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     dv = _empty(xp, (b, h, sk, p.head_dim_v), np.float32)
     common = _common_args(p, q, k, v, dout)
     tc = _config.tensor_core_backward_tile(p.head_dim, p.head_dim_v, p.dtype)
+    vectorised = sum(bit for bit, x in ((1, q), (2, k), (4, v), (8, dout)) if _copies_in_16_bytes(x))
     if tc is not None:
-        vectorised = sum(bit for bit, x in ((1, q), (2, k), (4, v), (8, dout)) if _copies_in_16_bytes(x))
         _launch(target, "attention_bwd_tc.cu", tc.name_expression(p.dtype), (_blocks(sk, tc.block_n), h, b),
                 (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), I32(vectorised), *common), tc.shared_bytes)
     else:
         _launch(target, "attention_bwd.cu", tile.dkdv_name(p.dtype), (_blocks(sk, tile.block_n), h, b),
                 (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), *common), tile.dkdv_shared_bytes)
-    if deterministic:
+    if deterministic and p.dtype in _config.TENSOR_CORE_DTYPES:
+        dq_tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype)
+        _launch(target, "attention_bwd_tc.cu", dq_tile.dq_name(p.dtype), (_blocks(sq, dq_tile.block_m), h, b),
+                (q, k, v, dout, lse, delta, dq, I32(vectorised), *common), dq_tile.dq_shared_bytes)
+    elif deterministic:
         _launch(target, "attention_bwd.cu", tile.dq_name(p.dtype), (_blocks(sq, tile.dq_block_m), h, b),
                 (q, k, v, dout, lse, delta, dq, *common), tile.dq_shared_bytes)
     if p.groups > 1:

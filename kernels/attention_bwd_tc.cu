@@ -10,6 +10,10 @@
 //   dQ += dS·K·scale                     (dS through shared memory; float32 atomics) unless the
 //                                         deterministic dQ kernel of attention_bwd.cu runs after.
 // P and dS are rounded to the input type before their MMAs, as in FlashAttention-2.
+//
+// attention_bwd_dq_tc is the deterministic dQ on tensor cores: one block of 4 warps per 64 query
+// rows loops over key tiles, recomputes S = Q·Kᵀ and dP = dO·Vᵀ, and accumulates dQ += dS·K in
+// registers in a fixed order (no atomics).
 #include "block_info.cuh"
 #include "mask.cuh"
 #include "numeric.cuh"
@@ -18,7 +22,7 @@
 
 namespace attn {
 
-constexpr int kTcKeys = 64;  // keys per block: 4 warps x 16
+constexpr int kTcKeys = 64;  // keys per dK/dV block: 4 warps x 16
 
 template <class T, int kHeadDim, int kBlockM>
 __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const T* k, const T* v, const T* dout,
@@ -173,7 +177,125 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
     }
 }
 
+template <class T, int kHeadDim, int kBlockN>
+__device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T* k, const T* v, const T* dout,
+                                            const float* lse, const float* delta, float* dq_accum, int vectorised,
+                                            const long long (&strides)[12]) {
+    constexpr int kStride = TcLayout<kHeadDim>::kStride;
+    constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
+    extern __shared__ __align__(16) unsigned char smem_bytes[];
+    T* sQ = reinterpret_cast<T*>(smem_bytes);  // (64, kStride)
+    T* sDO = sQ + kTcBlockM * kStride;         // (64, kStride)
+    T* sK = sDO + kTcBlockM * kStride;         // (kBlockN, kStride)
+    T* sV = sK + kBlockN * kStride;            // (kBlockN, kStride)
+    float* sLse2 = reinterpret_cast<float*>(sV + kBlockN * kStride);
+    float* sDelta = sLse2 + kTcBlockM;
+
+    const BlockInfo b(p, blockIdx.y, blockIdx.z);
+    const ScoreTransform score(p, b);
+    const HeadView at = head_view(p, b, strides);
+    const int m0 = blockIdx.x * kTcBlockM;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const bool vq = vectorised & 1, vk = vectorised & 2, vv = vectorised & 4, vdo = vectorised & 8;
+    stage_async<kTcBlockM, kHeadDim>(sQ, q + at.q, at.q_row, m0, p.seq_q, p.head_dim, vq);
+    stage_async<kTcBlockM, kHeadDim>(sDO, dout + at.o, at.o_row, m0, p.seq_q, p.head_dim_v, vdo);
+    for (int r = threadIdx.x; r < kTcBlockM; r += kThreads) {
+        const bool valid = m0 + r < p.seq_q;
+        sLse2[r] = valid ? lse[at.stats + m0 + r] * kLog2e : -infinity();
+        sDelta[r] = valid ? delta[at.stats + m0 + r] : 0.f;
+    }
+
+    float dq[kDTiles][4];
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d) dq[d][0] = dq[d][1] = dq[d][2] = dq[d][3] = 0.f;
+    int n_begin, n_end;
+    b.key_tiles(p, m0, kTcBlockM, kBlockN, &n_begin, &n_end);
+    for (int n_block = n_begin; n_block < n_end; ++n_block) {
+        const int n0 = n_block * kBlockN;
+        __syncthreads();  // every warp is done with the previous K and V tiles
+        stage_async<kBlockN, kHeadDim>(sK, k + at.k, at.k_row, n0, p.seq_k, p.head_dim, vk);
+        stage_async<kBlockN, kHeadDim>(sV, v + at.v, at.v_row, n0, p.seq_k, p.head_dim_v, vv);
+        ptx::cp_async_commit();
+        ptx::cp_async_wait<0>();
+        __syncthreads();  // Q, dO, the row statistics (first pass), K and V are in place
+
+        // S = Q·Kᵀ and dP = dO·Vᵀ for this warp's 16 rows: [j] holds rows (g, g+8) x keys 8j + 2t, +1.
+        float s[kNTiles][4], dp[kNTiles][4];
+#pragma unroll
+        for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+            unsigned aq[4], ado[4];
+            ptx::ldmatrix<4>(aq, a_address<kStride>(sQ, warp * 16, kk * 16, lane));
+            ptx::ldmatrix<4>(ado, a_address<kStride>(sDO, warp * 16, kk * 16, lane));
+#pragma unroll
+            for (int j = 0; j < kNTiles; j += 2) {
+                unsigned bk[4], bv[4];
+                ptx::ldmatrix<4>(bk, b_address<kStride>(sK, j * 8, kk * 16, lane));
+                ptx::ldmatrix<4>(bv, b_address<kStride>(sV, j * 8, kk * 16, lane));
+                ptx::mma_m16n8k16<T>(s[j], aq, {bk[0], bk[1]}, s[j]);
+                ptx::mma_m16n8k16<T>(s[j + 1], aq, {bk[2], bk[3]}, s[j + 1]);
+                ptx::mma_m16n8k16<T>(dp[j], ado, {bv[0], bv[1]}, dp[j]);
+                ptx::mma_m16n8k16<T>(dp[j + 1], ado, {bv[2], bv[3]}, dp[j + 1]);
+            }
+        }
+
+        // dS in place of S.
+        const bool boundary = !b.tile_is_interior(p, m0, kTcBlockM, n0, kBlockN);
+#pragma unroll
+        for (int j = 0; j < kNTiles; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = warp * 16 + g + 8 * (e / 2), key = j * 8 + 2 * t + (e & 1);
+                const float qk = s[j][e];
+                const float s2 = score(p, b, qk, m0 + row, n0 + key, boundary);
+                // A fully masked row has lse -inf and only -inf scores: P = 0, not exp2(NaN).
+                const float prob = sLse2[row] == -infinity() ? 0.f : exp2f(s2 - sLse2[row]);
+                s[j][e] = prob * (dp[j][e] - sDelta[row]) * score.softcap_grad(qk);
+            }
+        }
+
+        // dQ += dS·K: dS re-packed as the A operand; K read transposed as (key, dim) B tiles.
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            unsigned a[4];
+            accumulators_as_a<T>(a, s[2 * kk], s[2 * kk + 1]);
+#pragma unroll
+            for (int d = 0; d < kDTiles; d += 2) {
+                unsigned bk[4];
+                ptx::ldmatrix<4, true>(bk, a_address<kStride>(sK, kk * 16, d * 8, lane));
+                ptx::mma_m16n8k16<T>(dq[d], a, {bk[0], bk[1]}, dq[d]);
+                ptx::mma_m16n8k16<T>(dq[d + 1], a, {bk[2], bk[3]}, dq[d + 1]);
+            }
+        }
+    }
+
+    // Every row inside the sequence is written, rows that attended nothing included (as 0).
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const int i = m0 + warp * 16 + g + 8 * (e / 2);
+        if (i >= p.seq_q) continue;
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d) {
+            const int col = d * 8 + 2 * t + (e & 1);
+            if (col < p.head_dim) dq_accum[(at.stats + i) * p.head_dim + col] = dq[d][e] * p.scale;
+        }
+    }
+}
+
 }  // namespace attn
+
+// grid (ceil(Sq / 64), H, B), block 128, dynamic shared memory: Q, dO (64 rows) and K, V
+// (kBlockN rows) of kHeadDim + 8 16-bit elements, lse and delta (64 floats each).
+template <class T, int kHeadDim, int kBlockN>
+__global__ void __launch_bounds__(attn::kThreads, 1)
+attention_bwd_dq_tc(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,
+                    float* dq_accum, int vectorised, ATTN_PARAMS) {
+    ATTN_UNPACK_PARAMS;
+    attn::dq_tc_block<T, kHeadDim, kBlockN>(p, q, k, v, dout, lse, delta, dq_accum, vectorised, strides);
+}
 
 // grid (ceil(Sk / 64), H, B), block 128, dynamic shared memory: K, V (64 rows) and Q, dO
 // (kBlockM rows) of kHeadDim + 8 16-bit elements, dS (kBlockM x 72, 16-bit), lse and delta

@@ -15,8 +15,6 @@
 
 namespace attn {
 
-constexpr int kTcBlockM = 64;  // 4 warps x 16 rows
-
 template <class T, int kHeadDim, int kBlockN>
 __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, const T* k, const T* v, T* out, float* lse,
                                                  const long long (&strides)[12], int vectorised) {

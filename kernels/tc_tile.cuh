@@ -6,6 +6,8 @@
 
 namespace attn {
 
+constexpr int kTcBlockM = 64;  // query rows per block of the tensor-core kernels: 4 warps x 16
+
 template <int kHeadDim>
 struct TcLayout {
     static constexpr int kStride = kHeadDim + 8;  // halves per shared-memory row (+16 bytes)
