@@ -111,13 +111,18 @@ def forward(problem: Problem, q, k, v, *, target: str):
     lse = _empty(xp, p.lse_shape, np.float32)
     grid = (_blocks(p.seq_q, tile.block_m), p.heads, p.batch)
     if isinstance(tile, _config.TensorCoreTile):
-        vectorised = sum(bit for bit, x in ((1, q), (2, k), (4, v)) if _copies_in_16_bytes(x))
-        args = (q, k, v, out, lse, I32(vectorised), *_common_args(p, q, k, v, out))
+        args = (q, k, v, out, lse, _vector_flags(q, k, v), *_common_args(p, q, k, v, out))
         _launch(target, "attention_fwd_tc.cu", tile.name_expression(p.dtype), grid, args, tile.shared_bytes)
     else:
         args = (q, k, v, out, lse, *_common_args(p, q, k, v, out))
         _launch(target, "attention_fwd.cu", tile.name_expression(p.dtype), grid, args, tile.shared_bytes)
     return out, lse
+
+
+def _vector_flags(*arrays):
+    """The tensor-core kernels' `vectorised` argument: bit i set when arrays[i] (q, k, v, dout)
+    can be copied in 16-byte chunks."""
+    return I32(sum(1 << i for i, x in enumerate(arrays) if _copies_in_16_bytes(x)))
 
 
 def _copies_in_16_bytes(x) -> bool:
@@ -154,17 +159,17 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     dv = _empty(xp, (b, h, sk, p.head_dim_v), np.float32)
     common = _common_args(p, q, k, v, dout)
     tc = _config.tensor_core_backward_tile(p.head_dim, p.head_dim_v, p.dtype)
-    vectorised = sum(bit for bit, x in ((1, q), (2, k), (4, v), (8, dout)) if _copies_in_16_bytes(x))
+    vectorised = _vector_flags(q, k, v, dout)
     if tc is not None:
         _launch(target, "attention_bwd_tc.cu", tc.name_expression(p.dtype), (_blocks(sk, tc.block_n), h, b),
-                (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), I32(vectorised), *common), tc.shared_bytes)
+                (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), vectorised, *common), tc.shared_bytes)
     else:
         _launch(target, "attention_bwd.cu", tile.dkdv_name(p.dtype), (_blocks(sk, tile.block_n), h, b),
                 (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), *common), tile.dkdv_shared_bytes)
     if deterministic and p.dtype in _config.TENSOR_CORE_DTYPES:
         dq_tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype)
         _launch(target, "attention_bwd_tc.cu", dq_tile.dq_name(p.dtype), (_blocks(sq, dq_tile.block_m), h, b),
-                (q, k, v, dout, lse, delta, dq, I32(vectorised), *common), dq_tile.dq_shared_bytes)
+                (q, k, v, dout, lse, delta, dq, vectorised, *common), dq_tile.dq_shared_bytes)
     elif deterministic:
         _launch(target, "attention_bwd.cu", tile.dq_name(p.dtype), (_blocks(sq, tile.dq_block_m), h, b),
                 (q, k, v, dout, lse, delta, dq, *common), tile.dq_shared_bytes)

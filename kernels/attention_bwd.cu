@@ -13,26 +13,10 @@
 #include "block_info.cuh"
 #include "mask.cuh"
 #include "numeric.cuh"
-#include "softmax.cuh"
+#include "backward_stats.cuh"
 #include "tile_io.cuh"
 
 namespace attn {
-
-// The per-row statistics the backward needs: lse in base 2 (or -inf) and delta.
-__device__ __forceinline__ void stage_row_stats(float* s_lse2, float* s_delta, const float* lse, const float* delta,
-                                                long long first_row, int m0, int block_m, int seq_q) {
-    for (int r = threadIdx.x; r < block_m; r += kThreads) {
-        bool valid = m0 + r < seq_q;
-        s_lse2[r] = valid ? lse[first_row + m0 + r] * kLog2e : -infinity();
-        s_delta[r] = valid ? delta[first_row + m0 + r] : 0.f;
-    }
-}
-
-// P = exp2(s2 - lse2) for a recomputed base-2 score s2. A fully masked row has lse -inf and only
-// -inf scores: its P is 0 (not exp2(-inf - -inf) = NaN).
-__device__ __forceinline__ float probability(float s2, float lse2) {
-    return lse2 == -infinity() ? 0.f : exp2f(s2 - lse2);
-}
 
 // Shared memory of the dK/dV kernel, in floats: Q, dO (kBlockM, D) | K, V (kBlockN, D + 1) |
 // P, dS (kBlockM, kBlockN) | lse2, delta (kBlockM). K and V rows are padded by one float: the

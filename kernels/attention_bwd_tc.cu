@@ -14,6 +14,7 @@
 // attention_bwd_dq_tc is the deterministic dQ on tensor cores: one block of 4 warps per 64 query
 // rows loops over key tiles, recomputes S = Q·Kᵀ and dP = dO·Vᵀ, and accumulates dQ += dS·K in
 // registers in a fixed order (no atomics).
+#include "backward_stats.cuh"
 #include "block_info.cuh"
 #include "mask.cuh"
 #include "numeric.cuh"
@@ -67,12 +68,7 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
         __syncthreads();  // every warp is done with the previous Q, dO and dS tiles
         stage_async<kBlockM, kHeadDim>(sQ, q + at.q, at.q_row, m0, p.seq_q, p.head_dim, vq);
         stage_async<kBlockM, kHeadDim>(sDO, dout + at.o, at.o_row, m0, p.seq_q, p.head_dim_v, vdo);
-        for (int r = threadIdx.x; r < kBlockM; r += kThreads) {
-            const bool valid = m0 + r < p.seq_q;
-            // lse -inf (a row that attended nothing) stays -inf: its P is 0, see below.
-            sLse2[r] = valid ? lse[at.stats + m0 + r] * kLog2e : -infinity();
-            sDelta[r] = valid ? delta[at.stats + m0 + r] : 0.f;
-        }
+        stage_row_stats(sLse2, sDelta, lse, delta, at.stats, m0, kBlockM, p.seq_q);
         ptx::cp_async_commit();
         ptx::cp_async_wait<0>();
         __syncthreads();  // K, V (first pass), Q, dO and the row statistics are in place
@@ -83,22 +79,8 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
         for (int j = 0; j < kQTiles; ++j)
             #pragma unroll
             for (int e = 0; e < 4; ++e) st[j][e] = dpt[j][e] = 0.f;
-        #pragma unroll
-        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-            unsigned ak[4], av[4];
-            ptx::ldmatrix<4>(ak, a_address<kStride>(sK, warp * 16, kk * 16, lane));
-            ptx::ldmatrix<4>(av, a_address<kStride>(sV, warp * 16, kk * 16, lane));
-            #pragma unroll
-            for (int j = 0; j < kQTiles; j += 2) {
-                unsigned bq[4], bdo[4];
-                ptx::ldmatrix<4>(bq, b_address<kStride>(sQ, j * 8, kk * 16, lane));
-                ptx::ldmatrix<4>(bdo, b_address<kStride>(sDO, j * 8, kk * 16, lane));
-                ptx::mma_m16n8k16<T>(st[j], ak, {bq[0], bq[1]}, st[j]);
-                ptx::mma_m16n8k16<T>(st[j + 1], ak, {bq[2], bq[3]}, st[j + 1]);
-                ptx::mma_m16n8k16<T>(dpt[j], av, {bdo[0], bdo[1]}, dpt[j]);
-                ptx::mma_m16n8k16<T>(dpt[j + 1], av, {bdo[2], bdo[3]}, dpt[j + 1]);
-            }
-        }
+                mma_rows_by_rows<T, kStride, kHeadDim / 16>(st, sK, warp * 16, sQ, lane);
+        mma_rows_by_rows<T, kStride, kHeadDim / 16>(dpt, sV, warp * 16, sDO, lane);
 
         // Pᵀ and dSᵀ in place of Sᵀ and dPᵀ; dS also to shared memory (queries as rows) for dQ.
         const bool boundary = !b.tile_is_interior(p, m0, kBlockM, n0, kTcKeys);
@@ -109,8 +91,7 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
                 const int key = warp * 16 + g + 8 * (e / 2), query = j * 8 + 2 * t + (e & 1);
                 const float qk = st[j][e];
                 const float s2 = score(p, b, qk, m0 + query, n0 + key, boundary);
-                // A fully masked row has lse -inf and only -inf scores: P = 0, not exp2(NaN).
-                const float prob = sLse2[query] == -infinity() ? 0.f : exp2f(s2 - sLse2[query]);
+                const float prob = probability(s2, sLse2[query]);
                 const float ds = prob * (dpt[j][e] - sDelta[query]) * score.softcap_grad(qk);
                 st[j][e] = prob;
                 dpt[j][e] = ds;
@@ -118,23 +99,9 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
             }
         }
 
-        // dV += Pᵀ·dO and dK += dSᵀ·Q over this tile's queries (16 per k-step).
-        #pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk) {
-            unsigned ap[4], ads[4];
-            accumulators_as_a<T>(ap, st[2 * kk], st[2 * kk + 1]);
-            accumulators_as_a<T>(ads, dpt[2 * kk], dpt[2 * kk + 1]);
-            #pragma unroll
-            for (int d = 0; d < kDTiles; d += 2) {
-                unsigned bdo[4], bq[4];  // dO and Q read transposed: (query, dim) tiles as B
-                ptx::ldmatrix<4, true>(bdo, a_address<kStride>(sDO, kk * 16, d * 8, lane));
-                ptx::ldmatrix<4, true>(bq, a_address<kStride>(sQ, kk * 16, d * 8, lane));
-                ptx::mma_m16n8k16<T>(dv[d], ap, {bdo[0], bdo[1]}, dv[d]);
-                ptx::mma_m16n8k16<T>(dv[d + 1], ap, {bdo[2], bdo[3]}, dv[d + 1]);
-                ptx::mma_m16n8k16<T>(dk[d], ads, {bq[0], bq[1]}, dk[d]);
-                ptx::mma_m16n8k16<T>(dk[d + 1], ads, {bq[2], bq[3]}, dk[d + 1]);
-            }
-        }
+        // dV += Pᵀ·dO and dK += dSᵀ·Q over this tile's queries.
+        mma_registers_by_rows<T, kStride, kBlockM / 16>(dv, st, sDO, lane);
+        mma_registers_by_rows<T, kStride, kBlockM / 16>(dk, dpt, sQ, lane);
 
         if (accumulate_dq) {
             __syncthreads();  // every warp's dS is in shared memory
@@ -199,11 +166,7 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
     const bool vq = vectorised & 1, vk = vectorised & 2, vv = vectorised & 4, vdo = vectorised & 8;
     stage_async<kTcBlockM, kHeadDim>(sQ, q + at.q, at.q_row, m0, p.seq_q, p.head_dim, vq);
     stage_async<kTcBlockM, kHeadDim>(sDO, dout + at.o, at.o_row, m0, p.seq_q, p.head_dim_v, vdo);
-    for (int r = threadIdx.x; r < kTcBlockM; r += kThreads) {
-        const bool valid = m0 + r < p.seq_q;
-        sLse2[r] = valid ? lse[at.stats + m0 + r] * kLog2e : -infinity();
-        sDelta[r] = valid ? delta[at.stats + m0 + r] : 0.f;
-    }
+    stage_row_stats(sLse2, sDelta, lse, delta, at.stats, m0, kTcBlockM, p.seq_q);
 
     float dq[kDTiles][4];
 #pragma unroll
@@ -225,22 +188,8 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
         for (int j = 0; j < kNTiles; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-            unsigned aq[4], ado[4];
-            ptx::ldmatrix<4>(aq, a_address<kStride>(sQ, warp * 16, kk * 16, lane));
-            ptx::ldmatrix<4>(ado, a_address<kStride>(sDO, warp * 16, kk * 16, lane));
-#pragma unroll
-            for (int j = 0; j < kNTiles; j += 2) {
-                unsigned bk[4], bv[4];
-                ptx::ldmatrix<4>(bk, b_address<kStride>(sK, j * 8, kk * 16, lane));
-                ptx::ldmatrix<4>(bv, b_address<kStride>(sV, j * 8, kk * 16, lane));
-                ptx::mma_m16n8k16<T>(s[j], aq, {bk[0], bk[1]}, s[j]);
-                ptx::mma_m16n8k16<T>(s[j + 1], aq, {bk[2], bk[3]}, s[j + 1]);
-                ptx::mma_m16n8k16<T>(dp[j], ado, {bv[0], bv[1]}, dp[j]);
-                ptx::mma_m16n8k16<T>(dp[j + 1], ado, {bv[2], bv[3]}, dp[j + 1]);
-            }
-        }
+        mma_rows_by_rows<T, kStride, kHeadDim / 16>(s, sQ, warp * 16, sK, lane);
+        mma_rows_by_rows<T, kStride, kHeadDim / 16>(dp, sDO, warp * 16, sV, lane);
 
         // dS in place of S.
         const bool boundary = !b.tile_is_interior(p, m0, kTcBlockM, n0, kBlockN);
@@ -251,25 +200,13 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
                 const int row = warp * 16 + g + 8 * (e / 2), key = j * 8 + 2 * t + (e & 1);
                 const float qk = s[j][e];
                 const float s2 = score(p, b, qk, m0 + row, n0 + key, boundary);
-                // A fully masked row has lse -inf and only -inf scores: P = 0, not exp2(NaN).
-                const float prob = sLse2[row] == -infinity() ? 0.f : exp2f(s2 - sLse2[row]);
+                const float prob = probability(s2, sLse2[row]);
                 s[j][e] = prob * (dp[j][e] - sDelta[row]) * score.softcap_grad(qk);
             }
         }
 
-        // dQ += dS·K: dS re-packed as the A operand; K read transposed as (key, dim) B tiles.
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) {
-            unsigned a[4];
-            accumulators_as_a<T>(a, s[2 * kk], s[2 * kk + 1]);
-#pragma unroll
-            for (int d = 0; d < kDTiles; d += 2) {
-                unsigned bk[4];
-                ptx::ldmatrix<4, true>(bk, a_address<kStride>(sK, kk * 16, d * 8, lane));
-                ptx::mma_m16n8k16<T>(dq[d], a, {bk[0], bk[1]}, dq[d]);
-                ptx::mma_m16n8k16<T>(dq[d + 1], a, {bk[2], bk[3]}, dq[d + 1]);
-            }
-        }
+        // dQ += dS·K: dS stays in registers as the A operand; K is read transposed.
+        mma_registers_by_rows<T, kStride, kBlockN / 16>(dq, s, sK, lane);
     }
 
     // Every row inside the sequence is written, rows that attended nothing included (as 0).

@@ -5,12 +5,13 @@
 // tiles are copied to shared memory with cp.async (rows padded by 16 bytes so ldmatrix is free of
 // bank conflicts) and read into fragments with ldmatrix (transposed for V). S = Q·Kᵀ and O += P·V
 // are m16n8k16 MMAs with float32 accumulators; P never leaves registers: the accumulator layout
-// of S is re-packed as the A operand of P·V. Softmax is online, in base 2, with scale·log2 e
-// folded in (kernels/softmax.cuh's rules for -inf rows); masking is done on boundary tiles only.
+// of S is re-packed as the A operand of P·V. Softmax is kernels/softmax.cuh's online softmax, in
+// base 2 with scale·log2 e folded in; masking is done on boundary tiles only.
 #include "block_info.cuh"
 #include "mask.cuh"
 #include "numeric.cuh"
 #include "ptx.cuh"
+#include "softmax.cuh"
 #include "tc_tile.cuh"
 
 namespace attn {
@@ -21,7 +22,6 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     constexpr int kStride = TcLayout<kHeadDim>::kStride;
     constexpr int kNTiles = kBlockN / 8;    // 8-key column tiles of S
     constexpr int kDTiles = kHeadDim / 8;   // 8-dim column tiles of O
-    constexpr int kKSteps = kHeadDim / 16;  // k-steps of Q·Kᵀ
     extern __shared__ __align__(16) unsigned char smem_bytes[];
     // Q (64, kStride), then two stages of K and V (kBlockN, kStride) each: while the warps work
     // on one key tile, cp.async brings the next into the other stage.
@@ -43,7 +43,7 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     float o[kDTiles][4];
     #pragma unroll
     for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
-    float row_max[2] = {-infinity(), -infinity()}, row_sum[2] = {0.f, 0.f};
+    OnlineSoftmax<4> softmax[2];  // rows row_lo and row_lo + 8
 
     int n_begin, n_end;
     b.key_tiles(p, m0, kTcBlockM, kBlockN, &n_begin, &n_end);
@@ -66,81 +66,31 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
 
         // S = Q·Kᵀ for this warp's 16 rows: s[j] holds rows (g, g+8) x keys (8j + 2t, 8j + 2t + 1).
         float s[kNTiles][4];
-        #pragma unroll
+#pragma unroll
         for (int j = 0; j < kNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-        #pragma unroll
-        for (int kk = 0; kk < kKSteps; ++kk) {
-            unsigned a[4];
-            ptx::ldmatrix<4>(a, a_address<kStride>(sQ, warp * 16, kk * 16, lane));
-            #pragma unroll
-            for (int j = 0; j < kNTiles; j += 2) {
-                unsigned bk[4];  // B fragments of key tiles j (bk[0..1]) and j + 1 (bk[2..3])
-                ptx::ldmatrix<4>(bk, b_address<kStride>(sK, j * 8, kk * 16, lane));
-                ptx::mma_m16n8k16<T>(s[j], a, {bk[0], bk[1]}, s[j]);
-                ptx::mma_m16n8k16<T>(s[j + 1], a, {bk[2], bk[3]}, s[j + 1]);
-            }
-        }
+        mma_rows_by_rows<T, kStride, kHeadDim / 16>(s, sQ, warp * 16, sK, lane);
 
-        // Scores -> base-2 units with every feature applied; -inf where masked.
+        // Scores -> base-2 units with every feature applied (-inf where masked), then the online
+        // softmax of each of this lane's two rows, whose columns are spread over the lane's quad.
         const bool boundary = !b.tile_is_interior(p, m0, kTcBlockM, n0, kBlockN);
-        float tile_max[2] = {-infinity(), -infinity()};
-        #pragma unroll
-        for (int j = 0; j < kNTiles; ++j) {
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = e / 2;
-                s[j][e] = score(p, b, s[j][e], row_lo + 8 * r, n0 + j * 8 + 2 * t + (e & 1), boundary);
-                tile_max[r] = fmaxf(tile_max[r], s[j][e]);
-            }
-        }
-        float rescale[2];
-        #pragma unroll
+#pragma unroll
         for (int r = 0; r < 2; ++r) {
-            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-            const float new_max = fmaxf(row_max[r], tile_max[r]);
-            // A row that has seen only masked keys has max -inf: shift by 0 (exp2(-inf - -inf) = NaN).
-            const float shift = new_max == -infinity() ? 0.f : new_max;
-            rescale[r] = exp2f(row_max[r] - shift);
-            row_max[r] = new_max;
-            tile_max[r] = shift;  // reused below as this tile's shift
-        }
-        float tile_sum[2] = {0.f, 0.f};
-        #pragma unroll
-        for (int j = 0; j < kNTiles; ++j) {
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[j][e] = exp2f(s[j][e] - tile_max[e / 2]);
-                tile_sum[e / 2] += s[j][e];
+            float row[2 * kNTiles];
+#pragma unroll
+            for (int c = 0; c < 2 * kNTiles; ++c)
+                row[c] = score(p, b, s[c / 2][2 * r + c % 2], row_lo + 8 * r, n0 + (c / 2) * 8 + 2 * t + c % 2, boundary);
+            const float rescale = softmax[r].update(row);
+#pragma unroll
+            for (int c = 0; c < 2 * kNTiles; ++c) s[c / 2][2 * r + c % 2] = row[c];
+#pragma unroll
+            for (int d = 0; d < kDTiles; ++d) {
+                o[d][2 * r] *= rescale;
+                o[d][2 * r + 1] *= rescale;
             }
-        }
-        #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 1);
-            tile_sum[r] += __shfl_xor_sync(0xffffffffu, tile_sum[r], 2);
-            row_sum[r] = row_sum[r] * rescale[r] + tile_sum[r];
-        }
-        #pragma unroll
-        for (int d = 0; d < kDTiles; ++d) {
-            o[d][0] *= rescale[0];
-            o[d][1] *= rescale[0];
-            o[d][2] *= rescale[1];
-            o[d][3] *= rescale[1];
         }
 
-        // O += P·V: P's accumulator layout is the A operand of the next MMA (16 keys per k-step).
-        #pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) {
-            unsigned a[4];
-            accumulators_as_a<T>(a, s[2 * kk], s[2 * kk + 1]);
-            #pragma unroll
-            for (int d = 0; d < kDTiles; d += 2) {
-                unsigned bv[4];  // V fragments (transposed) of dim tiles d (bv[0..1]) and d + 1 (bv[2..3])
-                ptx::ldmatrix<4, true>(bv, a_address<kStride>(sV, kk * 16, d * 8, lane));
-                ptx::mma_m16n8k16<T>(o[d], a, {bv[0], bv[1]}, o[d]);
-                ptx::mma_m16n8k16<T>(o[d + 1], a, {bv[2], bv[3]}, o[d + 1]);
-            }
-        }
+        // O += P·V: P stays in registers as the A operand (16 keys per k-step).
+        mma_registers_by_rows<T, kStride, kBlockN / 16>(o, s, sV, lane);
     }
 
     // Normalise once; rows that attended nothing (row_sum 0) give 0, not 0/0. Every row of the
@@ -149,14 +99,14 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     for (int r = 0; r < 2; ++r) {
         const int i = row_lo + 8 * r;
         if (i >= p.seq_q) continue;
-        const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+        const float inv = softmax[r].inverse_sum();
         #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
             const int col = d * 8 + 2 * t;
             if (col < p.head_dim_v) out[at.o + i * at.o_row + col] = from_float<T>(o[d][2 * r] * inv);
             if (col + 1 < p.head_dim_v) out[at.o + i * at.o_row + col + 1] = from_float<T>(o[d][2 * r + 1] * inv);
         }
-        if (t == 0) lse[at.stats + i] = row_sum[r] > 0.f ? (row_max[r] + log2f(row_sum[r])) * kLn2 : -infinity();
+        if (t == 0) lse[at.stats + i] = softmax[r].lse();
     }
 }
 
