@@ -132,29 +132,41 @@ TENSOR_CORE_DTYPES = (np.dtype(np.float16), BFLOAT16)
 
 @dataclass(frozen=True)
 class TensorCoreBackwardTile:
-    """The fp16/bf16 dK/dV kernel on mma.sync: 64 keys (4 warps x 16) per block, block_m query
-    rows per step. Its dq either goes by atomics or comes from the CUDA-core dQ kernel."""
+    """The fp16/bf16 dK/dV kernel on mma.sync: block_n keys per block (groups of 16, each shared
+    by 64 / block_n warps that split its head dims), block_m query rows per step. Its dq goes by
+    atomics, or comes from the deterministic tensor-core dQ kernel."""
 
     head_dim: int
     block_m: int
+    block_n: int
     reason: str
-    block_n: int = 64
+
+    @property
+    def dim_warps(self) -> int:
+        """Warps sharing one group of 16 keys, each holding head_dim / dim_warps dims of dK, dV."""
+        return 4 // (self.block_n // 16)
 
     @property
     def shared_bytes(self) -> int:
-        """K, V (64, D + 8) + Q, dO (block_m, D + 8) + dS (block_m, 72), 16-bit; lse, delta float."""
-        return 2 * (2 * self.block_n + 2 * self.block_m) * (self.head_dim + 8) + 2 * self.block_m * 72 + 8 * self.block_m
+        """K, V (block_n, D + 8) + Q, dO (block_m, D + 8) + dS (block_m, block_n + 8), 16-bit;
+        lse, delta (block_m floats); with dim_warps > 1 the partial Sᵀ, dPᵀ of 4 warps
+        (2 x block_m x 16 floats each). kernels/attention_bwd_tc.cu's DkdvTcLayout."""
+        m, n, d = self.block_m, self.block_n, self.head_dim
+        partials = 4 * 2 * m * 16 if self.dim_warps > 1 else 0
+        return 2 * (2 * n + 2 * m) * (d + 8) + 2 * m * (n + 8) + 4 * (2 * m + partials)
 
     def name_expression(self, dtype) -> str:
-        return f"attention_bwd_dkdv_tc<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_m}>"
+        return f"attention_bwd_dkdv_tc<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_m}, {self.block_n}>"
 
 
-# dK and dV accumulate D/2 + D/2 floats per thread, Sᵀ and dPᵀ block_m/2 + block_m/2. D = 256 would
-# need 256 accumulators per thread: it stays on the CUDA-core backward.
+# Per thread: dK and dV accumulate D/(2·dim_warps) floats each, Sᵀ and dPᵀ block_m/2 each. All
+# head dims in one warp would give D = 256 256 accumulators per thread, so its 16-key groups are
+# split over two warps (128 dims each; their Sᵀ, dPᵀ partial sums meet in shared memory).
 TENSOR_CORE_BACKWARD_TILES = (
-    TensorCoreBackwardTile(32, 64, "32 + 64 accumulators per thread; 30 KB shared"),
-    TensorCoreBackwardTile(64, 64, "64 + 64 accumulators per thread; 46 KB shared"),
-    TensorCoreBackwardTile(128, 32, "128 + 32 accumulators per thread; 56 KB shared"),
+    TensorCoreBackwardTile(32, 64, 64, "32 + 64 accumulators per thread; 30 KB shared"),
+    TensorCoreBackwardTile(64, 64, 64, "64 + 64 accumulators per thread; 46 KB shared"),
+    TensorCoreBackwardTile(128, 32, 64, "128 + 32 accumulators per thread; 56 KB shared"),
+    TensorCoreBackwardTile(256, 32, 32, "2 warps per 16 keys: 128 + 32 accumulators per thread; 85 KB shared"),
 )
 
 
@@ -162,6 +174,7 @@ def preprocess_name(dtype) -> str:
     return f"attention_bwd_preprocess<{CTYPES[np.dtype(dtype)]}>"
 
 
+# The fp32 backward (exact, on CUDA cores; fp16/bf16 take the tensor-core kernels above).
 # dK/dV: 128 threads hold a (block_n, D) dK and dV, D·block_n/128 <= 32 floats each per thread;
 # every entry fits sm_86's 99 KB of shared memory.
 BACKWARD_TILES = (
@@ -190,17 +203,12 @@ def forward_tile(head_dim: int, head_dim_v: int, dtype=np.float32):
     return _pick(FORWARD_TILES, head_dim, head_dim_v)
 
 
-def backward_tile(head_dim: int, head_dim_v: int) -> BackwardTile:
-    """The CUDA-core backward (every dtype; its dQ kernel also serves deterministic mode)."""
+def backward_tile(head_dim: int, head_dim_v: int, dtype=np.float32):
+    """The backward configuration: tensor-core dK/dV (TensorCoreBackwardTile) for fp16/bf16,
+    CUDA-core dK/dV and dQ (BackwardTile) for fp32."""
+    if np.dtype(dtype) in TENSOR_CORE_DTYPES:
+        return _pick(TENSOR_CORE_BACKWARD_TILES, head_dim, head_dim_v)
     return _pick(BACKWARD_TILES, head_dim, head_dim_v)
-
-
-def tensor_core_backward_tile(head_dim: int, head_dim_v: int, dtype):
-    """The tensor-core dK/dV configuration, or None where the CUDA-core kernel runs instead."""
-    need = max(head_dim, head_dim_v)
-    if np.dtype(dtype) not in TENSOR_CORE_DTYPES or need > TENSOR_CORE_BACKWARD_TILES[-1].head_dim:
-        return None
-    return _pick(TENSOR_CORE_BACKWARD_TILES, head_dim, head_dim_v)
 
 
 def kernel_variants():
@@ -212,13 +220,10 @@ def kernel_variants():
         else:
             variants += [("attention_fwd.cu", tile.name_expression(dtype), dtype) for tile in FORWARD_TILES]
         variants.append(("attention_bwd.cu", preprocess_name(dtype), dtype))
-        tensor_cores = dtype in TENSOR_CORE_DTYPES
-        for tile in BACKWARD_TILES:
-            if not tensor_cores:
-                variants.append(("attention_bwd.cu", tile.dq_name(dtype), dtype))
-            if tensor_core_backward_tile(tile.head_dim, tile.head_dim, dtype) is None:
-                variants.append(("attention_bwd.cu", tile.dkdv_name(dtype), dtype))
-        if tensor_cores:
+        if dtype in TENSOR_CORE_DTYPES:
             variants += [("attention_bwd_tc.cu", t.name_expression(dtype), dtype) for t in TENSOR_CORE_BACKWARD_TILES]
             variants += [("attention_bwd_tc.cu", t.dq_name(dtype), dtype) for t in TENSOR_CORE_TILES]
+        else:
+            variants += [("attention_bwd.cu", t.dkdv_name(dtype), dtype) for t in BACKWARD_TILES]
+            variants += [("attention_bwd.cu", t.dq_name(dtype), dtype) for t in BACKWARD_TILES]
     return variants

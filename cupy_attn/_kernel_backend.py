@@ -143,7 +143,7 @@ def _to_layout(problem: Problem, x_bhsd, dtype):
 def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, deterministic: bool):
     p, xp = problem, problem.xp
     check_supported(p, target)
-    tile = _config.backward_tile(p.head_dim, p.head_dim_v)
+    tile = _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype)
     q, k, v, dout, out = (_last_dim_contiguous(xp, x) for x in (q, k, v, dout, out))
     lse = xp.ascontiguousarray(lse, dtype=np.float32)
     b, h, sq, sk = p.batch, p.heads, p.seq_q, p.seq_k
@@ -158,21 +158,21 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     dk = _empty(xp, (b, h, sk, p.head_dim), np.float32)
     dv = _empty(xp, (b, h, sk, p.head_dim_v), np.float32)
     common = _common_args(p, q, k, v, dout)
-    tc = _config.tensor_core_backward_tile(p.head_dim, p.head_dim_v, p.dtype)
-    vectorised = _vector_flags(q, k, v, dout)
-    if tc is not None:
-        _launch(target, "attention_bwd_tc.cu", tc.name_expression(p.dtype), (_blocks(sk, tc.block_n), h, b),
-                (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), vectorised, *common), tc.shared_bytes)
+    dkdv_grid = (_blocks(sk, tile.block_n), h, b)
+    if isinstance(tile, _config.TensorCoreBackwardTile):
+        vectorised = _vector_flags(q, k, v, dout)
+        _launch(target, "attention_bwd_tc.cu", tile.name_expression(p.dtype), dkdv_grid,
+                (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), vectorised, *common), tile.shared_bytes)
+        if deterministic:
+            dq_tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype)
+            _launch(target, "attention_bwd_tc.cu", dq_tile.dq_name(p.dtype), (_blocks(sq, dq_tile.block_m), h, b),
+                    (q, k, v, dout, lse, delta, dq, vectorised, *common), dq_tile.dq_shared_bytes)
     else:
-        _launch(target, "attention_bwd.cu", tile.dkdv_name(p.dtype), (_blocks(sk, tile.block_n), h, b),
+        _launch(target, "attention_bwd.cu", tile.dkdv_name(p.dtype), dkdv_grid,
                 (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), *common), tile.dkdv_shared_bytes)
-    if deterministic and p.dtype in _config.TENSOR_CORE_DTYPES:
-        dq_tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype)
-        _launch(target, "attention_bwd_tc.cu", dq_tile.dq_name(p.dtype), (_blocks(sq, dq_tile.block_m), h, b),
-                (q, k, v, dout, lse, delta, dq, vectorised, *common), dq_tile.dq_shared_bytes)
-    elif deterministic:
-        _launch(target, "attention_bwd.cu", tile.dq_name(p.dtype), (_blocks(sq, tile.dq_block_m), h, b),
-                (q, k, v, dout, lse, delta, dq, *common), tile.dq_shared_bytes)
+        if deterministic:
+            _launch(target, "attention_bwd.cu", tile.dq_name(p.dtype), (_blocks(sq, tile.dq_block_m), h, b),
+                    (q, k, v, dout, lse, delta, dq, *common), tile.dq_shared_bytes)
     if p.groups > 1:
         dk = dk.reshape(b, p.kv_heads, p.groups, sk, p.head_dim).sum(axis=2)
         dv = dv.reshape(b, p.kv_heads, p.groups, sk, p.head_dim_v).sum(axis=2)

@@ -1,14 +1,20 @@
 // The tensor-core dK/dV kernel for fp16/bf16 (FlashAttention-2's backward on mma.sync).
 //
-// One block of 4 warps per (64 keys, query head, batch entry); warp w owns keys 16w..16w+15 and
-// accumulates their dK and dV rows in float32 registers. For each query tile of kBlockM rows
-// that can see the block's keys (Q and dO staged by cp.async):
-//   Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ          (16 keys x kBlockM queries per warp, MMAs)
+// One block of 4 warps per (kBlockN keys, query head, batch entry). The keys are split into
+// groups of 16, and each group's head dims over the kDimWarps = 64 / kBlockN warps that share it:
+// warp w owns keys 16·(w / kDimWarps) + 0..15 and dims kWarpDims·(w % kDimWarps) + 0..kWarpDims-1
+// of their dK and dV, in float32 registers (64 keys and every dim per warp for D <= 128; for
+// D = 256, 32 keys and half the dims, since a warp holding all 256 dims of dK and dV would need
+// 256 accumulators per thread). For each query tile of kBlockM rows that can see the block's keys
+// (Q and dO staged by cp.async):
+//   Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ          (16 keys x kBlockM queries per warp, MMAs over the warp's
+//                                         dims; partial sums of a key group added through shared
+//                                         memory in a fixed order when kDimWarps > 1)
 //   Pᵀ = exp2(s - lse), dSᵀ = Pᵀ ∘ (dPᵀ - delta) · softcap'   (in registers)
 //   dV += Pᵀ·dO, dK += dSᵀ·Q            (Pᵀ and dSᵀ re-packed as A operands; dO and Q
 //                                         read transposed with ldmatrix .trans)
 //   dQ += dS·K·scale                     (dS through shared memory; float32 atomics) unless the
-//                                         deterministic dQ kernel of attention_bwd.cu runs after.
+//                                         deterministic dQ kernel runs after.
 // P and dS are rounded to the input type before their MMAs, as in FlashAttention-2.
 //
 // attention_bwd_dq_tc is the deterministic dQ on tensor cores: one block of 4 warps per 64 query
@@ -23,37 +29,56 @@
 
 namespace attn {
 
-constexpr int kTcKeys = 64;  // keys per dK/dV block: 4 warps x 16
+// Shared-memory layout of the dK/dV kernel; the launcher's TensorCoreBackwardTile.shared_bytes
+// computes the same size.
+template <class T, int kHeadDim, int kBlockM, int kBlockN>
+struct DkdvTcLayout {
+    static constexpr int kStride = TcLayout<kHeadDim>::kStride;
+    static constexpr int kSStride = kBlockN + 8;           // dS tile (kBlockM, kBlockN), 16-bit, padded
+    static constexpr int kDimWarps = 4 / (kBlockN / 16);    // warps sharing a group of 16 keys
+    static constexpr int kWarpDims = kHeadDim / kDimWarps;  // dims of dK, dV per warp
+    // Per warp, Sᵀ and dPᵀ partial sums in fragment order ([2][kBlockM / 8][4][32 lanes] floats,
+    // conflict-free), when a key group's dims are split over several warps.
+    static constexpr int kPartialFloats = kDimWarps > 1 ? 4 * 2 * kBlockM * 16 : 0;
+    static_assert(kBlockN % 16 == 0 && 4 % (kBlockN / 16) == 0, "4 warps cover whole groups of 16 keys");
+    static_assert(kWarpDims % 16 == 0, "each warp's dims are whole pairs of 8-dim MMA tiles");
+};
 
-template <class T, int kHeadDim, int kBlockM>
+template <class T, int kHeadDim, int kBlockM, int kBlockN>
 __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const T* k, const T* v, const T* dout,
                                               const float* lse, const float* delta, float* dq_accum, float* dk_part,
                                               float* dv_part, int accumulate_dq, int vectorised,
                                               const long long (&strides)[12]) {
-    constexpr int kStride = TcLayout<kHeadDim>::kStride;
-    constexpr int kSStride = kTcKeys + 8;       // dS tile (kBlockM, 64 keys), 16-bit, padded
+    using Layout = DkdvTcLayout<T, kHeadDim, kBlockM, kBlockN>;
+    constexpr int kStride = Layout::kStride, kSStride = Layout::kSStride;
+    constexpr int kDimWarps = Layout::kDimWarps, kWarpDims = Layout::kWarpDims;
     constexpr int kQTiles = kBlockM / 8;        // 8-query column tiles of Sᵀ
-    constexpr int kDTiles = kHeadDim / 8;       // 8-dim column tiles of dK, dV
+    constexpr int kDTiles = kWarpDims / 8;      // 8-dim column tiles of this warp's dK, dV
     constexpr int kRowGroups = kBlockM / 16;    // 16-row groups of the dQ tile
     constexpr int kDimGroups = 4 / kRowGroups;  // warps sharing one row group's dimensions
+    constexpr int kAllDTiles = kHeadDim / 8;
     static_assert(kBlockM % 16 == 0 && 4 % kRowGroups == 0, "dQ rows split over the 4 warps");
     extern __shared__ __align__(16) unsigned char smem_bytes[];
-    T* sK = reinterpret_cast<T*>(smem_bytes);   // (64, kStride)
-    T* sV = sK + kTcKeys * kStride;             // (64, kStride)
-    T* sQ = sV + kTcKeys * kStride;             // (kBlockM, kStride)
+    T* sK = reinterpret_cast<T*>(smem_bytes);   // (kBlockN, kStride)
+    T* sV = sK + kBlockN * kStride;             // (kBlockN, kStride)
+    T* sQ = sV + kBlockN * kStride;             // (kBlockM, kStride)
     T* sDO = sQ + kBlockM * kStride;            // (kBlockM, kStride)
     T* sDS = sDO + kBlockM * kStride;           // (kBlockM, kSStride): dS with queries as rows
     float* sLse2 = reinterpret_cast<float*>(sDS + kBlockM * kSStride);
     float* sDelta = sLse2 + kBlockM;
+    float* sPartial = sDelta + kBlockM;         // kPartialFloats
 
     const BlockInfo b(p, blockIdx.y, blockIdx.z);
     const ScoreTransform score(p, b);
     const HeadView at = head_view(p, b, strides);  // .o is dout; .stats indexes lse, delta, dq rows
-    const int n0 = blockIdx.x * kTcKeys;
+    const int n0 = blockIdx.x * kBlockN;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int key0 = (warp / kDimWarps) * 16;           // this warp's 16 keys, within the block
+    const int dim_slice = warp % kDimWarps;              // and its dims [dim0, dim0 + kWarpDims)
+    const int dim0 = dim_slice * kWarpDims;
     const bool vq = vectorised & 1, vk = vectorised & 2, vv = vectorised & 4, vdo = vectorised & 8;
-    stage_async<kTcKeys, kHeadDim>(sK, k + at.k, at.k_row, n0, p.seq_k, p.head_dim, vk);
-    stage_async<kTcKeys, kHeadDim>(sV, v + at.v, at.v_row, n0, p.seq_k, p.head_dim_v, vv);
+    stage_async<kBlockN, kHeadDim>(sK, k + at.k, at.k_row, n0, p.seq_k, p.head_dim, vk);
+    stage_async<kBlockN, kHeadDim>(sV, v + at.v, at.v_row, n0, p.seq_k, p.head_dim_v, vv);
 
     float dk[kDTiles][4], dv[kDTiles][4];
     #pragma unroll
@@ -62,7 +87,7 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
         for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = 0.f;
 
     int m_begin, m_end;
-    b.row_tiles(p, n0, kTcKeys, kBlockM, &m_begin, &m_end);
+    b.row_tiles(p, n0, kBlockN, kBlockM, &m_begin, &m_end);
     for (int m_block = m_begin; m_block < m_end; ++m_block) {
         const int m0 = m_block * kBlockM;
         __syncthreads();  // every warp is done with the previous Q, dO and dS tiles
@@ -73,46 +98,71 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
         ptx::cp_async_wait<0>();
         __syncthreads();  // K, V (first pass), Q, dO and the row statistics are in place
 
-        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: st[j], dpt[j] hold keys (g, g+8) x queries (8j + 2t, +1).
+        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: st[j], dpt[j] hold keys key0 + (g, g+8) x queries (8j + 2t, +1),
+        // summed over this warp's dims.
         float st[kQTiles][4], dpt[kQTiles][4];
         #pragma unroll
         for (int j = 0; j < kQTiles; ++j)
             #pragma unroll
             for (int e = 0; e < 4; ++e) st[j][e] = dpt[j][e] = 0.f;
-                mma_rows_by_rows<T, kStride, kHeadDim / 16>(st, sK, warp * 16, sQ, lane);
-        mma_rows_by_rows<T, kStride, kHeadDim / 16>(dpt, sV, warp * 16, sDO, lane);
+        mma_rows_by_rows<T, kStride, kWarpDims / 16>(st, sK + dim0, key0, sQ + dim0, lane);
+        mma_rows_by_rows<T, kStride, kWarpDims / 16>(dpt, sV + dim0, key0, sDO + dim0, lane);
+        if (kDimWarps > 1) {
+            // The key group's full sums: every warp of the group adds the partials in the same
+            // order (dim slice 0, 1, ...), so all of them hold bit-identical Sᵀ and dPᵀ.
+            float* mine = sPartial + warp * (2 * kQTiles * 4 * 32) + lane;
+            #pragma unroll
+            for (int j = 0; j < kQTiles; ++j)
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    mine[(j * 4 + e) * 32] = st[j][e];
+                    mine[((kQTiles + j) * 4 + e) * 32] = dpt[j][e];
+                }
+            __syncthreads();  // every warp's partial sums are in shared memory
+            const float* group = sPartial + (warp - dim_slice) * (2 * kQTiles * 4 * 32) + lane;
+            #pragma unroll
+            for (int j = 0; j < kQTiles; ++j)
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    st[j][e] = dpt[j][e] = 0.f;
+                    for (int slice = 0; slice < kDimWarps; ++slice) {
+                        st[j][e] += group[slice * (2 * kQTiles * 4 * 32) + (j * 4 + e) * 32];
+                        dpt[j][e] += group[slice * (2 * kQTiles * 4 * 32) + ((kQTiles + j) * 4 + e) * 32];
+                    }
+                }
+        }
 
         // Pᵀ and dSᵀ in place of Sᵀ and dPᵀ; dS also to shared memory (queries as rows) for dQ.
-        const bool boundary = !b.tile_is_interior(p, m0, kBlockM, n0, kTcKeys);
+        const bool boundary = !b.tile_is_interior(p, m0, kBlockM, n0, kBlockN);
         #pragma unroll
         for (int j = 0; j < kQTiles; ++j) {
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int key = warp * 16 + g + 8 * (e / 2), query = j * 8 + 2 * t + (e & 1);
+                const int key = key0 + g + 8 * (e / 2), query = j * 8 + 2 * t + (e & 1);
                 const float qk = st[j][e];
                 const float s2 = score(p, b, qk, m0 + query, n0 + key, boundary);
                 const float prob = probability(s2, sLse2[query]);
                 const float ds = prob * (dpt[j][e] - sDelta[query]) * score.softcap_grad(qk);
                 st[j][e] = prob;
                 dpt[j][e] = ds;
-                if (accumulate_dq) sDS[query * kSStride + key] = from_float<T>(ds);
+                if (accumulate_dq && dim_slice == 0) sDS[query * kSStride + key] = from_float<T>(ds);
             }
         }
 
-        // dV += Pᵀ·dO and dK += dSᵀ·Q over this tile's queries.
-        mma_registers_by_rows<T, kStride, kBlockM / 16>(dv, st, sDO, lane);
-        mma_registers_by_rows<T, kStride, kBlockM / 16>(dk, dpt, sQ, lane);
+        // dV += Pᵀ·dO and dK += dSᵀ·Q over this tile's queries, in this warp's dims.
+        mma_registers_by_rows<T, kStride, kBlockM / 16>(dv, st, sDO + dim0, lane);
+        mma_registers_by_rows<T, kStride, kBlockM / 16>(dk, dpt, sQ + dim0, lane);
 
         if (accumulate_dq) {
             __syncthreads();  // every warp's dS is in shared memory
-            // dQ (kBlockM x D) = dS (kBlockM x 64 keys) · K: warp w takes 16 rows and every
+            // dQ (kBlockM x D) = dS (kBlockM x kBlockN keys) · K: warp w takes 16 rows and every
             // kDimGroups-th pair of dim tiles.
             const int rows = (warp % kRowGroups) * 16;
             #pragma unroll
-            for (int d = 2 * (warp / kRowGroups); d < kDTiles; d += 2 * kDimGroups) {
+            for (int d = 2 * (warp / kRowGroups); d < kAllDTiles; d += 2 * kDimGroups) {
                 float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
                 #pragma unroll
-                for (int kk = 0; kk < kTcKeys / 16; ++kk) {
+                for (int kk = 0; kk < kBlockN / 16; ++kk) {
                     unsigned a[4], bk[4];
                     ptx::ldmatrix<4>(a, a_address<kSStride>(sDS, rows, kk * 16, lane));
                     ptx::ldmatrix<4, true>(bk, a_address<kStride>(sK, kk * 16, d * 8, lane));
@@ -133,11 +183,11 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
     const long long key_rows = (static_cast<long long>(b.bidb) * p.heads + b.bidh) * p.seq_k + n0;
     #pragma unroll
     for (int e = 0; e < 4; ++e) {
-        const int key = warp * 16 + g + 8 * (e / 2);
+        const int key = key0 + g + 8 * (e / 2);
         if (n0 + key >= p.seq_k) continue;
         #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
-            const int col = d * 8 + 2 * t + (e & 1);
+            const int col = dim0 + d * 8 + 2 * t + (e & 1);
             if (col < p.head_dim) dk_part[(key_rows + key) * p.head_dim + col] = dk[d][e] * p.scale;
             if (col < p.head_dim_v) dv_part[(key_rows + key) * p.head_dim_v + col] = dv[d][e];
         }
@@ -234,15 +284,17 @@ attention_bwd_dq_tc(const T* q, const T* k, const T* v, const T* dout, const flo
     attn::dq_tc_block<T, kHeadDim, kBlockN>(p, q, k, v, dout, lse, delta, dq_accum, vectorised, strides);
 }
 
-// grid (ceil(Sk / 64), H, B), block 128, dynamic shared memory: K, V (64 rows) and Q, dO
-// (kBlockM rows) of kHeadDim + 8 16-bit elements, dS (kBlockM x 72, 16-bit), lse and delta
-// (kBlockM floats each). vectorised: bits 0-3 for q, k, v, dout rows copyable in 16-byte chunks.
+// grid (ceil(Sk / kBlockN), H, B), block 128, dynamic shared memory: K, V (kBlockN rows) and Q,
+// dO (kBlockM rows) of kHeadDim + 8 16-bit elements, dS (kBlockM x (kBlockN + 8), 16-bit), lse
+// and delta (kBlockM floats each), and with kBlockN < 64 the warps' partial sums of Sᵀ and dPᵀ
+// (4 x 2 x kBlockM x 16 floats). vectorised: bits 0-3 for q, k, v, dout rows copyable in 16-byte
+// chunks.
 // minBlocksPerSM = 1 lets ptxas use up to 255 registers: dK and dV stay in registers, unspilled.
-template <class T, int kHeadDim, int kBlockM>
+template <class T, int kHeadDim, int kBlockM, int kBlockN>
 __global__ void __launch_bounds__(attn::kThreads, 1)
 attention_bwd_dkdv_tc(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,
                       float* dq_accum, float* dk_part, float* dv_part, int accumulate_dq, int vectorised, ATTN_PARAMS) {
     ATTN_UNPACK_PARAMS;
-    attn::dkdv_tc_block<T, kHeadDim, kBlockM>(p, q, k, v, dout, lse, delta, dq_accum, dk_part, dv_part, accumulate_dq,
+    attn::dkdv_tc_block<T, kHeadDim, kBlockM, kBlockN>(p, q, k, v, dout, lse, delta, dq_accum, dk_part, dv_part, accumulate_dq,
                                               vectorised, strides);
 }

@@ -57,10 +57,12 @@ def test_sequence_lengths(sq, sk):
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
-def test_half_precision_everything(dtype):
+@pytest.mark.parametrize("d,dv", [(72, 56), (200, 256)])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_half_precision_everything(dtype, d, dv, deterministic):
     rng = np.random.default_rng(21)
-    q, k, v = random_qkv(rng, b=3, h=4, hkv=2, sq=113, sk=203, d=72, dv=56, dtype=dtype)
-    check(rng, q, k, v, dtype, True, **feature_keywords("everything", rng))
+    q, k, v = random_qkv(rng, b=3, h=4, hkv=2, sq=113, sk=203, d=d, dv=dv, dtype=dtype)
+    check(rng, q, k, v, dtype, deterministic, **feature_keywords("everything", rng))
 
 
 def test_fully_masked_rows_give_zero_gradients():

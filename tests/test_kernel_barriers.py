@@ -22,17 +22,22 @@ SITES = [site for f in KERNEL_FILES for site in barrier_sites(f)]
 
 
 def results(filename):
-    """What the kernels of ``filename`` compute on a case with several query and key tiles."""
+    """What the kernels of ``filename`` compute on cases with several query and key tiles."""
     rng = np.random.default_rng(13)
     dtype = np.float16 if filename.endswith("_tc.cu") else np.float32  # fp16 takes the tensor-core kernels
-    q, k, v = random_qkv(rng, b=1, h=2, sq=150, sk=200, d=32, dtype=dtype)
     if filename.startswith("attention_fwd"):
+        q, k, v = random_qkv(rng, b=1, h=2, sq=150, sk=200, d=32, dtype=dtype)
         return [cupy_attn.attention(q, k, v, backend="emulator")]
-    out, lse = cupy_attn.attention(q, k, v, return_lse=True)
-    dout = rng.standard_normal(out.shape).astype(dtype)
+    # D = 256 too: its tensor-core dK/dV tile splits key groups over two warps, which exchange
+    # partial sums through shared memory.
+    cases = [dict(sq=150, sk=200, d=32)] + ([dict(sq=40, sk=70, d=256)] if filename == "attention_bwd_tc.cu" else [])
     grads = []
-    for deterministic in (False, True):
-        grads += cupy_attn.attention_backward(dout, q, k, v, out, lse, backend="emulator", deterministic=deterministic)
+    for case in cases:
+        q, k, v = random_qkv(rng, b=1, h=2, dtype=dtype, **case)
+        out, lse = cupy_attn.attention(q, k, v, return_lse=True)
+        dout = rng.standard_normal(out.shape).astype(dtype)
+        for deterministic in (False, True):
+            grads += cupy_attn.attention_backward(dout, q, k, v, out, lse, backend="emulator", deterministic=deterministic)
     return grads
 
 
