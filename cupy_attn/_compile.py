@@ -11,12 +11,20 @@ import logging
 import time
 from functools import lru_cache
 
-from . import _paths
+from . import _config, _paths
 from ._source import inline_local_includes
 
 log = logging.getLogger("cupy_attn")
 
 NVRTC_OPTIONS = ("-std=c++17",)
+
+
+def nvrtc_options(filename: str) -> tuple:
+    """NVRTC options for kernels/filename: files bound to one architecture (the wgmma forward,
+    sm_90a) name it; CuPy's own -arch for the device comes first, and NVRTC builds for sm_90a
+    when both are given."""
+    arch = _config.FILE_ARCH.get(filename)
+    return NVRTC_OPTIONS + ((f"-arch={arch}",) if arch else ())
 
 
 @lru_cache(maxsize=None)
@@ -38,7 +46,7 @@ def _function(target: str, filename: str, name_expression: str, device: int):
     if target == "cuda":
         import cupy
 
-        module = cupy.RawModule(code=code, options=NVRTC_OPTIONS, name_expressions=[name_expression])
+        module = cupy.RawModule(code=code, options=nvrtc_options(filename), name_expressions=[name_expression])
     else:
         from .emulator import RawModule
 

@@ -8,6 +8,7 @@ them yet).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -22,6 +23,8 @@ THREADS = 128  # per block, every kernel; must match attn::kThreads in kernels/t
 @dataclass(frozen=True)
 class ForwardTile:
     """A forward configuration for head dims (D and Dv) up to ``head_dim``."""
+
+    filename: ClassVar[str] = "attention_fwd.cu"
 
     head_dim: int       # D and Dv are zero-padded up to this
     block_m: int        # query rows per thread block (= 4 warps · 32 / lanes_per_row)
@@ -94,6 +97,8 @@ class BackwardTile:
 class TensorCoreTile:
     """The fp16/bf16 forward on mma.sync: 64 query rows (4 warps x 16) per block."""
 
+    filename: ClassVar[str] = "attention_fwd_tc.cu"
+
     head_dim: int
     block_n: int
     reason: str
@@ -128,6 +133,41 @@ TENSOR_CORE_TILES = (
     TensorCoreTile(256, 16, "128 + 8 accumulators per thread; 66 KB shared"),
 )
 TENSOR_CORE_DTYPES = (np.dtype(np.float16), BFLOAT16)
+
+
+@dataclass(frozen=True)
+class HopperTile:
+    """The fp16/bf16 forward on wgmma (sm_90a), chosen on compute capability 9.0: one warpgroup
+    per 64 query rows, 64-key tiles, P·V in 64-dim instructions (so head dims pad to 64)."""
+
+    filename: ClassVar[str] = "attention_fwd_wgmma.cu"
+
+    head_dim: int
+    reason: str
+    block_m: int = 64
+    block_n: int = 64
+
+    @property
+    def shared_bytes(self) -> int:
+        """Q and two stages of K (64, D) in the core-matrix layout, two stages of V (64, D + 8)
+        row-major and Vᵀ (D, 64), 16-bit."""
+        d = self.head_dim
+        return 2 * (3 * 64 * d + 2 * 64 * (d + 8) + d * 64)
+
+    def name_expression(self, dtype) -> str:
+        return f"attention_fwd_wgmma<{CTYPES[np.dtype(dtype)]}, {self.head_dim}>"
+
+
+# Per thread: D/2 floats of O, 32 of S and 16 registers of packed P; shared memory within the
+# 227 KB a block may use on sm_90.
+HOPPER_TILES = (
+    HopperTile(64, "32 + 32 accumulators per thread; 50 KB shared"),
+    HopperTile(128, "64 + 32 accumulators per thread; 98 KB shared"),
+    HopperTile(256, "128 + 32 accumulators per thread; 194 KB shared"),
+)
+HOPPER_ARCH = "sm_90a"  # what NVRTC compiles attention_fwd_wgmma.cu for
+# Kernel files that only compile for one architecture, and that architecture.
+FILE_ARCH = {"attention_fwd_wgmma.cu": HOPPER_ARCH}
 
 
 @dataclass(frozen=True)
@@ -196,11 +236,17 @@ def _pick(tiles, head_dim: int, head_dim_v: int):
     )
 
 
-def forward_tile(head_dim: int, head_dim_v: int, dtype=np.float32):
-    """The forward configuration: tensor cores for fp16/bf16, CUDA cores for fp32."""
+def forward_tile(head_dim: int, head_dim_v: int, dtype=np.float32, compute_capability: int = 80):
+    """The forward configuration: wgmma on compute capability 9.0 and mma.sync elsewhere for
+    fp16/bf16, CUDA cores for fp32."""
     if np.dtype(dtype) in TENSOR_CORE_DTYPES:
-        return _pick(TENSOR_CORE_TILES, head_dim, head_dim_v)
+        return _pick(HOPPER_TILES if compute_capability == 90 else TENSOR_CORE_TILES, head_dim, head_dim_v)
     return _pick(FORWARD_TILES, head_dim, head_dim_v)
+
+
+def tensor_core_dq_tile(head_dim: int, head_dim_v: int) -> TensorCoreTile:
+    """The deterministic tensor-core dQ kernel's configuration: the mma.sync forward's tile."""
+    return _pick(TENSOR_CORE_TILES, head_dim, head_dim_v)
 
 
 def backward_tile(head_dim: int, head_dim_v: int, dtype=np.float32):
@@ -211,12 +257,16 @@ def backward_tile(head_dim: int, head_dim_v: int, dtype=np.float32):
     return _pick(BACKWARD_TILES, head_dim, head_dim_v)
 
 
-def kernel_variants():
-    """Every (file, name expression, dtype) the table can select: what the compile report builds."""
+def kernel_variants(arch: str = "sm_80"):
+    """Every (file, name expression, dtype) the table can select on ``arch``: what the compile
+    report builds. On sm_90 that includes the wgmma forward, which compiles for sm_90a
+    (FILE_ARCH)."""
     variants = []
     for dtype in CTYPES:
         if dtype in TENSOR_CORE_DTYPES:
             variants += [("attention_fwd_tc.cu", tile.name_expression(dtype), dtype) for tile in TENSOR_CORE_TILES]
+            if arch in ("sm_90", HOPPER_ARCH):
+                variants += [("attention_fwd_wgmma.cu", tile.name_expression(dtype), dtype) for tile in HOPPER_TILES]
         else:
             variants += [("attention_fwd.cu", tile.name_expression(dtype), dtype) for tile in FORWARD_TILES]
         variants.append(("attention_bwd.cu", preprocess_name(dtype), dtype))

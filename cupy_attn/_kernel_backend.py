@@ -17,6 +17,11 @@ I32, I64, F32 = np.int32, np.int64, np.float32
 EMULATOR_SCHEDULE = "forward"
 # Fill outputs with NaN before launching, so elements a kernel fails to write show; tests set it.
 POISON_OUTPUTS = False
+# The compute capability the emulator stands in for: 90 selects the Hopper (wgmma) forward.
+EMULATOR_COMPUTE_CAPABILITY = 80
+# Kernels for this compute capability instead of the GPU's (None): GPU tests set 80 to run the
+# mma.sync forward on an sm_90 device, whose own choice is the wgmma kernel.
+CUDA_COMPUTE_CAPABILITY = None
 
 _CAUSAL = {None: 0, "bottom_right": 1, "top_left": 2}
 _MAX_GRID_YZ = 65535
@@ -102,20 +107,30 @@ def _blocks(n: int, per_block: int) -> int:
     return (n + per_block - 1) // per_block
 
 
+def compute_capability(target: str) -> int:
+    """The compute capability kernels are chosen for: the current GPU's (e.g. 90 for H100/H200),
+    or what the emulator stands in for."""
+    if target == "emulator":
+        return EMULATOR_COMPUTE_CAPABILITY
+    if CUDA_COMPUTE_CAPABILITY is not None:
+        return CUDA_COMPUTE_CAPABILITY
+    import cupy
+
+    return int(cupy.cuda.Device().compute_capability)
+
+
 def forward(problem: Problem, q, k, v, *, target: str):
     p, xp = problem, problem.xp
     check_supported(p, target)
-    tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype)
+    tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype, compute_capability(target))
     q, k, v = (_last_dim_contiguous(xp, x) for x in (q, k, v))
     out = _empty(xp, p.out_shape, p.dtype)
     lse = _empty(xp, p.lse_shape, np.float32)
     grid = (_blocks(p.seq_q, tile.block_m), p.heads, p.batch)
-    if isinstance(tile, _config.TensorCoreTile):
-        args = (q, k, v, out, lse, _vector_flags(q, k, v), *_common_args(p, q, k, v, out))
-        _launch(target, "attention_fwd_tc.cu", tile.name_expression(p.dtype), grid, args, tile.shared_bytes)
-    else:
-        args = (q, k, v, out, lse, *_common_args(p, q, k, v, out))
-        _launch(target, "attention_fwd.cu", tile.name_expression(p.dtype), grid, args, tile.shared_bytes)
+    # The tensor-core kernels take a `vectorised` flag after lse; the fp32 kernel does not.
+    flags = () if isinstance(tile, _config.ForwardTile) else (_vector_flags(q, k, v),)
+    args = (q, k, v, out, lse, *flags, *_common_args(p, q, k, v, out))
+    _launch(target, tile.filename, tile.name_expression(p.dtype), grid, args, tile.shared_bytes)
     return out, lse
 
 
@@ -164,7 +179,7 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
         _launch(target, "attention_bwd_tc.cu", tile.name_expression(p.dtype), dkdv_grid,
                 (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), vectorised, *common), tile.shared_bytes)
         if deterministic:
-            dq_tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype)
+            dq_tile = _config.tensor_core_dq_tile(p.head_dim, p.head_dim_v)
             _launch(target, "attention_bwd_tc.cu", dq_tile.dq_name(p.dtype), (_blocks(sq, dq_tile.block_m), h, b),
                     (q, k, v, dout, lse, delta, dq, vectorised, *common), dq_tile.dq_shared_bytes)
     else:

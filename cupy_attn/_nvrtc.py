@@ -60,6 +60,7 @@ class Compiled:
     registers: int
     spill_stores: int
     spill_loads: int
+    stack_frame_bytes: int
     static_shared_bytes: int
     compile_seconds: float
     ptx: str
@@ -104,6 +105,7 @@ def compile_kernel(code: str, name_expression: str, arch: str, options=()) -> Co
         registers=_ptxas_number(r"Used (\d+) registers", log),
         spill_stores=_ptxas_number(r"(\d+) bytes spill stores", log),
         spill_loads=_ptxas_number(r"(\d+) bytes spill loads", log),
+        stack_frame_bytes=_ptxas_number(r"(\d+) bytes stack frame", log),
         static_shared_bytes=_ptxas_number(r"(\d+) bytes smem", log),
         compile_seconds=seconds, ptx=ptx.value.decode(), log=log,
     )

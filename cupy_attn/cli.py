@@ -116,11 +116,13 @@ def kernels(args) -> int:
     from . import _compile, _config, _nvrtc
 
     rows = []
-    for arch in args.arch:
-        for filename, name, dtype in _config.kernel_variants():
+    for requested in args.arch:
+        for filename, name, dtype in _config.kernel_variants(requested):
+            arch = _config.FILE_ARCH.get(filename, requested)
             c = _nvrtc.compile_kernel(_compile.kernel_source(filename), name, arch, _compile.NVRTC_OPTIONS)
             rows.append({"name": name, "dtype": str(dtype), "arch": arch, "registers": c.registers,
                          "spill_stores": c.spill_stores, "spill_loads": c.spill_loads,
+                         "stack_frame_bytes": c.stack_frame_bytes,
                          "static_shared_bytes": c.static_shared_bytes, "compile_seconds": round(c.compile_seconds, 3)})
             if args.ptx_dir:
                 args.ptx_dir.mkdir(parents=True, exist_ok=True)
@@ -130,10 +132,11 @@ def kernels(args) -> int:
         print(json.dumps(rows, indent=1))
     else:
         print(f"NVRTC {_nvrtc.version()}")
-        print(f"{'kernel':<58} {'arch':<7} {'regs':>4} {'spill st':>8} {'spill ld':>8} {'static smem':>11} {'s':>6}")
+        print(f"{'kernel':<58} {'arch':<7} {'regs':>4} {'spill st':>8} {'spill ld':>8} {'stack':>5} {'static smem':>11} "
+              f"{'s':>6}")
         for r in rows:
             print(f"{r['name']:<58} {r['arch']:<7} {r['registers']:>4} {r['spill_stores']:>8} {r['spill_loads']:>8} "
-                  f"{r['static_shared_bytes']:>11} {r['compile_seconds']:>6.2f}")
+                  f"{r['stack_frame_bytes']:>5} {r['static_shared_bytes']:>11} {r['compile_seconds']:>6.2f}")
     spills = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
     if spills:
         print(f"{len(spills)} variant(s) spill registers", file=sys.stderr)

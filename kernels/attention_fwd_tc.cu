@@ -12,6 +12,7 @@
 #include "numeric.cuh"
 #include "ptx.cuh"
 #include "softmax.cuh"
+#include "tc_forward.cuh"
 #include "tc_tile.cuh"
 
 namespace attn {
@@ -26,8 +27,9 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     // Q (64, kStride), then two stages of K and V (kBlockN, kStride) each: while the warps work
     // on one key tile, cp.async brings the next into the other stage.
     T* sQ = reinterpret_cast<T*>(smem_bytes);
-    T* const stage_k[2] = {sQ + kTcBlockM * kStride, sQ + (kTcBlockM + 2 * kBlockN) * kStride};
-    T* const stage_v[2] = {stage_k[0] + kBlockN * kStride, stage_k[1] + kBlockN * kStride};
+    // (Arithmetic, not an array of stage pointers: a run-time index would put it in local memory.)
+    auto stage_k = [&](int stage) { return sQ + (kTcBlockM + 2 * kBlockN * stage) * kStride; };
+    auto stage_v = [&](int stage) { return stage_k(stage) + kBlockN * kStride; };
 
     const BlockInfo b(p, blockIdx.y, blockIdx.z);
     const ScoreTransform score(p, b);
@@ -49,15 +51,15 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     b.key_tiles(p, m0, kTcBlockM, kBlockN, &n_begin, &n_end);
     auto stage_keys = [&](int n_block) {
         const int stage = (n_block - n_begin) % 2;
-        stage_async<kBlockN, kHeadDim>(stage_k[stage], k + at.k, at.k_row, n_block * kBlockN, p.seq_k, p.head_dim, vk);
-        stage_async<kBlockN, kHeadDim>(stage_v[stage], v + at.v, at.v_row, n_block * kBlockN, p.seq_k, p.head_dim_v, vv);
+        stage_async<kBlockN, kHeadDim>(stage_k(stage), k + at.k, at.k_row, n_block * kBlockN, p.seq_k, p.head_dim, vk);
+        stage_async<kBlockN, kHeadDim>(stage_v(stage), v + at.v, at.v_row, n_block * kBlockN, p.seq_k, p.head_dim_v, vv);
         ptx::cp_async_commit();
     };
     if (n_begin < n_end) stage_keys(n_begin);
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         const int n0 = n_block * kBlockN;
-        const T* sK = stage_k[(n_block - n_begin) % 2];
-        const T* sV = stage_v[(n_block - n_begin) % 2];
+        const T* sK = stage_k((n_block - n_begin) % 2);
+        const T* sV = stage_v((n_block - n_begin) % 2);
         ptx::cp_async_wait<0>();  // this thread's copies of this tile (and of Q) have landed
         // Everyone's copies have landed, and every warp is done with the previous tile, whose
         // stage the next prefetch overwrites.
@@ -70,44 +72,14 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
         for (int j = 0; j < kNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
         mma_rows_by_rows<T, kStride, kHeadDim / 16>(s, sQ, warp * 16, sK, lane);
 
-        // Scores -> base-2 units with every feature applied (-inf where masked), then the online
-        // softmax of each of this lane's two rows, whose columns are spread over the lane's quad.
         const bool boundary = !b.tile_is_interior(p, m0, kTcBlockM, n0, kBlockN);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float row[2 * kNTiles];
-#pragma unroll
-            for (int c = 0; c < 2 * kNTiles; ++c)
-                row[c] = score(p, b, s[c / 2][2 * r + c % 2], row_lo + 8 * r, n0 + (c / 2) * 8 + 2 * t + c % 2, boundary);
-            const float rescale = softmax[r].update(row);
-#pragma unroll
-            for (int c = 0; c < 2 * kNTiles; ++c) s[c / 2][2 * r + c % 2] = row[c];
-#pragma unroll
-            for (int d = 0; d < kDTiles; ++d) {
-                o[d][2 * r] *= rescale;
-                o[d][2 * r + 1] *= rescale;
-            }
-        }
+        softmax_tile(s, o, softmax, p, b, score, row_lo, n0, t, boundary);
 
         // O += P·V: P stays in registers as the A operand (16 keys per k-step).
         mma_registers_by_rows<T, kStride, kBlockN / 16>(o, s, sV, lane);
     }
 
-    // Normalise once; rows that attended nothing (row_sum 0) give 0, not 0/0. Every row of the
-    // tile inside the sequence is written.
-    #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int i = row_lo + 8 * r;
-        if (i >= p.seq_q) continue;
-        const float inv = softmax[r].inverse_sum();
-        #pragma unroll
-        for (int d = 0; d < kDTiles; ++d) {
-            const int col = d * 8 + 2 * t;
-            if (col < p.head_dim_v) out[at.o + i * at.o_row + col] = from_float<T>(o[d][2 * r] * inv);
-            if (col + 1 < p.head_dim_v) out[at.o + i * at.o_row + col + 1] = from_float<T>(o[d][2 * r + 1] * inv);
-        }
-        if (t == 0) lse[at.stats + i] = softmax[r].lse();
-    }
+    store_rows<T>(p, at, out, lse, o, softmax, row_lo, t);
 }
 
 }  // namespace attn

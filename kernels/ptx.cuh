@@ -85,6 +85,65 @@ inline void ldmatrix_fn(void* const* lanes, unsigned) {
     }
 }
 
+
+// One lane's share of a wgmma.mma_async (m64nNk16, K-major operands without swizzle). The
+// warpgroup's warp w computes rows 16w..16w+15 of D; the emulator runs each warp's share as a
+// warp collective when the warp waits for the operation's group.
+struct WgmmaOperand {
+    u32 a[4];                    // A fragment in registers (RS form), as for mma.m16n8k16
+    unsigned long long a_desc;   // or A in shared memory (SS form)
+    unsigned long long b_desc;
+    bool a_in_registers;
+    int scale_d;                 // 0: D = A·B, else D = A·B + D
+    int warp_in_group;
+    float* d;                    // N / 2 accumulators of this lane
+};
+
+// Element (row, k) of a K-major operand without swizzle: 8x8 core matrices of 128 contiguous
+// bytes (8 rows of 16 bytes), LBO bytes apart along k, SBO bytes apart along the rows.
+template <class T>
+inline float descriptor_element(unsigned long long desc, int row, int k) {
+    if (desc >> 62) ::emu::fail("wgmma: only descriptors without swizzle (mode 0) are emulated");
+    if ((desc >> 49) & 7u) ::emu::fail("wgmma: a non-zero matrix base offset is not emulated");
+    const size_t start = (desc & 0x3fffu) << 4, lbo = ((desc >> 16) & 0x3fffu) << 4, sbo = ((desc >> 32) & 0x3fffu) << 4;
+    const size_t offset = start + (row / 8) * sbo + (row % 8) * 16 + (k / 8) * lbo + (k % 8) * 2;
+    T value;
+    memcpy(&value.__x, ::emu::shared_pointer(offset, 2, "wgmma operand"), 2);
+    return float(value);
+}
+
+template <class T, int N>
+inline void wgmma_fn(void* const* lanes, unsigned) {
+    auto op = [&](int lane) { return static_cast<const WgmmaOperand*>(lanes[lane]); };
+    const WgmmaOperand& first = *op(0);
+    for (int lane = 1; lane < 32; ++lane)
+        if (op(lane)->b_desc != first.b_desc || op(lane)->a_in_registers != first.a_in_registers ||
+            (!first.a_in_registers && op(lane)->a_desc != first.a_desc) || op(lane)->scale_d != first.scale_d)
+            ::emu::fail("wgmma: the lanes of a warp passed different descriptors or scale-d");
+    float A[16][16], B[16][N];
+    for (int k = 0; k < 16; ++k)
+        for (int n = 0; n < N; ++n) B[k][n] = descriptor_element<T>(first.b_desc, n, k);
+    for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane >> 2, t = lane & 3;
+        for (int r = 0; r < 4; ++r)
+            for (int e = 0; e < 2; ++e) {
+                const int row = g + 8 * (r & 1), k = 2 * t + e + 8 * (r >> 1);
+                A[row][k] = first.a_in_registers ? unpack<T>(op(lane)->a[r], e)
+                                                 : descriptor_element<T>(first.a_desc, 16 * first.warp_in_group + row, k);
+            }
+    }
+    for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane >> 2, t = lane & 3;
+        float* d = op(lane)->d;
+        for (int j = 0; j < N / 8; ++j)
+            for (int e = 0; e < 4; ++e) {
+                const int row = g + 8 * (e >> 1), col = 8 * j + 2 * t + (e & 1);
+                float sum = first.scale_d ? d[4 * j + e] : 0.f;
+                for (int k = 0; k < 16; ++k) sum = std::fma(A[row][k], B[k][col], sum);
+                d[4 * j + e] = sum;
+            }
+    }
+}
 }  // namespace emulated
 #endif
 
@@ -183,5 +242,144 @@ __device__ __forceinline__ float ex2_approx(float x) {
     return exp2f(x);
 #endif
 }
+
+
+// ---- Hopper (sm_90a) warpgroup MMA ------------------------------------------------------------
+// A warpgroup is 4 consecutive warps starting at a warp index divisible by 4 (the whole 128-thread
+// block in cupy_attn). Its wgmma.mma_async m64n64k16 computes D (64 x 64, float) = A (64 x 16) ·
+// B (16 x 64) [+ D] asynchronously: warp w holds rows 16w..16w+15 of D in the mma.m16n8k16
+// accumulator layout, d[4j + e] at row g + 8(e / 2), column 8j + 2t + e % 2 (g = lane / 4,
+// t = lane % 4), so 32 floats per lane. B, and A in the SS form, are read from shared memory
+// through matrix descriptors; cupy_attn uses only the K-major layout without swizzle (8x8 core
+// matrices of 128 contiguous bytes; LBO = bytes between core matrices along K, SBO = along M/N).
+// The results are defined only after wgmma_wait covers their group; the emulator writes them
+// then. Not modelled by the emulator: the async-proxy fence between generic writes of shared
+// memory and wgmma reads of it (fence_proxy_async), and wgmma_fence's register ordering.
+
+// The shared-window address of a pointer into shared memory.
+__device__ __forceinline__ u32 shared_address(const void* p) {
+#ifdef __CUDA_ARCH__
+    return static_cast<u32>(__cvta_generic_to_shared(p));
+#else
+    return ::emu::shared_offset(p, "shared_address");
+#endif
+}
+
+// A matrix descriptor (no swizzle, base offset 0) for the operand starting at `tile` in shared
+// memory, 16-byte aligned; lbo and sbo in bytes, multiples of 16.
+__device__ __forceinline__ unsigned long long wgmma_descriptor(const void* tile, u32 lbo, u32 sbo) {
+    const u32 address = shared_address(tile);
+    return static_cast<unsigned long long>((address & 0x3ffffu) >> 4) |
+           static_cast<unsigned long long>((lbo & 0x3ffffu) >> 4) << 16 |
+           static_cast<unsigned long long>((sbo & 0x3ffffu) >> 4) << 32;
+}
+
+// Order this thread's earlier register writes (accumulators, A fragments) before the next wgmma.
+__device__ __forceinline__ void wgmma_fence() {
+#ifdef __CUDA_ARCH__
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+// Make this thread's generic-proxy writes of shared memory (stores, cp.async) visible to the
+// async proxy that wgmma reads through; a barrier must follow before other threads' wgmma.
+__device__ __forceinline__ void fence_proxy_async() {
+#ifdef __CUDA_ARCH__
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// Pin the compiler's view of registers a wgmma reads or writes asynchronously (accumulators, A
+// fragments): an empty asm that "modifies" each one, placed before the issue and after the
+// wait, so no access to them moves into the asynchronous window.
+template <class R, int N>
+__device__ __forceinline__ void fence_operands(R (&registers)[N]) {
+#ifdef __CUDA_ARCH__
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        if constexpr (is_same<R, float>::value) asm volatile("" : "+f"(registers[i])::"memory");
+        else asm volatile("" : "+r"(registers[i])::"memory");
+    }
+#endif
+}
+
+// Close the group of wgmma operations issued since the last commit.
+__device__ __forceinline__ void wgmma_commit() {
+#ifdef __CUDA_ARCH__
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#else
+    ::emu::deferred_commit();
+#endif
+}
+
+// Wait until at most Pending of the most recent committed wgmma groups are in flight.
+template <int Pending>
+__device__ __forceinline__ void wgmma_wait() {
+#ifdef __CUDA_ARCH__
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(Pending) : "memory");
+#else
+    ::emu::deferred_wait(Pending, "wgmma.wait_group");
+#endif
+}
+
+#define WGMMA_ACCUMULATORS_64 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+
+// SS form: A and B from shared memory. scale_d = 0 overwrites d, 1 accumulates.
+template <class T>
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], unsigned long long a_desc, unsigned long long b_desc,
+                                                   int scale_d) {
+#ifdef __CUDA_ARCH__
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (is_same<T, __half>::value) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                     : WGMMA_ACCUMULATORS_64
+                     : "l"(a_desc), "l"(b_desc), "r"(scale_d));
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                     : WGMMA_ACCUMULATORS_64
+                     : "l"(a_desc), "l"(b_desc), "r"(scale_d));
+    }
+#else
+    static_assert(sizeof(T) == 0, "wgmma needs the sm_90a target (-arch=sm_90a)");
+#endif
+#else
+    auto op = std::make_shared<emulated::WgmmaOperand>();
+    *op = emulated::WgmmaOperand{{}, a_desc, b_desc, false, scale_d, static_cast<int>(::emu::tl_fiber->linear / 32 % 4), d};
+    ::emu::defer_warp_op(emulated::wgmma_fn<T, 64>, op, "wgmma.mma_async (SS)");
+#endif
+}
+
+// RS form: A from registers (the mma.m16n8k16 A fragment of this warp's 16 rows), B from shared
+// memory. The A registers, like the accumulators, must stay untouched until the wait.
+template <class T>
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const u32 (&a)[4], unsigned long long b_desc,
+                                                   int scale_d) {
+#ifdef __CUDA_ARCH__
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (is_same<T, __half>::value) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                     : WGMMA_ACCUMULATORS_64
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d));
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                     : WGMMA_ACCUMULATORS_64
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d));
+    }
+#else
+    static_assert(sizeof(T) == 0, "wgmma needs the sm_90a target (-arch=sm_90a)");
+#endif
+#else
+    auto op = std::make_shared<emulated::WgmmaOperand>();
+    *op = emulated::WgmmaOperand{{a[0], a[1], a[2], a[3]}, 0, b_desc, true, scale_d,
+                                 static_cast<int>(::emu::tl_fiber->linear / 32 % 4), d};
+    ::emu::defer_warp_op(emulated::wgmma_fn<T, 64>, op, "wgmma.mma_async (RS)");
+#endif
+}
+
+#undef WGMMA_ACCUMULATORS_64
 
 }  // namespace ptx

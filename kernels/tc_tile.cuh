@@ -13,16 +13,32 @@ struct TcLayout {
     static constexpr int kStride = kHeadDim + 8;  // halves per shared-memory row (+16 bytes)
 };
 
-// Stage rows [row0, row0 + kRows) x kHeadDim of a 16-bit matrix in shared memory: 16-byte
-// chunks by cp.async where the source allows it (`vectorised`: aligned base and strides), element
-// by element otherwise; zeros past `rows` and `dims`. The caller commits and waits.
-template <int kRows, int kHeadDim, class T>
+// wgmma's K-major layout without swizzle for a tile of kCols 16-bit columns: 8x8 core matrices
+// of 128 contiguous bytes, consecutive along the columns (LBO = 128 bytes), then along the rows
+// (SBO = 16·kCols bytes). offset(r, c) is the element offset of (r, c), c a multiple of 8.
+template <int kCols>
+struct CoreMatrixLayout {
+    static constexpr unsigned kLbo = 128, kSbo = 16 * kCols;
+    static __device__ __forceinline__ int offset(int r, int c) { return (r / 8) * (8 * kCols) + (c / 8) * 64 + (r % 8) * 8; }
+};
+
+// Row-major rows of kHeadDim + 8 elements (the mma.sync kernels' ldmatrix layout).
+template <int kHeadDim>
+struct PaddedRowLayout {
+    static __device__ __forceinline__ int offset(int r, int c) { return r * TcLayout<kHeadDim>::kStride + c; }
+};
+
+// Stage rows [row0, row0 + kRows) x kHeadDim of a 16-bit matrix in shared memory laid out by
+// Layout: 16-byte chunks by cp.async where the source allows it (`vectorised`: aligned base and
+// strides), element by element otherwise; zeros past `rows` and `dims`. The caller commits and
+// waits.
+template <int kRows, int kHeadDim, class Layout = PaddedRowLayout<kHeadDim>, class T>
 __device__ __forceinline__ void stage_async(T* dst, const T* src, long long row_stride, int row0, int rows, int dims,
                                             bool vectorised) {
     constexpr int kChunks = kHeadDim / 8;
     for (int idx = threadIdx.x; idx < kRows * kChunks; idx += kThreads) {
         const int r = idx / kChunks, c = (idx % kChunks) * 8;
-        T* d = dst + r * TcLayout<kHeadDim>::kStride + c;
+        T* d = dst + Layout::offset(r, c);
         const T* s = src + (row0 + r) * row_stride + c;
         if (vectorised && row0 + r < rows && c + 8 <= dims) {
             ptx::cp_async<16>(d, s);

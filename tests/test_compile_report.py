@@ -1,4 +1,5 @@
-"""Every kernel variant compiles under NVRTC for sm_80 and sm_90, without spills (no GPU needed)."""
+"""Every kernel variant compiles under NVRTC for sm_80 and sm_90 (the wgmma forward for sm_90a),
+without spills or local memory (no GPU needed)."""
 import json
 
 import numpy as np
@@ -11,15 +12,25 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
     status = cli.main(["kernels", "--arch", "sm_80", "sm_90", "--json", "--ptx-dir", str(tmp_path)])
     rows = json.loads(capsys.readouterr().out)
     assert status == 0
-    assert len(rows) == 2 * len(_config.kernel_variants())
-    keys = {"name", "arch", "registers", "spill_stores", "spill_loads", "static_shared_bytes", "compile_seconds"}
+    assert len(rows) == len(_config.kernel_variants("sm_80")) + len(_config.kernel_variants("sm_90"))
+    keys = {"name", "arch", "registers", "spill_stores", "spill_loads", "stack_frame_bytes", "static_shared_bytes",
+            "compile_seconds"}
     for row in rows:
         assert keys <= row.keys()
-        assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
+        assert row["spill_stores"] == 0 and row["spill_loads"] == 0 and row["stack_frame_bytes"] == 0, row
         assert 0 < row["registers"] <= 255
-    for arch in ("sm_80", "sm_90"):
+        assert row["arch"] == ("sm_90a" if row["name"].startswith("attention_fwd_wgmma") else row["arch"])
+    for arch in ("sm_80", "sm_90", "sm_90a"):
         for dtype in ("float16", "bfloat16", "float32"):
             tensor_cores = dtype != "float32"
+            if arch == "sm_90a":  # only the Hopper forward is built for sm_90a
+                expected = {"attention_fwd_wgmma": len(_config.HOPPER_TILES) if tensor_cores else 0}
+                for kernel, count in expected.items():
+                    files = list(tmp_path.glob(f"{kernel}_*_{dtype}_{arch}.ptx"))
+                    assert len(files) == count, (kernel, dtype, arch)
+                    assert all("wgmma.mma_async.sync.aligned.m64n64k16.f32" in f.read_text() for f in files)
+                assert not [f for f in tmp_path.glob(f"*_{dtype}_{arch}.ptx") if "wgmma" not in f.name]
+                continue
             expected = {
                 "attention_fwd": 0 if tensor_cores else len(_config.FORWARD_TILES),
                 "attention_fwd_tc": len(_config.TENSOR_CORE_TILES) if tensor_cores else 0,
@@ -30,7 +41,8 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
                 "attention_bwd_dq_tc": len(_config.TENSOR_CORE_TILES) if tensor_cores else 0,
             }
             for kernel, count in expected.items():
-                files = [f for f in tmp_path.glob(f"{kernel}_*_{dtype}_{arch}.ptx") if not f.name.startswith(kernel + "_tc_")]
+                files = [f for f in tmp_path.glob(f"{kernel}_*_{dtype}_{arch}.ptx")
+                         if not f.name.startswith((kernel + "_tc_", kernel + "_wgmma_"))]
                 assert len(files) == count, (kernel, dtype, arch)
                 assert all(".entry" in f.read_text() for f in files)
                 # Every fp16/bf16 kernel with a matrix product runs it on tensor cores (the
@@ -46,6 +58,10 @@ def test_tile_tables_cover_every_head_dim():
         tc = _config.forward_tile(d, d, np.float16)
         assert tc.head_dim >= d and tc.head_dim % 16 == 0 and tc.block_n % 16 == 0
         assert max(tc.shared_bytes, tc.dq_shared_bytes) <= 99 * 1024
+        hopper = _config.forward_tile(d, d, BF16, compute_capability=90)
+        assert isinstance(hopper, _config.HopperTile) and hopper.head_dim >= d and hopper.head_dim % 64 == 0
+        assert hopper.shared_bytes <= 227 * 1024  # sm_90's per-block limit
+        assert isinstance(_config.forward_tile(d, d, np.float32, compute_capability=90), _config.ForwardTile)
         for dtype in (np.float16, BF16):
             tcb = _config.backward_tile(d, d, dtype)
             assert isinstance(tcb, _config.TensorCoreBackwardTile) and tcb.head_dim >= d

@@ -16,6 +16,17 @@ def poisoned_outputs(monkeypatch):
     monkeypatch.setattr(_kernel_backend, "POISON_OUTPUTS", True)
 
 
+@pytest.fixture(params=["own", "mma_sync"])
+def forward_kernels(request, monkeypatch):
+    """The GPU's own choice of kernels, and (on an sm_90 GPU, whose own fp16/bf16 forward is the
+    wgmma kernel) the mma.sync forward that other GPUs run."""
+    if request.param == "mma_sync":
+        if int(cupy.cuda.Device().compute_capability) < 80:
+            pytest.skip("mma.sync m16n8k16 needs compute capability 8.0")
+        monkeypatch.setattr(_kernel_backend, "CUDA_COMPUTE_CAPABILITY", 80)
+    return request.param
+
+
 def on_gpu(*arrays):
     return [cupy.asarray(a) for a in arrays]
 
@@ -32,15 +43,29 @@ def check(q, k, v, dtype, **kw):
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16), BF16], ids=str)
 @pytest.mark.parametrize("d", [16, 40, 64, 80, 96, 128, 256, 7, 200])
 @pytest.mark.parametrize("causal", [False, True])
-def test_head_dims(dtype, d, causal):
+def test_head_dims(forward_kernels, dtype, d, causal):
     rng = np.random.default_rng(d)
     q, k, v = random_qkv(rng, b=2, h=4, hkv=2, sq=513, sk=1031, d=d, dtype=dtype)
     check(q, k, v, dtype, causal=causal)
 
 
+def test_hopper_gpus_run_the_wgmma_forward(monkeypatch):
+    if int(cupy.cuda.Device().compute_capability) != 90:
+        pytest.skip("the wgmma forward is built for sm_90a: compute capability 9.0 only")
+    from cupy_attn import _compile
+
+    launched = []
+    real_function = _compile.function
+    monkeypatch.setattr(_compile, "function", lambda target, f, name: launched.append(name) or real_function(target, f, name))
+    rng = np.random.default_rng(5)
+    q, k, v = random_qkv(rng, b=1, h=2, sq=300, sk=300, d=128, dtype=BF16)
+    check(q, k, v, BF16, causal=True)
+    assert launched == ["attention_fwd_wgmma<__nv_bfloat16, 128>"]
+
+
 @pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_features(feature, layout):
+def test_features(forward_kernels, feature, layout):
     rng = np.random.default_rng(3)
     q, k, v = random_qkv(rng, b=3, h=4, hkv=2, sq=113, sk=203, d=64, dtype=np.float16, layout=layout)
     check(q, k, v, np.float16, layout=layout, **feature_keywords(feature, rng))
@@ -48,9 +73,10 @@ def test_features(feature, layout):
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16), BF16], ids=str)
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_backward(dtype, deterministic):
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_backward(dtype, deterministic, d):
     rng = np.random.default_rng(4)
-    q, k, v = random_qkv(rng, b=2, h=8, hkv=2, sq=700, sk=1031, d=64, dtype=dtype)
+    q, k, v = random_qkv(rng, b=2, h=8, hkv=2, sq=700, sk=1031, d=d, dtype=dtype)
     kw = dict(causal=True, softcap=10.0, kv_lengths=np.array([1031, 600]))
     gq, gk, gv = on_gpu(q, k, v)
     gkw = dict(kw, kv_lengths=cupy.asarray(kw["kv_lengths"]))

@@ -24,6 +24,14 @@ def schedule(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=[80, 90], ids=["mma_sync", "wgmma"])
+def tensor_core_kernel(request, monkeypatch):
+    """fp16/bf16 inputs on the mma.sync forward (compute capability 8.x) or the Hopper wgmma
+    forward (9.0), which the emulator runs when it stands in for an sm_90 device."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", request.param)
+    return request.param
+
+
 def check(q, k, v, dtype, **kw):
     out, lse = cupy_attn.attention(q, k, v, backend="emulator", return_lse=True, **kw)
     want_out, want_lse = reference.attention(q, k, v, **kw)
@@ -39,6 +47,15 @@ def check(q, k, v, dtype, **kw):
 def test_head_dims(schedule, dtype, d, dv):
     rng = np.random.default_rng(d * 1000 + dv)
     q, k, v = random_qkv(rng, b=2, h=2, hkv=1, sq=37, sk=70, d=d, dv=dv, dtype=dtype)
+    check(q, k, v, dtype, causal=True)
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
+@pytest.mark.parametrize("d,dv", [(16, 16), (64, 64), (80, 80), (128, 128), (256, 256), (7, 33), (200, 72), (130, 3)])
+def test_wgmma_head_dims(monkeypatch, schedule, dtype, d, dv):
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
+    rng = np.random.default_rng(d * 1000 + dv + 1)
+    q, k, v = random_qkv(rng, b=2, h=2, hkv=1, sq=77, sk=150, d=d, dv=dv, dtype=dtype)
     check(q, k, v, dtype, causal=True)
 
 
@@ -59,8 +76,17 @@ def test_features(feature, layout, dtype):
     check(q, k, v, dtype, layout=layout, **feature_keywords(feature, rng))
 
 
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_wgmma_features(monkeypatch, feature, layout):
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
+    rng = np.random.default_rng(len(feature) * 37 + len(layout))
+    q, k, v = random_qkv(rng, b=3, h=4, hkv=2, sq=113, sk=203, d=40, dv=24, dtype=np.float16, layout=layout)
+    check(q, k, v, np.float16, layout=layout, **feature_keywords(feature, rng))
+
+
 @pytest.mark.parametrize("feature", ["everything", "lengths_causal", "bool_mask"])
-def test_features_random_schedule(monkeypatch, feature):
+def test_features_random_schedule(monkeypatch, tensor_core_kernel, feature):
     monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", "random")
     rng = np.random.default_rng(5)
     q, k, v = random_qkv(rng, b=3, h=4, hkv=1, sq=113, sk=203, d=72, dv=56, dtype=np.float16)
@@ -79,7 +105,7 @@ def test_non_contiguous_inputs(dtype):
 
 
 @pytest.mark.parametrize("offset", [0, 1, 3])
-def test_tensor_core_copies_with_any_alignment(offset):
+def test_tensor_core_copies_with_any_alignment(tensor_core_kernel, offset):
     """cp.async needs 16-byte-aligned rows; other inputs take the element-by-element copy."""
     rng = np.random.default_rng(10)
     buf = rng.standard_normal(3 * 2 * 4 * 90 * 48 + offset).astype(np.float16)
@@ -88,7 +114,7 @@ def test_tensor_core_copies_with_any_alignment(offset):
     check(q, k, v, np.float16, causal=True)
 
 
-def test_fully_masked_rows_give_zero():
+def test_fully_masked_rows_give_zero(tensor_core_kernel):
     rng = np.random.default_rng(11)
     q, k, v = random_qkv(rng, b=2, sq=90, sk=40, d=16, dtype=np.float16)
     mask = np.ones((2, 1, 90, 40), bool)
@@ -105,6 +131,23 @@ def test_broadcast_masks_are_read_in_place():
     for mask in (rng.random((3, 1, 1, 77)) < 0.8, rng.standard_normal((33, 1)).astype(np.float32),
                  np.broadcast_to(rng.random((1, 4, 1, 77)) < 0.5, (3, 4, 33, 77))):
         check(q, k, v, np.float32, mask=mask)
+
+
+def test_compute_capability_selects_the_forward(monkeypatch):
+    """fp16/bf16 take the wgmma kernel on compute capability 9.0 and mma.sync elsewhere; fp32
+    keeps the CUDA-core kernel everywhere."""
+    launched = []
+    real_function = _compile.function
+    monkeypatch.setattr(_compile, "function", lambda target, f, name: launched.append(name) or real_function(target, f, name))
+    q, k, v = random_qkv(np.random.default_rng(13), d=64, dtype=np.float16)
+    for capability, dtype, kernel in ((90, np.float16, "attention_fwd_wgmma<__half, 64>"),
+                                      (90, BF16, "attention_fwd_wgmma<__nv_bfloat16, 64>"),
+                                      (80, np.float16, "attention_fwd_tc<__half, 64, 64>"),
+                                      (90, np.float32, "attention_fwd<float, 64, 64, 64, 2>")):
+        monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", capability)
+        launched.clear()
+        check(q.astype(dtype), k.astype(dtype), v.astype(dtype), np.dtype(dtype))
+        assert launched == [kernel]
 
 
 def test_float64_is_refused():

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdarg>
 #include <cstdio>
+#include <memory>
 #include <mutex>
 #include <numeric>
 #include <random>
@@ -35,6 +36,17 @@ struct AsyncCopy {
     unsigned group;
 };
 
+// The lane's share of a warp-collective operation whose effect is deferred until a later wait
+// (wgmma.mma_async until wgmma.wait_group): `operand` is what the collective `fn` receives for
+// this lane when the warp waits for the operation's group.
+using CollectiveFn = void (*)(void* const* lanes, unsigned mask);
+struct DeferredWarpOp {
+    CollectiveFn fn;
+    std::shared_ptr<void> operand;
+    unsigned group;
+    const char* what;
+};
+
 struct Fiber {
     Context ctx;
     uint3 tid;
@@ -43,11 +55,12 @@ struct Fiber {
     int barrier_vote = 0;
     std::vector<AsyncCopy> async_copies;
     unsigned async_groups_committed = 0;
+    std::vector<DeferredWarpOp> deferred_ops;
+    unsigned deferred_groups_committed = 0;
 };
 
 // The last lane of `mask` to arrive computes the collective for all: `fn` gets every lane's
 // operand pointer (null for lanes outside the mask) and writes each lane's result through it.
-using CollectiveFn = void (*)(void* const* lanes, unsigned mask);
 struct Collective {
     unsigned mask;
     unsigned arrived;
@@ -118,6 +131,7 @@ inline void fiber_main() {
     Fiber* f = tl_fiber;
     f->state = State::Done;
     f->async_copies.clear();
+    f->deferred_ops.clear();
     tl_block->live--;
     switch_context(f->ctx, tl_block->scheduler);
     __builtin_unreachable();
@@ -284,6 +298,78 @@ inline void warp_collective(unsigned mask, void* operand, CollectiveFn fn, const
 }
 
 inline unsigned char* dynamic_shared() { return tl_block->dynamic_shared; }
+
+// The shared-window address of a pointer into the block's dynamic shared memory (what
+// __cvta_generic_to_shared gives on the GPU, where dynamic shared memory starts at 0 for kernels
+// without static shared memory), and back; anything outside fails the block.
+inline unsigned shared_offset(const void* p, const char* what) {
+    const unsigned char* c = static_cast<const unsigned char*>(p);
+    Block* b = tl_block;
+    if (c < b->dynamic_shared || c >= b->dynamic_shared + b->launch->shared_bytes)
+        fail(format("%s: address %p is not in the block's %zu bytes of dynamic shared memory", what, p,
+                    b->launch->shared_bytes));
+    return static_cast<unsigned>(c - b->dynamic_shared);
+}
+inline unsigned char* shared_pointer(size_t offset, size_t bytes, const char* what) {
+    Block* b = tl_block;
+    if (offset + bytes > b->launch->shared_bytes)
+        fail(format("%s reads shared bytes [%zu, %zu) beyond the block's %zu", what, offset, offset + bytes,
+                    b->launch->shared_bytes));
+    return b->dynamic_shared + offset;
+}
+
+// Deferred warp operations: defer_warp_op records this lane's share in the open group,
+// deferred_commit closes the group, and deferred_wait(pending) runs (as warp collectives, in
+// issue order) every operation of all but the `pending` most recent committed groups. Until
+// then their results are not written, as on hardware, where they land only at the wait.
+inline void defer_warp_op(CollectiveFn fn, std::shared_ptr<void> operand, const char* what) {
+    Fiber* f = tl_fiber;
+    f->deferred_ops.push_back(DeferredWarpOp{fn, std::move(operand), f->deferred_groups_committed, what});
+}
+inline void deferred_commit() { tl_fiber->deferred_groups_committed++; }
+
+struct DeferredBatch {
+    const DeferredWarpOp* ops;
+    size_t count;
+};
+
+inline void deferred_batch_fn(void* const* lanes, unsigned mask) {
+    const DeferredBatch* first = nullptr;
+    for (int l = 0; l < 32; ++l) {
+        if (!(mask >> l & 1u)) continue;
+        const DeferredBatch* batch = static_cast<const DeferredBatch*>(lanes[l]);
+        if (!first) first = batch;
+        if (batch->count != first->count)
+            fail(format("lanes of a warp wait for different numbers of asynchronous warp operations (%zu and %zu)",
+                        first->count, batch->count));
+    }
+    for (size_t i = 0; i < first->count; ++i) {
+        void* operands[32] = {};
+        for (int l = 0; l < 32; ++l) {
+            if (!(mask >> l & 1u)) continue;
+            const DeferredWarpOp& op = static_cast<const DeferredBatch*>(lanes[l])->ops[i];
+            if (op.fn != first->ops[i].fn)
+                fail(format("lanes of a warp issued different asynchronous operations: %s and %s", first->ops[i].what,
+                            op.what));
+            operands[l] = op.operand.get();
+        }
+        first->ops[i].fn(operands, mask);
+    }
+}
+
+inline void deferred_wait(unsigned pending, const char* what) {
+    Fiber* f = tl_fiber;
+    unsigned committed = f->deferred_groups_committed;
+    size_t ready = 0;
+    while (ready < f->deferred_ops.size()) {
+        unsigned group = f->deferred_ops[ready].group;
+        if (!(group < committed && committed - group > pending)) break;
+        ++ready;
+    }
+    DeferredBatch batch{f->deferred_ops.data(), ready};
+    warp_collective(0xffffffffu, &batch, deferred_batch_fn, what);
+    f->deferred_ops.erase(f->deferred_ops.begin(), f->deferred_ops.begin() + ready);
+}
 
 inline void async_copy(void* dst, const void* src, unsigned bytes) {
     Fiber* f = tl_fiber;

@@ -1,0 +1,53 @@
+#include "ptx.cuh"
+// wgmma.mma_async m64n64k16 in both forms, one warpgroup. Operands are placed in shared memory
+// with plain C++ following the K-major, no-swizzle canonical layout, with deliberately unusual
+// strides (A: LBO 256, SBO 512 bytes; B: LBO 1024, SBO 128 bytes) so the descriptor decoding is
+// exercised; -DWRONG_LAYOUT passes LBO and SBO swapped, which must give a wrong result.
+constexpr unsigned kLboA = 256, kSboA = 512, kLboB = 1024, kSboB = 128;
+
+// Byte offset of element (row, k) in the K-major layout with these strides.
+__device__ unsigned k_major(int row, int k, unsigned lbo, unsigned sbo) {
+    return (row / 8) * sbo + (row % 8) * 16 + (k / 8) * lbo + (k % 8) * 2;
+}
+
+__device__ unsigned long long descriptor(const void* tile, unsigned lbo, unsigned sbo) {
+#ifdef WRONG_LAYOUT
+    return ptx::wgmma_descriptor(tile, sbo, lbo);
+#else
+    return ptx::wgmma_descriptor(tile, lbo, sbo);
+#endif
+}
+
+// A (64, 16) row-major, B (16, 64) with B[k][n] at b[k * 64 + n], C and D (64, 64) row-major.
+// kRegisterA: A from registers (RS) instead of shared memory (SS). waits = 0 skips the wait.
+template <class T, bool kRegisterA>
+__global__ void wgmma(const T* A, const T* B, const float* C, float* D, int waits) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    unsigned char* sA = smem;          // 8 row groups x 512 bytes
+    unsigned char* sB = smem + 4096;   // 8 row groups x 128 bytes, K halves 1024 bytes apart
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    for (int i = tid; i < 64 * 16; i += 128) {
+        const int m = i / 16, k = i % 16;
+        memcpy(sA + k_major(m, k, kLboA, kSboA), &A[m * 16 + k], 2);
+        memcpy(sB + k_major(m, k, kLboB, kSboB), &B[k * 64 + m], 2);  // row m of Bᵀ = column m of B
+    }
+    __syncthreads();
+    float d[32];
+    for (int j = 0; j < 8; ++j)
+        for (int e = 0; e < 4; ++e) d[4 * j + e] = C[(16 * warp + g + 8 * (e / 2)) * 64 + 8 * j + 2 * t + (e & 1)];
+    ptx::wgmma_fence();
+    if (kRegisterA) {
+        unsigned a[4];
+        for (int r = 0; r < 4; ++r) {
+            const int row = 16 * warp + g + 8 * (r & 1), col = 2 * t + 8 * (r >> 1);
+            a[r] = static_cast<unsigned>(A[row * 16 + col].__x) | static_cast<unsigned>(A[row * 16 + col + 1].__x) << 16;
+        }
+        ptx::wgmma_m64n64k16_rs<T>(d, a, descriptor(sB, kLboB, kSboB), 1);
+    } else {
+        ptx::wgmma_m64n64k16_ss<T>(d, descriptor(sA, kLboA, kSboA), descriptor(sB, kLboB, kSboB), 1);
+    }
+    ptx::wgmma_commit();
+    if (waits) ptx::wgmma_wait<0>();
+    for (int j = 0; j < 8; ++j)
+        for (int e = 0; e < 4; ++e) D[(16 * warp + g + 8 * (e / 2)) * 64 + 8 * j + 2 * t + (e & 1)] = d[4 * j + e];
+}
