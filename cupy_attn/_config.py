@@ -179,6 +179,7 @@ class TensorCoreBackwardTile:
     head_dim: int
     block_m: int
     block_n: int
+    stages: int  # of Q and dO: with 2 the next query tile loads while this one is worked on
     reason: str
 
     @property
@@ -188,25 +189,28 @@ class TensorCoreBackwardTile:
 
     @property
     def shared_bytes(self) -> int:
-        """K, V (block_n, D + 8) + Q, dO (block_m, D + 8) + dS (block_m, block_n + 8), 16-bit;
-        lse, delta (block_m floats); with dim_warps > 1 the partial Sᵀ, dPᵀ of 4 warps
-        (2 x block_m x 16 floats each). kernels/attention_bwd_tc.cu's DkdvTcLayout."""
-        m, n, d = self.block_m, self.block_n, self.head_dim
+        """K, V (block_n, D + 8) + dS (block_m, block_n + 8), 16-bit; per stage Q, dO (block_m,
+        D + 8), 16-bit, and lse, delta (block_m floats); with dim_warps > 1 the partial Sᵀ, dPᵀ
+        of 4 warps (2 x block_m x 16 floats each). kernels/attention_bwd_tc.cu's DkdvTcLayout."""
+        m, n, d, stages = self.block_m, self.block_n, self.head_dim, self.stages
         partials = 4 * 2 * m * 16 if self.dim_warps > 1 else 0
-        return 2 * (2 * n + 2 * m) * (d + 8) + 2 * m * (n + 8) + 4 * (2 * m + partials)
+        return 2 * (2 * n + stages * 2 * m) * (d + 8) + 2 * m * (n + 8) + 4 * (stages * 2 * m + partials)
 
     def name_expression(self, dtype) -> str:
-        return f"attention_bwd_dkdv_tc<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_m}, {self.block_n}>"
+        return (f"attention_bwd_dkdv_tc<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_m}, {self.block_n}, "
+                f"{self.stages}>")
 
 
 # Per thread: dK and dV accumulate D/(2·dim_warps) floats each, Sᵀ and dPᵀ block_m/2 each. All
 # head dims in one warp would give D = 256 256 accumulators per thread, so its 16-key groups are
-# split over two warps (128 dims each; their Sᵀ, dPᵀ partial sums meet in shared memory).
+# split over two warps (128 dims each; their Sᵀ, dPᵀ partial sums meet in shared memory). Q and
+# dO load in two stages (as FlashAttention-2's backward double-buffers them) where both fit
+# sm_86's 99 KB; D = 256 would need 118 KB and loads each tile after the previous one.
 TENSOR_CORE_BACKWARD_TILES = (
-    TensorCoreBackwardTile(32, 64, 64, "32 + 64 accumulators per thread; 30 KB shared"),
-    TensorCoreBackwardTile(64, 64, 64, "64 + 64 accumulators per thread; 46 KB shared"),
-    TensorCoreBackwardTile(128, 32, 64, "128 + 32 accumulators per thread; 56 KB shared"),
-    TensorCoreBackwardTile(256, 32, 32, "2 warps per 16 keys: 128 + 32 accumulators per thread; 85 KB shared"),
+    TensorCoreBackwardTile(32, 64, 64, 2, "32 + 64 accumulators per thread; 40 KB shared"),
+    TensorCoreBackwardTile(64, 64, 64, 2, "64 + 64 accumulators per thread; 65 KB shared"),
+    TensorCoreBackwardTile(128, 32, 64, 2, "128 + 32 accumulators per thread; 73 KB shared"),
+    TensorCoreBackwardTile(256, 32, 32, 1, "2 warps per 16 keys: 128 + 32 accumulators per thread; 85 KB shared"),
 )
 
 

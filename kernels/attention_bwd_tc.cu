@@ -31,7 +31,7 @@ namespace attn {
 
 // Shared-memory layout of the dK/dV kernel; the launcher's TensorCoreBackwardTile.shared_bytes
 // computes the same size.
-template <class T, int kHeadDim, int kBlockM, int kBlockN>
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 struct DkdvTcLayout {
     static constexpr int kStride = TcLayout<kHeadDim>::kStride;
     static constexpr int kSStride = kBlockN + 8;           // dS tile (kBlockM, kBlockN), 16-bit, padded
@@ -42,14 +42,15 @@ struct DkdvTcLayout {
     static constexpr int kPartialFloats = kDimWarps > 1 ? 4 * 2 * kBlockM * 16 : 0;
     static_assert(kBlockN % 16 == 0 && 4 % (kBlockN / 16) == 0, "4 warps cover whole groups of 16 keys");
     static_assert(kWarpDims % 16 == 0, "each warp's dims are whole pairs of 8-dim MMA tiles");
+    static_assert(kStages == 1 || kStages == 2, "Q and dO tiles in one or two stages");
 };
 
-template <class T, int kHeadDim, int kBlockM, int kBlockN>
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const T* k, const T* v, const T* dout,
                                               const float* lse, const float* delta, float* dq_accum, float* dk_part,
                                               float* dv_part, int accumulate_dq, int vectorised,
                                               const long long (&strides)[12]) {
-    using Layout = DkdvTcLayout<T, kHeadDim, kBlockM, kBlockN>;
+    using Layout = DkdvTcLayout<T, kHeadDim, kBlockM, kBlockN, kStages>;
     constexpr int kStride = Layout::kStride, kSStride = Layout::kSStride;
     constexpr int kDimWarps = Layout::kDimWarps, kWarpDims = Layout::kWarpDims;
     constexpr int kQTiles = kBlockM / 8;        // 8-query column tiles of Sᵀ
@@ -59,14 +60,20 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
     constexpr int kAllDTiles = kHeadDim / 8;
     static_assert(kBlockM % 16 == 0 && 4 % kRowGroups == 0, "dQ rows split over the 4 warps");
     extern __shared__ __align__(16) unsigned char smem_bytes[];
-    T* sK = reinterpret_cast<T*>(smem_bytes);   // (kBlockN, kStride)
-    T* sV = sK + kBlockN * kStride;             // (kBlockN, kStride)
-    T* sQ = sV + kBlockN * kStride;             // (kBlockM, kStride)
-    T* sDO = sQ + kBlockM * kStride;            // (kBlockM, kStride)
-    T* sDS = sDO + kBlockM * kStride;           // (kBlockM, kSStride): dS with queries as rows
-    float* sLse2 = reinterpret_cast<float*>(sDS + kBlockM * kSStride);
-    float* sDelta = sLse2 + kBlockM;
-    float* sPartial = sDelta + kBlockM;         // kPartialFloats
+    // K, V (kBlockN, kStride); dS (kBlockM, kSStride) with queries as rows; per stage Q and dO
+    // (kBlockM, kStride) and the rows' lse (base 2) and delta (kBlockM floats each); the warps'
+    // partial sums (kPartialFloats). Stages by arithmetic: a run-time index into an array of
+    // pointers would put it in local memory.
+    T* sK = reinterpret_cast<T*>(smem_bytes);
+    T* sV = sK + kBlockN * kStride;
+    T* sDS = sV + kBlockN * kStride;
+    T* sQDO = sDS + kBlockM * kSStride;
+    float* sStats = reinterpret_cast<float*>(sQDO + kStages * 2 * kBlockM * kStride);
+    float* sPartial = sStats + kStages * 2 * kBlockM;
+    auto sQ = [&](int stage) { return sQDO + stage * 2 * kBlockM * kStride; };
+    auto sDO = [&](int stage) { return sQ(stage) + kBlockM * kStride; };
+    auto sLse2 = [&](int stage) { return sStats + stage * 2 * kBlockM; };
+    auto sDelta = [&](int stage) { return sLse2(stage) + kBlockM; };
 
     const BlockInfo b(p, blockIdx.y, blockIdx.z);
     const ScoreTransform score(p, b);
@@ -88,15 +95,30 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
 
     int m_begin, m_end;
     b.row_tiles(p, n0, kBlockN, kBlockM, &m_begin, &m_end);
-    for (int m_block = m_begin; m_block < m_end; ++m_block) {
-        const int m0 = m_block * kBlockM;
-        __syncthreads();  // every warp is done with the previous Q, dO and dS tiles
-        stage_async<kBlockM, kHeadDim>(sQ, q + at.q, at.q_row, m0, p.seq_q, p.head_dim, vq);
-        stage_async<kBlockM, kHeadDim>(sDO, dout + at.o, at.o_row, m0, p.seq_q, p.head_dim_v, vdo);
-        stage_row_stats(sLse2, sDelta, lse, delta, at.stats, m0, kBlockM, p.seq_q);
+    // With two stages the next query tile loads while this one is worked on.
+    auto stage_queries = [&](int m_block) {
+        const int stage = (m_block - m_begin) % kStages, m0 = m_block * kBlockM;
+        stage_async<kBlockM, kHeadDim>(sQ(stage), q + at.q, at.q_row, m0, p.seq_q, p.head_dim, vq);
+        stage_async<kBlockM, kHeadDim>(sDO(stage), dout + at.o, at.o_row, m0, p.seq_q, p.head_dim_v, vdo);
+        stage_row_stats(sLse2(stage), sDelta(stage), lse, delta, at.stats, m0, kBlockM, p.seq_q);
         ptx::cp_async_commit();
+    };
+    if (kStages == 2 && m_begin < m_end) stage_queries(m_begin);
+    for (int m_block = m_begin; m_block < m_end; ++m_block) {
+        const int m0 = m_block * kBlockM, stage = (m_block - m_begin) % kStages;
+        if (kStages == 1) {
+            __syncthreads();  // every warp is done with the previous Q, dO, statistics and dS
+            stage_queries(m_block);
+        }
         ptx::cp_async_wait<0>();
-        __syncthreads();  // K, V (first pass), Q, dO and the row statistics are in place
+        // K, V (first pass), this tile's Q, dO and row statistics are in place; with two stages
+        // every warp is also done with the previous tile: its dS, and the stage loaded next.
+        __syncthreads();
+        if (kStages == 2 && m_block + 1 < m_end) stage_queries(m_block + 1);
+        const T* tile_q = sQ(stage);
+        const T* tile_do = sDO(stage);
+        const float* tile_lse2 = sLse2(stage);
+        const float* tile_delta = sDelta(stage);
 
         // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: st[j], dpt[j] hold keys key0 + (g, g+8) x queries (8j + 2t, +1),
         // summed over this warp's dims.
@@ -105,8 +127,8 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
         for (int j = 0; j < kQTiles; ++j)
             #pragma unroll
             for (int e = 0; e < 4; ++e) st[j][e] = dpt[j][e] = 0.f;
-        mma_rows_by_rows<T, kStride, kWarpDims / 16>(st, sK + dim0, key0, sQ + dim0, lane);
-        mma_rows_by_rows<T, kStride, kWarpDims / 16>(dpt, sV + dim0, key0, sDO + dim0, lane);
+        mma_rows_by_rows<T, kStride, kWarpDims / 16>(st, sK + dim0, key0, tile_q + dim0, lane);
+        mma_rows_by_rows<T, kStride, kWarpDims / 16>(dpt, sV + dim0, key0, tile_do + dim0, lane);
         if (kDimWarps > 1) {
             // The key group's full sums: every warp of the group adds the partials in the same
             // order (dim slice 0, 1, ...), so all of them hold bit-identical Sᵀ and dPᵀ.
@@ -141,8 +163,8 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
                 const int key = key0 + g + 8 * (e / 2), query = j * 8 + 2 * t + (e & 1);
                 const float qk = st[j][e];
                 const float s2 = score(p, b, qk, m0 + query, n0 + key, boundary);
-                const float prob = probability(s2, sLse2[query]);
-                const float ds = prob * (dpt[j][e] - sDelta[query]) * score.softcap_grad(qk);
+                const float prob = probability(s2, tile_lse2[query]);
+                const float ds = prob * (dpt[j][e] - tile_delta[query]) * score.softcap_grad(qk);
                 st[j][e] = prob;
                 dpt[j][e] = ds;
                 if (accumulate_dq && dim_slice == 0) sDS[query * kSStride + key] = from_float<T>(ds);
@@ -150,8 +172,8 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
         }
 
         // dV += Pᵀ·dO and dK += dSᵀ·Q over this tile's queries, in this warp's dims.
-        mma_registers_by_rows<T, kStride, kBlockM / 16>(dv, st, sDO + dim0, lane);
-        mma_registers_by_rows<T, kStride, kBlockM / 16>(dk, dpt, sQ + dim0, lane);
+        mma_registers_by_rows<T, kStride, kBlockM / 16>(dv, st, tile_do + dim0, lane);
+        mma_registers_by_rows<T, kStride, kBlockM / 16>(dk, dpt, tile_q + dim0, lane);
 
         if (accumulate_dq) {
             __syncthreads();  // every warp's dS is in shared memory
@@ -284,17 +306,17 @@ attention_bwd_dq_tc(const T* q, const T* k, const T* v, const T* dout, const flo
     attn::dq_tc_block<T, kHeadDim, kBlockN>(p, q, k, v, dout, lse, delta, dq_accum, vectorised, strides);
 }
 
-// grid (ceil(Sk / kBlockN), H, B), block 128, dynamic shared memory: K, V (kBlockN rows) and Q,
-// dO (kBlockM rows) of kHeadDim + 8 16-bit elements, dS (kBlockM x (kBlockN + 8), 16-bit), lse
-// and delta (kBlockM floats each), and with kBlockN < 64 the warps' partial sums of Sᵀ and dPᵀ
-// (4 x 2 x kBlockM x 16 floats). vectorised: bits 0-3 for q, k, v, dout rows copyable in 16-byte
-// chunks.
+// grid (ceil(Sk / kBlockN), H, B), block 128, dynamic shared memory (DkdvTcLayout): K, V
+// (kBlockN rows) of kHeadDim + 8 16-bit elements, dS (kBlockM x (kBlockN + 8), 16-bit), kStages
+// x (Q, dO (kBlockM rows of kHeadDim + 8), lse and delta (kBlockM floats each)), and with
+// kBlockN < 64 the warps' partial sums of Sᵀ and dPᵀ (4 x 2 x kBlockM x 16 floats). vectorised:
+// bits 0-3 for q, k, v, dout rows copyable in 16-byte chunks.
 // minBlocksPerSM = 1 lets ptxas use up to 255 registers: dK and dV stay in registers, unspilled.
-template <class T, int kHeadDim, int kBlockM, int kBlockN>
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 __global__ void __launch_bounds__(attn::kThreads, 1)
 attention_bwd_dkdv_tc(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,
                       float* dq_accum, float* dk_part, float* dv_part, int accumulate_dq, int vectorised, ATTN_PARAMS) {
     ATTN_UNPACK_PARAMS;
-    attn::dkdv_tc_block<T, kHeadDim, kBlockM, kBlockN>(p, q, k, v, dout, lse, delta, dq_accum, dk_part, dv_part, accumulate_dq,
+    attn::dkdv_tc_block<T, kHeadDim, kBlockM, kBlockN, kStages>(p, q, k, v, dout, lse, delta, dq_accum, dk_part, dv_part, accumulate_dq,
                                               vectorised, strides);
 }
