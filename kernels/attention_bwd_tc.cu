@@ -25,6 +25,7 @@
 #include "mask.cuh"
 #include "numeric.cuh"
 #include "ptx.cuh"
+#include "tc_backward.cuh"
 #include "tc_tile.cuh"
 
 namespace attn {
@@ -55,10 +56,6 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
     constexpr int kDimWarps = Layout::kDimWarps, kWarpDims = Layout::kWarpDims;
     constexpr int kQTiles = kBlockM / 8;        // 8-query column tiles of Sᵀ
     constexpr int kDTiles = kWarpDims / 8;      // 8-dim column tiles of this warp's dK, dV
-    constexpr int kRowGroups = kBlockM / 16;    // 16-row groups of the dQ tile
-    constexpr int kDimGroups = 4 / kRowGroups;  // warps sharing one row group's dimensions
-    constexpr int kAllDTiles = kHeadDim / 8;
-    static_assert(kBlockM % 16 == 0 && 4 % kRowGroups == 0, "dQ rows split over the 4 warps");
     extern __shared__ __align__(16) unsigned char smem_bytes[];
     // K, V (kBlockN, kStride); dS (kBlockM, kSStride) with queries as rows; per stage Q and dO
     // (kBlockM, kStride) and the rows' lse (base 2) and delta (kBlockM floats each); the warps'
@@ -156,20 +153,8 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
 
         // Pᵀ and dSᵀ in place of Sᵀ and dPᵀ; dS also to shared memory (queries as rows) for dQ.
         const bool boundary = !b.tile_is_interior(p, m0, kBlockM, n0, kBlockN);
-        #pragma unroll
-        for (int j = 0; j < kQTiles; ++j) {
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = key0 + g + 8 * (e / 2), query = j * 8 + 2 * t + (e & 1);
-                const float qk = st[j][e];
-                const float s2 = score(p, b, qk, m0 + query, n0 + key, boundary);
-                const float prob = probability(s2, tile_lse2[query]);
-                const float ds = prob * (dpt[j][e] - tile_delta[query]) * score.softcap_grad(qk);
-                st[j][e] = prob;
-                dpt[j][e] = ds;
-                if (accumulate_dq && dim_slice == 0) sDS[query * kSStride + key] = from_float<T>(ds);
-            }
-        }
+        probabilities_and_ds<kSStride>(st, dpt, p, b, score, tile_lse2, tile_delta, sDS, accumulate_dq && dim_slice == 0,
+                                       m0, n0, key0, g, t, boundary);
 
         // dV += Pᵀ·dO and dK += dSᵀ·Q over this tile's queries, in this warp's dims.
         mma_registers_by_rows<T, kStride, kBlockM / 16>(dv, st, tile_do + dim0, lane);
@@ -177,43 +162,11 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
 
         if (accumulate_dq) {
             __syncthreads();  // every warp's dS is in shared memory
-            // dQ (kBlockM x D) = dS (kBlockM x kBlockN keys) · K: warp w takes 16 rows and every
-            // kDimGroups-th pair of dim tiles.
-            const int rows = (warp % kRowGroups) * 16;
-            #pragma unroll
-            for (int d = 2 * (warp / kRowGroups); d < kAllDTiles; d += 2 * kDimGroups) {
-                float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
-                #pragma unroll
-                for (int kk = 0; kk < kBlockN / 16; ++kk) {
-                    unsigned a[4], bk[4];
-                    ptx::ldmatrix<4>(a, a_address<kSStride>(sDS, rows, kk * 16, lane));
-                    ptx::ldmatrix<4, true>(bk, a_address<kStride>(sK, kk * 16, d * 8, lane));
-                    ptx::mma_m16n8k16<T>(c0, a, {bk[0], bk[1]}, c0);
-                    ptx::mma_m16n8k16<T>(c1, a, {bk[2], bk[3]}, c1);
-                }
-                #pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    const int i = m0 + rows + g + 8 * ((e % 4) / 2), col = (d + e / 4) * 8 + 2 * t + (e & 1);
-                    const float value = e < 4 ? c0[e] : c1[e - 4];
-                    if (i < p.seq_q && col < p.head_dim) atomicAdd(dq_accum + (at.stats + i) * p.head_dim + col, value * p.scale);
-                }
-            }
+            atomic_dq<T, kHeadDim, kBlockM, kBlockN, kSStride>(p, at, dq_accum, sDS, sK, m0, warp, lane);
         }
     }
 
-    // Every key row inside the sequence is written, those no query could see included (as 0).
-    const long long key_rows = (static_cast<long long>(b.bidb) * p.heads + b.bidh) * p.seq_k + n0;
-    #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        const int key = key0 + g + 8 * (e / 2);
-        if (n0 + key >= p.seq_k) continue;
-        #pragma unroll
-        for (int d = 0; d < kDTiles; ++d) {
-            const int col = dim0 + d * 8 + 2 * t + (e & 1);
-            if (col < p.head_dim) dk_part[(key_rows + key) * p.head_dim + col] = dk[d][e] * p.scale;
-            if (col < p.head_dim_v) dv_part[(key_rows + key) * p.head_dim_v + col] = dv[d][e];
-        }
-    }
+    store_dkdv(p, b, dk_part, dv_part, dk, dv, n0, key0, dim0, g, t);
 }
 
 template <class T, int kHeadDim, int kBlockN>

@@ -1,0 +1,90 @@
+// What the tensor-core dK/dV kernels (mma.sync and wgmma) share: both hold Sᵀ and dPᵀ of 16 keys
+// per warp in the m16n8 accumulator layout (keys key0 + g and key0 + g + 8, queries 8j + 2t and
+// + 1), and dK, dV with the keys as rows.
+#pragma once
+#include "backward_stats.cuh"
+#include "block_info.cuh"
+#include "mask.cuh"
+#include "numeric.cuh"
+#include "ptx.cuh"
+#include "tc_tile.cuh"
+
+namespace attn {
+
+// Pᵀ and dSᵀ in place of Sᵀ and dPᵀ for query tile m0 and key tile n0; with write_ds, dS also to
+// shared memory (queries as rows, kSStride elements apart) for dQ. lse2 and delta: the tile's
+// rows' statistics in shared memory.
+template <int kSStride, int kQTiles, class T>
+__device__ __forceinline__ void probabilities_and_ds(float (&st)[kQTiles][4], float (&dpt)[kQTiles][4], const Params& p,
+                                                     const BlockInfo& b, const ScoreTransform& score,
+                                                     const float* lse2, const float* delta, T* ds_tile, bool write_ds,
+                                                     int m0, int n0, int key0, int g, int t, bool boundary) {
+#pragma unroll
+    for (int j = 0; j < kQTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = key0 + g + 8 * (e / 2), query = j * 8 + 2 * t + (e & 1);
+            const float qk = st[j][e];
+            const float s2 = score(p, b, qk, m0 + query, n0 + key, boundary);
+            const float prob = probability(s2, lse2[query]);
+            const float ds = prob * (dpt[j][e] - delta[query]) * score.softcap_grad(qk);
+            st[j][e] = prob;
+            dpt[j][e] = ds;
+            if (write_ds) ds_tile[query * kSStride + key] = from_float<T>(ds);
+        }
+    }
+}
+
+// dQ += dS·K·scale by float32 atomics, for the block's dS (kBlockM queries x kBlockN keys, rows
+// kSStride apart) and K (kBlockN x kHeadDim, padded rows) in shared memory: warp w takes 16 rows
+// and every few pairs of 8-dim tiles.
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kSStride>
+__device__ __forceinline__ void atomic_dq(const Params& p, const HeadView& at, float* dq_accum, const T* ds_tile,
+                                          const T* k_tile, int m0, int warp, int lane) {
+    constexpr int kStride = TcLayout<kHeadDim>::kStride;
+    constexpr int kRowGroups = kBlockM / 16;    // 16-row groups of the dQ tile
+    constexpr int kDimGroups = 4 / kRowGroups;  // warps sharing one row group's dimensions
+    static_assert(kBlockM % 16 == 0 && 4 % kRowGroups == 0, "dQ rows split over the 4 warps");
+    const int g = lane / 4, t = lane % 4, rows = (warp % kRowGroups) * 16;
+#pragma unroll
+    for (int d = 2 * (warp / kRowGroups); d < kHeadDim / 8; d += 2 * kDimGroups) {
+        float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            unsigned a[4], bk[4];
+            ptx::ldmatrix<4>(a, a_address<kSStride>(ds_tile, rows, kk * 16, lane));
+            ptx::ldmatrix<4, true>(bk, a_address<kStride>(k_tile, kk * 16, d * 8, lane));
+            ptx::mma_m16n8k16<T>(c0, a, {bk[0], bk[1]}, c0);
+            ptx::mma_m16n8k16<T>(c1, a, {bk[2], bk[3]}, c1);
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const int i = m0 + rows + g + 8 * ((e % 4) / 2), col = (d + e / 4) * 8 + 2 * t + (e & 1);
+            const float value = e < 4 ? c0[e] : c1[e - 4];
+            if (i < p.seq_q && col < p.head_dim) atomicAdd(dq_accum + (at.stats + i) * p.head_dim + col, value * p.scale);
+        }
+    }
+}
+
+// Write this warp's rows of dK (times scale) and dV: keys n0 + key0 + (g, g + 8), dims
+// dim0 + 8d + 2t (+1). Every key row inside the sequence is written, those no query could see
+// included (as 0).
+template <int kDTiles>
+__device__ __forceinline__ void store_dkdv(const Params& p, const BlockInfo& b, float* dk_part, float* dv_part,
+                                           const float (&dk)[kDTiles][4], const float (&dv)[kDTiles][4], int n0,
+                                           int key0, int dim0, int g, int t) {
+    const long long key_rows = (static_cast<long long>(b.bidb) * p.heads + b.bidh) * p.seq_k + n0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const int key = key0 + g + 8 * (e / 2);
+        if (n0 + key >= p.seq_k) continue;
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d) {
+            const int col = dim0 + d * 8 + 2 * t + (e & 1);
+            if (col < p.head_dim) dk_part[(key_rows + key) * p.head_dim + col] = dk[d][e] * p.scale;
+            if (col < p.head_dim_v) dv_part[(key_rows + key) * p.head_dim_v + col] = dv[d][e];
+        }
+    }
+}
+
+}  // namespace attn
