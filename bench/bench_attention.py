@@ -137,7 +137,7 @@ class CupyAttnCuda(Impl):
 
 
 class CupyAttnMmaSync(CupyAttnCuda):
-    """On an sm_90 GPU: the mma.sync forward other GPUs run, beside the wgmma one it chooses."""
+    """On an sm_90 GPU: the mma.sync kernels other GPUs run, beside the wgmma ones it chooses."""
 
     name = "cupy_attn_mma_sync"
 

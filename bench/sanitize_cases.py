@@ -15,7 +15,7 @@ from cupy_attn import _kernel_backend  # noqa: E402
 
 rng = np.random.default_rng(0)
 # The GPU's own kernels, then those chosen for compute capability 8.0 (on an sm_90 GPU: the
-# mma.sync forward instead of the wgmma one).
+# mma.sync kernels instead of the wgmma ones).
 for capability in (None, 80):
     _kernel_backend.CUDA_COMPUTE_CAPABILITY = capability
     for dtype in (np.float16, np.float32):

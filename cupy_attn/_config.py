@@ -65,6 +65,8 @@ class BackwardTile:
     ``dq_lanes_per_row`` lanes each, ``dq_block_n`` keys per tile).
     """
 
+    filename: ClassVar[str] = "attention_bwd.cu"
+
     head_dim: int
     block_m: int
     block_n: int
@@ -165,9 +167,7 @@ HOPPER_TILES = (
     HopperTile(128, "64 + 32 accumulators per thread; 98 KB shared"),
     HopperTile(256, "128 + 32 accumulators per thread; 194 KB shared"),
 )
-HOPPER_ARCH = "sm_90a"  # what NVRTC compiles attention_fwd_wgmma.cu for
-# Kernel files that only compile for one architecture, and that architecture.
-FILE_ARCH = {"attention_fwd_wgmma.cu": HOPPER_ARCH}
+HOPPER_ARCH = "sm_90a"  # what NVRTC compiles the wgmma kernels for
 
 
 @dataclass(frozen=True)
@@ -175,6 +175,8 @@ class TensorCoreBackwardTile:
     """The fp16/bf16 dK/dV kernel on mma.sync: block_n keys per block (groups of 16, each shared
     by 64 / block_n warps that split its head dims), block_m query rows per step. Its dq goes by
     atomics, or comes from the deterministic tensor-core dQ kernel."""
+
+    filename: ClassVar[str] = "attention_bwd_tc.cu"
 
     head_dim: int
     block_m: int
@@ -212,6 +214,42 @@ TENSOR_CORE_BACKWARD_TILES = (
     TensorCoreBackwardTile(128, 32, 64, 2, "128 + 32 accumulators per thread; 73 KB shared"),
     TensorCoreBackwardTile(256, 32, 32, 1, "2 warps per 16 keys: 128 + 32 accumulators per thread; 85 KB shared"),
 )
+
+
+@dataclass(frozen=True)
+class HopperBackwardTile:
+    """The fp16/bf16 dK/dV kernel on wgmma (sm_90a), chosen on compute capability 9.0 for head
+    dims up to 128: one warpgroup per 64 keys, block_m query rows per step, Q and dO in two
+    stages. Its dq goes by atomics, or comes from the deterministic tensor-core dQ kernel."""
+
+    filename: ClassVar[str] = "attention_bwd_wgmma.cu"
+
+    head_dim: int
+    block_m: int
+    reason: str
+    block_n: int = 64
+
+    @property
+    def shared_bytes(self) -> int:
+        """K, V (64, D) in core matrices and K again (64, D + 8) row-major, dS (block_m, 72),
+        Qᵀ, dOᵀ (D, block_m), two stages of Q, dO (block_m, D), 16-bit; two stages of lse,
+        delta (block_m floats)."""
+        m, d = self.block_m, self.head_dim
+        return 2 * (2 * 64 * d + 64 * (d + 8) + m * 72 + 2 * d * m + 2 * 2 * m * d) + 4 * 2 * 2 * m
+
+    def name_expression(self, dtype) -> str:
+        return f"attention_bwd_dkdv_wgmma<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_m}>"
+
+
+# Per thread: D/2 + D/2 floats of dK and dV, block_m/2 + block_m/2 of Sᵀ and dPᵀ and block_m/4
+# registers of packed Pᵀ, dSᵀ. D = 256 would need 256 accumulators per thread: it stays on the
+# mma.sync kernel, which splits the dims over two warps.
+HOPPER_BACKWARD_TILES = (
+    HopperBackwardTile(64, 64, "64 + 64 accumulators per thread; 83 KB shared"),
+    HopperBackwardTile(128, 32, "128 + 32 accumulators per thread; 102 KB shared"),
+)
+# Kernel files that only compile for one architecture, and that architecture.
+FILE_ARCH = {"attention_fwd_wgmma.cu": HOPPER_ARCH, "attention_bwd_wgmma.cu": HOPPER_ARCH}
 
 
 def preprocess_name(dtype) -> str:
@@ -253,17 +291,20 @@ def tensor_core_dq_tile(head_dim: int, head_dim_v: int) -> TensorCoreTile:
     return _pick(TENSOR_CORE_TILES, head_dim, head_dim_v)
 
 
-def backward_tile(head_dim: int, head_dim_v: int, dtype=np.float32):
-    """The backward configuration: tensor-core dK/dV (TensorCoreBackwardTile) for fp16/bf16,
-    CUDA-core dK/dV and dQ (BackwardTile) for fp32."""
+def backward_tile(head_dim: int, head_dim_v: int, dtype=np.float32, compute_capability: int = 80):
+    """The backward configuration: for fp16/bf16 the wgmma dK/dV (HopperBackwardTile) on compute
+    capability 9.0 up to D = 128 and the mma.sync one (TensorCoreBackwardTile) otherwise; for
+    fp32 the CUDA-core dK/dV and dQ (BackwardTile)."""
     if np.dtype(dtype) in TENSOR_CORE_DTYPES:
+        if compute_capability == 90 and max(head_dim, head_dim_v) <= HOPPER_BACKWARD_TILES[-1].head_dim:
+            return _pick(HOPPER_BACKWARD_TILES, head_dim, head_dim_v)
         return _pick(TENSOR_CORE_BACKWARD_TILES, head_dim, head_dim_v)
     return _pick(BACKWARD_TILES, head_dim, head_dim_v)
 
 
 def kernel_variants(arch: str = "sm_80"):
     """Every (file, name expression, dtype) the table can select on ``arch``: what the compile
-    report builds. On sm_90 that includes the wgmma forward, which compiles for sm_90a
+    report builds. On sm_90 that includes the wgmma kernels, which compile for sm_90a
     (FILE_ARCH)."""
     variants = []
     for dtype in CTYPES:
@@ -271,6 +312,7 @@ def kernel_variants(arch: str = "sm_80"):
             variants += [("attention_fwd_tc.cu", tile.name_expression(dtype), dtype) for tile in TENSOR_CORE_TILES]
             if arch in ("sm_90", HOPPER_ARCH):
                 variants += [("attention_fwd_wgmma.cu", tile.name_expression(dtype), dtype) for tile in HOPPER_TILES]
+                variants += [("attention_bwd_wgmma.cu", t.name_expression(dtype), dtype) for t in HOPPER_BACKWARD_TILES]
         else:
             variants += [("attention_fwd.cu", tile.name_expression(dtype), dtype) for tile in FORWARD_TILES]
         variants.append(("attention_bwd.cu", preprocess_name(dtype), dtype))

@@ -158,7 +158,7 @@ def _to_layout(problem: Problem, x_bhsd, dtype):
 def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, deterministic: bool):
     p, xp = problem, problem.xp
     check_supported(p, target)
-    tile = _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype)
+    tile = _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, compute_capability(target))
     q, k, v, dout, out = (_last_dim_contiguous(xp, x) for x in (q, k, v, dout, out))
     lse = xp.ascontiguousarray(lse, dtype=np.float32)
     b, h, sq, sk = p.batch, p.heads, p.seq_q, p.seq_k
@@ -174,9 +174,9 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     dv = _empty(xp, (b, h, sk, p.head_dim_v), np.float32)
     common = _common_args(p, q, k, v, dout)
     dkdv_grid = (_blocks(sk, tile.block_n), h, b)
-    if isinstance(tile, _config.TensorCoreBackwardTile):
+    if not isinstance(tile, _config.BackwardTile):  # tensor cores: mma.sync or wgmma
         vectorised = _vector_flags(q, k, v, dout)
-        _launch(target, "attention_bwd_tc.cu", tile.name_expression(p.dtype), dkdv_grid,
+        _launch(target, tile.filename, tile.name_expression(p.dtype), dkdv_grid,
                 (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), vectorised, *common), tile.shared_bytes)
         if deterministic:
             dq_tile = _config.tensor_core_dq_tile(p.head_dim, p.head_dim_v)

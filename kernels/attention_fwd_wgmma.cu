@@ -24,26 +24,6 @@ namespace attn {
 constexpr int kWgmmaKeys = 64;  // keys per tile: N of the S instruction, K of P·V
 constexpr int kWgmmaDims = 64;  // head dims per P·V instruction (its N)
 
-// Vᵀ (kHeadDim rows x 64 key columns, core-matrix layout) from V (64 keys x (kHeadDim + 8),
-// row-major): each thread gathers 8 keys of one head dim and stores them as 16 bytes.
-template <int kHeadDim, class T>
-__device__ __forceinline__ void transpose_v(T* v_t, const T* v_rows) {
-    constexpr int kStride = TcLayout<kHeadDim>::kStride;
-    for (int idx = threadIdx.x; idx < kHeadDim * (kWgmmaKeys / 8); idx += kThreads) {
-        const int dim = idx % kHeadDim, key0 = (idx / kHeadDim) * 8;
-        unsigned words[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            unsigned short lo, hi;
-            memcpy(&lo, v_rows + (key0 + 2 * e) * kStride + dim, 2);
-            memcpy(&hi, v_rows + (key0 + 2 * e + 1) * kStride + dim, 2);
-            words[e] = static_cast<unsigned>(lo) | static_cast<unsigned>(hi) << 16;
-        }
-        *reinterpret_cast<uint4*>(v_t + CoreMatrixLayout<kWgmmaKeys>::offset(dim, key0)) =
-            make_uint4(words[0], words[1], words[2], words[3]);
-    }
-}
-
 template <class T, int kHeadDim>
 __device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q, const T* k, const T* v, T* out,
                                                     float* lse, const long long (&strides)[12], int vectorised) {
@@ -107,13 +87,13 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q,
         ptx::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk)
-            ptx::wgmma_m64n64k16_ss<T>(s_flat,
+            ptx::wgmma_m64k16_ss<T, kWgmmaKeys>(s_flat,
                                        ptx::wgmma_descriptor(sQ + kk * 128, QK::kLbo, QK::kSbo),
                                        ptx::wgmma_descriptor(sK + kk * 128, QK::kLbo, QK::kSbo), kk > 0);
         ptx::wgmma_commit();
 
         // Vᵀ while the tensor cores work.
-        transpose_v<kHeadDim>(sVt, sV);
+        transpose_into_core<kWgmmaKeys, kHeadDim, PaddedRowLayout<kHeadDim>>(sVt, sV);
         ptx::fence_proxy_async();
         ptx::wgmma_wait<0>();  // S is in registers
         ptx::fence_operands(s_flat);
@@ -135,7 +115,7 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q,
         for (int kk = 0; kk < kWgmmaKeys / 16; ++kk)
 #pragma unroll
             for (int c = 0; c < kHeadDim / kWgmmaDims; ++c)
-                ptx::wgmma_m64n64k16_rs<T>(reinterpret_cast<float(&)[32]>(o_flat[c * kWgmmaDims / 2]), pa[kk],
+                ptx::wgmma_m64k16_rs<T, kWgmmaDims>(reinterpret_cast<float(&)[32]>(o_flat[c * kWgmmaDims / 2]), pa[kk],
                                            ptx::wgmma_descriptor(sVt + c * kWgmmaDims * kWgmmaKeys + kk * 128,
                                                                  VT::kLbo, VT::kSbo), 1);
         ptx::wgmma_commit();

@@ -246,10 +246,10 @@ __device__ __forceinline__ float ex2_approx(float x) {
 
 // ---- Hopper (sm_90a) warpgroup MMA ------------------------------------------------------------
 // A warpgroup is 4 consecutive warps starting at a warp index divisible by 4 (the whole 128-thread
-// block in cupy_attn). Its wgmma.mma_async m64n64k16 computes D (64 x 64, float) = A (64 x 16) ·
-// B (16 x 64) [+ D] asynchronously: warp w holds rows 16w..16w+15 of D in the mma.m16n8k16
+// block in cupy_attn). Its wgmma.mma_async m64nNk16 computes D (64 x N, float) = A (64 x 16) ·
+// B (16 x N) [+ D] asynchronously: warp w holds rows 16w..16w+15 of D in the mma.m16n8k16
 // accumulator layout, d[4j + e] at row g + 8(e / 2), column 8j + 2t + e % 2 (g = lane / 4,
-// t = lane % 4), so 32 floats per lane. B, and A in the SS form, are read from shared memory
+// t = lane % 4), so N / 2 floats per lane. B, and A in the SS form, are read from shared memory
 // through matrix descriptors; cupy_attn uses only the K-major layout without swizzle (8x8 core
 // matrices of 128 contiguous bytes; LBO = bytes between core matrices along K, SBO = along M/N).
 // The results are defined only after wgmma_wait covers their group; the emulator writes them
@@ -322,24 +322,41 @@ __device__ __forceinline__ void wgmma_wait() {
 #endif
 }
 
+#define WGMMA_ACCUMULATORS_32 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 #define WGMMA_ACCUMULATORS_64 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 
-// SS form: A and B from shared memory. scale_d = 0 overwrites d, 1 accumulates.
-template <class T>
-__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], unsigned long long a_desc, unsigned long long b_desc,
-                                                   int scale_d) {
+// SS form: A and B from shared memory; N (32 or 64) columns, N / 2 accumulators per lane.
+// scale_d = 0 overwrites d, 1 accumulates.
+template <class T, int N>
+__device__ __forceinline__ void wgmma_m64k16_ss(float (&d)[N / 2], unsigned long long a_desc, unsigned long long b_desc,
+                                                int scale_d) {
+    static_assert(N == 32 || N == 64, "wgmma shapes m64n32k16 and m64n64k16");
 #ifdef __CUDA_ARCH__
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if constexpr (is_same<T, __half>::value) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-                     : WGMMA_ACCUMULATORS_64
-                     : "l"(a_desc), "l"(b_desc), "r"(scale_d));
-    } else {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-                     : WGMMA_ACCUMULATORS_64
-                     : "l"(a_desc), "l"(b_desc), "r"(scale_d));
+    if constexpr (N == 32) {
+        if constexpr (is_same<T, __half>::value) {
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                         "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+                         : WGMMA_ACCUMULATORS_32
+                         : "l"(a_desc), "l"(b_desc), "r"(scale_d));
+        } else {
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                         "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+                         : WGMMA_ACCUMULATORS_32
+                         : "l"(a_desc), "l"(b_desc), "r"(scale_d));
+        }
+    } else     if constexpr (N == 64) {
+        if constexpr (is_same<T, __half>::value) {
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                         "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                         : WGMMA_ACCUMULATORS_64
+                         : "l"(a_desc), "l"(b_desc), "r"(scale_d));
+        } else {
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                         : WGMMA_ACCUMULATORS_64
+                         : "l"(a_desc), "l"(b_desc), "r"(scale_d));
+        }
     }
 #else
     static_assert(sizeof(T) == 0, "wgmma needs the sm_90a target (-arch=sm_90a)");
@@ -347,27 +364,42 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], unsigned long
 #else
     auto op = std::make_shared<emulated::WgmmaOperand>();
     *op = emulated::WgmmaOperand{{}, a_desc, b_desc, false, scale_d, static_cast<int>(::emu::tl_fiber->linear / 32 % 4), d};
-    ::emu::defer_warp_op(emulated::wgmma_fn<T, 64>, op, "wgmma.mma_async (SS)");
+    ::emu::defer_warp_op(emulated::wgmma_fn<T, N>, op, "wgmma.mma_async (SS)");
 #endif
 }
 
 // RS form: A from registers (the mma.m16n8k16 A fragment of this warp's 16 rows), B from shared
 // memory. The A registers, like the accumulators, must stay untouched until the wait.
-template <class T>
-__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const u32 (&a)[4], unsigned long long b_desc,
-                                                   int scale_d) {
+template <class T, int N>
+__device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const u32 (&a)[4], unsigned long long b_desc,
+                                                int scale_d) {
+    static_assert(N == 32 || N == 64, "wgmma shapes m64n32k16 and m64n64k16");
 #ifdef __CUDA_ARCH__
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if constexpr (is_same<T, __half>::value) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-                     : WGMMA_ACCUMULATORS_64
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d));
-    } else {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-                     : WGMMA_ACCUMULATORS_64
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d));
+    if constexpr (N == 32) {
+        if constexpr (is_same<T, __half>::value) {
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+                         "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+                         : WGMMA_ACCUMULATORS_32
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d));
+        } else {
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+                         "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+                         : WGMMA_ACCUMULATORS_32
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d));
+        }
+    } else     if constexpr (N == 64) {
+        if constexpr (is_same<T, __half>::value) {
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                         "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                         : WGMMA_ACCUMULATORS_64
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d));
+        } else {
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                         : WGMMA_ACCUMULATORS_64
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d));
+        }
     }
 #else
     static_assert(sizeof(T) == 0, "wgmma needs the sm_90a target (-arch=sm_90a)");
@@ -376,10 +408,11 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const u32 (&a
     auto op = std::make_shared<emulated::WgmmaOperand>();
     *op = emulated::WgmmaOperand{{a[0], a[1], a[2], a[3]}, 0, b_desc, true, scale_d,
                                  static_cast<int>(::emu::tl_fiber->linear / 32 % 4), d};
-    ::emu::defer_warp_op(emulated::wgmma_fn<T, 64>, op, "wgmma.mma_async (RS)");
+    ::emu::defer_warp_op(emulated::wgmma_fn<T, N>, op, "wgmma.mma_async (RS)");
 #endif
 }
 
+#undef WGMMA_ACCUMULATORS_32
 #undef WGMMA_ACCUMULATORS_64
 
 }  // namespace ptx

@@ -15,11 +15,13 @@ struct TcLayout {
 
 // wgmma's K-major layout without swizzle for a tile of kCols 16-bit columns: 8x8 core matrices
 // of 128 contiguous bytes, consecutive along the columns (LBO = 128 bytes), then along the rows
-// (SBO = 16·kCols bytes). offset(r, c) is the element offset of (r, c), c a multiple of 8.
+// (SBO = 16·kCols bytes). offset(r, c) is the element offset of (r, c).
 template <int kCols>
 struct CoreMatrixLayout {
     static constexpr unsigned kLbo = 128, kSbo = 16 * kCols;
-    static __device__ __forceinline__ int offset(int r, int c) { return (r / 8) * (8 * kCols) + (c / 8) * 64 + (r % 8) * 8; }
+    static __device__ __forceinline__ int offset(int r, int c) {
+        return (r / 8) * (8 * kCols) + (c / 8) * 64 + (r % 8) * 8 + c % 8;
+    }
 };
 
 // Row-major rows of kHeadDim + 8 elements (the mma.sync kernels' ldmatrix layout).
@@ -45,6 +47,26 @@ __device__ __forceinline__ void stage_async(T* dst, const T* src, long long row_
         } else {
             for (int e = 0; e < 8; ++e) d[e] = (row0 + r < rows && c + e < dims) ? s[e] : from_float<T>(0.f);
         }
+    }
+}
+
+// The transpose of a kRows x kCols tile laid out by SrcLayout, written as a kCols x kRows tile
+// in wgmma's K-major layout (CoreMatrixLayout<kRows>): each thread gathers 8 rows of one column
+// and stores them as 16 bytes. The caller synchronises.
+template <int kRows, int kCols, class SrcLayout, class T>
+__device__ __forceinline__ void transpose_into_core(T* dst, const T* src) {
+    for (int idx = threadIdx.x; idx < kCols * (kRows / 8); idx += kThreads) {
+        const int col = idx % kCols, row0 = (idx / kCols) * 8;
+        unsigned words[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            unsigned short lo, hi;
+            memcpy(&lo, src + SrcLayout::offset(row0 + 2 * e, col), 2);
+            memcpy(&hi, src + SrcLayout::offset(row0 + 2 * e + 1, col), 2);
+            words[e] = static_cast<unsigned>(lo) | static_cast<unsigned>(hi) << 16;
+        }
+        *reinterpret_cast<uint4*>(dst + CoreMatrixLayout<kRows>::offset(col, row0)) =
+            make_uint4(words[0], words[1], words[2], words[3]);
     }
 }
 

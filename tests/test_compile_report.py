@@ -19,16 +19,17 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
         assert keys <= row.keys()
         assert row["spill_stores"] == 0 and row["spill_loads"] == 0 and row["stack_frame_bytes"] == 0, row
         assert 0 < row["registers"] <= 255
-        assert row["arch"] == ("sm_90a" if row["name"].startswith("attention_fwd_wgmma") else row["arch"])
+        assert row["arch"] == ("sm_90a" if "_wgmma<" in row["name"] else row["arch"])
     for arch in ("sm_80", "sm_90", "sm_90a"):
         for dtype in ("float16", "bfloat16", "float32"):
             tensor_cores = dtype != "float32"
-            if arch == "sm_90a":  # only the Hopper forward is built for sm_90a
-                expected = {"attention_fwd_wgmma": len(_config.HOPPER_TILES) if tensor_cores else 0}
+            if arch == "sm_90a":  # only the Hopper kernels are built for sm_90a
+                expected = {"attention_fwd_wgmma": len(_config.HOPPER_TILES) if tensor_cores else 0,
+                            "attention_bwd_dkdv_wgmma": len(_config.HOPPER_BACKWARD_TILES) if tensor_cores else 0}
                 for kernel, count in expected.items():
                     files = list(tmp_path.glob(f"{kernel}_*_{dtype}_{arch}.ptx"))
                     assert len(files) == count, (kernel, dtype, arch)
-                    assert all("wgmma.mma_async.sync.aligned.m64n64k16.f32" in f.read_text() for f in files)
+                    assert all("wgmma.mma_async.sync.aligned.m64n" in f.read_text() for f in files)
                 assert not [f for f in tmp_path.glob(f"*_{dtype}_{arch}.ptx") if "wgmma" not in f.name]
                 continue
             expected = {
@@ -66,6 +67,9 @@ def test_tile_tables_cover_every_head_dim():
             tcb = _config.backward_tile(d, d, dtype)
             assert isinstance(tcb, _config.TensorCoreBackwardTile) and tcb.head_dim >= d
             assert tcb.shared_bytes <= 99 * 1024 and (tcb.head_dim // tcb.dim_warps) % 16 == 0
+            hopper = _config.backward_tile(d, d, dtype, compute_capability=90)
+            assert type(hopper) is (_config.HopperBackwardTile if d <= 128 else _config.TensorCoreBackwardTile)
+            assert hopper.head_dim >= d and hopper.shared_bytes <= 227 * 1024
         assert isinstance(bwd, _config.BackwardTile)
         assert fwd.head_dim >= d and bwd.head_dim >= d
         # 4 warps of 32 / lanes_per_row rows; every shared-memory budget fits sm_86's 99 KB opt-in limit

@@ -383,7 +383,7 @@ def test_ldmatrix(primitives, count, trans):
     check_or_expect_failure(wrong, lambda: np.testing.assert_array_equal(got, want))
 
 
-WGMMA_NAMES = [f"wgmma<{t}, {r}>" for t in ("__half", "__nv_bfloat16") for r in ("false", "true")]
+WGMMA_NAMES = [f"wgmma<{t}, {r}, {n}>" for t in ("__half", "__nv_bfloat16") for r in ("false", "true") for n in (32, 64)]
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["layout", "wrong_layout"])
@@ -394,14 +394,15 @@ def wgmma_module(request):
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("a_from", ["shared", "registers"])
-def test_wgmma_m64n64k16(wgmma_module, dtype, a_from):
+@pytest.mark.parametrize("n", [32, 64])
+def test_wgmma_m64k16(wgmma_module, dtype, a_from, n):
     wrong, mod = wgmma_module
     rng = np.random.default_rng(6)
     A = rng.standard_normal((64, 16)).astype(dtype)
-    B = rng.standard_normal((16, 64)).astype(dtype)
-    C = rng.standard_normal((64, 64)).astype(np.float32)
-    D = np.full((64, 64), np.nan, np.float32)
-    name = f"wgmma<{'__half' if dtype == np.float16 else '__nv_bfloat16'}, {str(a_from == 'registers').lower()}>"
+    B = rng.standard_normal((16, n)).astype(dtype)
+    C = rng.standard_normal((64, n)).astype(np.float32)
+    D = np.full((64, n), np.nan, np.float32)
+    name = f"wgmma<{'__half' if dtype == np.float16 else '__nv_bfloat16'}, {str(a_from == 'registers').lower()}, {n}>"
     # 16 KB: the operands take 8 KB; a wrong layout reads into the (poisoned) rest.
     mod.get_function(name)(1, 128, (A, B, C, D, I32(1)), shared_mem=16384)
     want = A.astype(np.float64) @ B.astype(np.float64) + C
@@ -414,7 +415,7 @@ def test_wgmma_results_land_only_at_the_wait():
     A, B = (rng.standard_normal(shape).astype(np.float16) for shape in ((64, 16), (16, 64)))
     C = rng.standard_normal((64, 64)).astype(np.float32)
     D = np.full((64, 64), np.nan, np.float32)
-    mod.get_function("wgmma<__half, false>")(1, 128, (A, B, C, D, I32(0)), shared_mem=8192)
+    mod.get_function("wgmma<__half, false, 64>")(1, 128, (A, B, C, D, I32(0)), shared_mem=8192)
     np.testing.assert_array_equal(D, C)  # without wgmma.wait_group the accumulators are not written
 
 
@@ -424,7 +425,7 @@ def test_wgmma_operand_beyond_shared_memory_fails():
     A, B = np.ones((64, 16), np.float16), np.ones((16, 64), np.float16)
     C, D = np.zeros((64, 64), np.float32), np.zeros((64, 64), np.float32)
     with pytest.raises(EmulatorError, match="wgmma operand reads shared bytes .* beyond the block's 8192"):
-        mod.get_function("wgmma<__half, false>")(1, 128, (A, B, C, D, I32(1)), shared_mem=8192)
+        mod.get_function("wgmma<__half, false, 64>")(1, 128, (A, B, C, D, I32(1)), shared_mem=8192)
 
 
 @pytest.mark.parametrize("waits", [0, 1, 2])

@@ -17,9 +17,9 @@ def poisoned_outputs(monkeypatch):
 
 
 @pytest.fixture(params=["own", "mma_sync"])
-def forward_kernels(request, monkeypatch):
-    """The GPU's own choice of kernels, and (on an sm_90 GPU, whose own fp16/bf16 forward is the
-    wgmma kernel) the mma.sync forward that other GPUs run."""
+def tensor_core_kernels(request, monkeypatch):
+    """The GPU's own choice of kernels, and the mma.sync kernels that GPUs other than sm_90 run
+    (on an sm_90 GPU its own fp16/bf16 forward, and dK/dV up to D = 128, are the wgmma kernels)."""
     if request.param == "mma_sync":
         if int(cupy.cuda.Device().compute_capability) < 80:
             pytest.skip("mma.sync m16n8k16 needs compute capability 8.0")
@@ -43,15 +43,15 @@ def check(q, k, v, dtype, **kw):
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16), BF16], ids=str)
 @pytest.mark.parametrize("d", [16, 40, 64, 80, 96, 128, 256, 7, 200])
 @pytest.mark.parametrize("causal", [False, True])
-def test_head_dims(forward_kernels, dtype, d, causal):
+def test_head_dims(tensor_core_kernels, dtype, d, causal):
     rng = np.random.default_rng(d)
     q, k, v = random_qkv(rng, b=2, h=4, hkv=2, sq=513, sk=1031, d=d, dtype=dtype)
     check(q, k, v, dtype, causal=causal)
 
 
-def test_hopper_gpus_run_the_wgmma_forward(monkeypatch):
+def test_hopper_gpus_run_the_wgmma_kernels(monkeypatch):
     if int(cupy.cuda.Device().compute_capability) != 90:
-        pytest.skip("the wgmma forward is built for sm_90a: compute capability 9.0 only")
+        pytest.skip("the wgmma kernels are built for sm_90a: compute capability 9.0 only")
     from cupy_attn import _compile
 
     launched = []
@@ -61,11 +61,19 @@ def test_hopper_gpus_run_the_wgmma_forward(monkeypatch):
     q, k, v = random_qkv(rng, b=1, h=2, sq=300, sk=300, d=128, dtype=BF16)
     check(q, k, v, BF16, causal=True)
     assert launched == ["attention_fwd_wgmma<__nv_bfloat16, 128>"]
+    gq, gk, gv = on_gpu(q, k, v)
+    out, lse = cupy_attn.attention(gq, gk, gv, causal=True, return_lse=True)
+    dout = rng.standard_normal(out.shape).astype(BF16)
+    launched.clear()
+    grads = cupy_attn.attention_backward(cupy.asarray(dout), gq, gk, gv, out, lse, causal=True)
+    assert "attention_bwd_dkdv_wgmma<__nv_bfloat16, 128, 32>" in launched
+    for g, w in zip(grads, reference.attention_gradients(dout, q, k, v, causal=True)):
+        assert_close(g.get(), w, BF16, grad=True)
 
 
 @pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_features(forward_kernels, feature, layout):
+def test_features(tensor_core_kernels, feature, layout):
     rng = np.random.default_rng(3)
     q, k, v = random_qkv(rng, b=3, h=4, hkv=2, sq=113, sk=203, d=64, dtype=np.float16, layout=layout)
     check(q, k, v, np.float16, layout=layout, **feature_keywords(feature, rng))
@@ -74,7 +82,7 @@ def test_features(forward_kernels, feature, layout):
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16), BF16], ids=str)
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_backward(dtype, deterministic, d):
+def test_backward(tensor_core_kernels, dtype, deterministic, d):
     rng = np.random.default_rng(4)
     q, k, v = random_qkv(rng, b=2, h=8, hkv=2, sq=700, sk=1031, d=d, dtype=dtype)
     kw = dict(causal=True, softcap=10.0, kv_lengths=np.array([1031, 600]))

@@ -15,6 +15,15 @@ def poisoned_outputs(monkeypatch):
     monkeypatch.setattr(_kernel_backend, "POISON_OUTPUTS", True)
 
 
+@pytest.fixture(params=[80, 90], ids=["mma_sync", "wgmma"])
+def tensor_core_kernel(request, monkeypatch):
+    """fp16/bf16 inputs on the mma.sync kernels (compute capability 8.x) or the Hopper ones (9.0:
+    wgmma forward, and wgmma dK/dV up to D = 128), which the emulator runs when it stands in for
+    an sm_90 device."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", request.param)
+    return request.param
+
+
 def gradients(q, k, v, dout, deterministic, **kw):
     out, lse = cupy_attn.attention(q, k, v, return_lse=True, **kw)
     return cupy_attn.attention_backward(dout, q, k, v, out, lse, backend="emulator", deterministic=deterministic, **kw)
@@ -48,6 +57,16 @@ def test_dtypes_and_head_dims(dtype, d, dv, deterministic):
     check(rng, q, k, v, dtype, deterministic, causal=True)
 
 
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
+@pytest.mark.parametrize("d,dv", [(16, 16), (64, 64), (80, 80), (128, 128), (7, 33), (130, 3)])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_wgmma_dtypes_and_head_dims(monkeypatch, dtype, d, dv, deterministic):
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
+    rng = np.random.default_rng(d * 100 + dv + 1)
+    q, k, v = random_qkv(rng, b=2, h=2, hkv=1, sq=77, sk=150, d=d, dv=dv, dtype=dtype)
+    check(rng, q, k, v, dtype, deterministic, causal=True)
+
+
 @pytest.mark.parametrize("sq,sk", [(1, 1), (1, 203), (7, 64), (203, 113), (257, 31), (0, 5), (5, 0)])
 def test_sequence_lengths(sq, sk):
     rng = np.random.default_rng(sq + 1000 * sk)
@@ -59,7 +78,7 @@ def test_sequence_lengths(sq, sk):
 @pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
 @pytest.mark.parametrize("d,dv", [(72, 56), (200, 256)])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_half_precision_everything(dtype, d, dv, deterministic):
+def test_half_precision_everything(tensor_core_kernel, dtype, d, dv, deterministic):
     rng = np.random.default_rng(21)
     q, k, v = random_qkv(rng, b=3, h=4, hkv=2, sq=113, sk=203, d=d, dv=dv, dtype=dtype)
     check(rng, q, k, v, dtype, deterministic, **feature_keywords("everything", rng))

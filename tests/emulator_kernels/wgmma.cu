@@ -1,5 +1,5 @@
 #include "ptx.cuh"
-// wgmma.mma_async m64n64k16 in both forms, one warpgroup. Operands are placed in shared memory
+// wgmma.mma_async m64nNk16 (N = 32, 64) in both forms, one warpgroup. Operands are placed in shared memory
 // with plain C++ following the K-major, no-swizzle canonical layout, with deliberately unusual
 // strides (A: LBO 256, SBO 512 bytes; B: LBO 1024, SBO 128 bytes) so the descriptor decoding is
 // exercised; -DWRONG_LAYOUT passes LBO and SBO swapped, which must give a wrong result.
@@ -18,9 +18,9 @@ __device__ unsigned long long descriptor(const void* tile, unsigned lbo, unsigne
 #endif
 }
 
-// A (64, 16) row-major, B (16, 64) with B[k][n] at b[k * 64 + n], C and D (64, 64) row-major.
+// A (64, 16) row-major, B (16, N) with B[k][n] at b[k * N + n], C and D (64, N) row-major.
 // kRegisterA: A from registers (RS) instead of shared memory (SS). waits = 0 skips the wait.
-template <class T, bool kRegisterA>
+template <class T, bool kRegisterA, int N>
 __global__ void wgmma(const T* A, const T* B, const float* C, float* D, int waits) {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char* sA = smem;          // 8 row groups x 512 bytes
@@ -29,12 +29,12 @@ __global__ void wgmma(const T* A, const T* B, const float* C, float* D, int wait
     for (int i = tid; i < 64 * 16; i += 128) {
         const int m = i / 16, k = i % 16;
         memcpy(sA + k_major(m, k, kLboA, kSboA), &A[m * 16 + k], 2);
-        memcpy(sB + k_major(m, k, kLboB, kSboB), &B[k * 64 + m], 2);  // row m of Bᵀ = column m of B
+        if (m < N) memcpy(sB + k_major(m, k, kLboB, kSboB), &B[k * N + m], 2);  // row m of Bᵀ = column m of B
     }
     __syncthreads();
-    float d[32];
-    for (int j = 0; j < 8; ++j)
-        for (int e = 0; e < 4; ++e) d[4 * j + e] = C[(16 * warp + g + 8 * (e / 2)) * 64 + 8 * j + 2 * t + (e & 1)];
+    float d[N / 2];
+    for (int j = 0; j < N / 8; ++j)
+        for (int e = 0; e < 4; ++e) d[4 * j + e] = C[(16 * warp + g + 8 * (e / 2)) * N + 8 * j + 2 * t + (e & 1)];
     ptx::wgmma_fence();
     if (kRegisterA) {
         unsigned a[4];
@@ -42,12 +42,12 @@ __global__ void wgmma(const T* A, const T* B, const float* C, float* D, int wait
             const int row = 16 * warp + g + 8 * (r & 1), col = 2 * t + 8 * (r >> 1);
             a[r] = static_cast<unsigned>(A[row * 16 + col].__x) | static_cast<unsigned>(A[row * 16 + col + 1].__x) << 16;
         }
-        ptx::wgmma_m64n64k16_rs<T>(d, a, descriptor(sB, kLboB, kSboB), 1);
+        ptx::wgmma_m64k16_rs<T, N>(d, a, descriptor(sB, kLboB, kSboB), 1);
     } else {
-        ptx::wgmma_m64n64k16_ss<T>(d, descriptor(sA, kLboA, kSboA), descriptor(sB, kLboB, kSboB), 1);
+        ptx::wgmma_m64k16_ss<T, N>(d, descriptor(sA, kLboA, kSboA), descriptor(sB, kLboB, kSboB), 1);
     }
     ptx::wgmma_commit();
     if (waits) ptx::wgmma_wait<0>();
-    for (int j = 0; j < 8; ++j)
-        for (int e = 0; e < 4; ++e) D[(16 * warp + g + 8 * (e / 2)) * 64 + 8 * j + 2 * t + (e & 1)] = d[4 * j + e];
+    for (int j = 0; j < N / 8; ++j)
+        for (int e = 0; e < 4; ++e) D[(16 * warp + g + 8 * (e / 2)) * N + 8 * j + 2 * t + (e & 1)] = d[4 * j + e];
 }
