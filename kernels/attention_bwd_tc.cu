@@ -6,7 +6,7 @@
 // of their dK and dV, in float32 registers (64 keys and every dim per warp for D <= 128; for
 // D = 256, 32 keys and half the dims, since a warp holding all 256 dims of dK and dV would need
 // 256 accumulators per thread). For each query tile of kBlockM rows that can see the block's keys
-// (Q and dO staged by cp.async):
+// (Q and dO staged by cp.async, the next tile loading during this one where two stages fit):
 //   Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ          (16 keys x kBlockM queries per warp, MMAs over the warp's
 //                                         dims; partial sums of a key group added through shared
 //                                         memory in a fixed order when kDimWarps > 1)
