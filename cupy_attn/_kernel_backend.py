@@ -6,6 +6,8 @@ explicitly typed scalar arguments (numpy.int32 / int64 / float32: a Python int w
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from . import _compile, _config
@@ -17,11 +19,14 @@ I32, I64, F32 = np.int32, np.int64, np.float32
 EMULATOR_SCHEDULE = "forward"
 # Fill outputs with NaN before launching, so elements a kernel fails to write show; tests set it.
 POISON_OUTPUTS = False
-# The compute capability the emulator stands in for: 90 selects the Hopper (wgmma) forward.
-EMULATOR_COMPUTE_CAPABILITY = 80
-# Kernels for this compute capability instead of the GPU's (None): GPU tests set 80 to run the
-# mma.sync forward on an sm_90 device, whose own choice is the wgmma kernel.
+# The compute capability kernels are chosen for. Test hooks, which win over the environment:
+# the one the emulator stands in for (90 selects the Hopper wgmma kernels; None: the environment,
+# else 80), and one to use instead of the GPU's (GPU tests set 80 to run the mma.sync kernels on
+# an sm_90 device, whose own choice is wgmma).
+EMULATOR_COMPUTE_CAPABILITY = None
 CUDA_COMPUTE_CAPABILITY = None
+# Users choose the same through the environment, e.g. 80 for the mma.sync kernels on an H100.
+CAPABILITY_VARIABLE = "CUPY_ATTN_COMPUTE_CAPABILITY"
 
 _CAUSAL = {None: 0, "bottom_right": 1, "top_left": 2}
 _MAX_GRID_YZ = 65535
@@ -107,16 +112,37 @@ def _blocks(n: int, per_block: int) -> int:
     return (n + per_block - 1) // per_block
 
 
+def _requested_capability():
+    """CUPY_ATTN_COMPUTE_CAPABILITY as an int (e.g. "80"), or None when unset."""
+    value = os.environ.get(CAPABILITY_VARIABLE)
+    if value is None or value == "":
+        return None
+    if not value.isdigit() or int(value) < 80:
+        raise ValueError(f"{CAPABILITY_VARIABLE} must be a compute capability of at least 8.0 written without the "
+                         f"dot (80, 86, 90, ...), got {value!r}")
+    return int(value)
+
+
 def compute_capability(target: str) -> int:
-    """The compute capability kernels are chosen for: the current GPU's (e.g. 90 for H100/H200),
-    or what the emulator stands in for."""
+    """The compute capability kernels are chosen for: the current GPU's (e.g. 90 for H100/H200)
+    unless CUPY_ATTN_COMPUTE_CAPABILITY asks for an older one, or what the emulator stands in
+    for (80 unless the variable says otherwise)."""
+    requested = _requested_capability()
     if target == "emulator":
-        return EMULATOR_COMPUTE_CAPABILITY
+        if EMULATOR_COMPUTE_CAPABILITY is not None:
+            return EMULATOR_COMPUTE_CAPABILITY
+        return 80 if requested is None else requested
     if CUDA_COMPUTE_CAPABILITY is not None:
         return CUDA_COMPUTE_CAPABILITY
     import cupy
 
-    return int(cupy.cuda.Device().compute_capability)
+    device = int(cupy.cuda.Device().compute_capability)
+    if requested is None:
+        return device
+    if requested > device or (requested == 90 and device != 90):  # sm_90a code runs on 9.0 only
+        raise ValueError(f"{CAPABILITY_VARIABLE}={requested} asks for kernels this GPU (compute capability "
+                         f"{device // 10}.{device % 10}) cannot run; use {device} or an older one such as 80")
+    return requested
 
 
 def forward(problem: Problem, q, k, v, *, target: str):

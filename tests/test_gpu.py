@@ -71,6 +71,18 @@ def test_hopper_gpus_run_the_wgmma_kernels(monkeypatch):
         assert_close(g.get(), w, BF16, grad=True)
 
 
+def test_environment_cannot_ask_for_kernels_the_gpu_cannot_run(monkeypatch):
+    device = int(cupy.cuda.Device().compute_capability)
+    q, k, v = on_gpu(*random_qkv(np.random.default_rng(6), d=64, dtype=np.float16))
+    monkeypatch.setenv("CUPY_ATTN_COMPUTE_CAPABILITY", str(device + 1 if device != 90 else 100))
+    with pytest.raises(ValueError, match="asks for kernels this GPU"):
+        cupy_attn.attention(q, k, v)
+    if device != 90:
+        monkeypatch.setenv("CUPY_ATTN_COMPUTE_CAPABILITY", "90")
+        with pytest.raises(ValueError, match="asks for kernels this GPU"):
+            cupy_attn.attention(q, k, v)
+
+
 @pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_features(tensor_core_kernels, feature, layout):

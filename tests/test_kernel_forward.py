@@ -150,6 +150,23 @@ def test_compute_capability_selects_the_forward(monkeypatch):
         assert launched == [kernel]
 
 
+def test_environment_chooses_the_compute_capability(monkeypatch):
+    launched = []
+    real_function = _compile.function
+    monkeypatch.setattr(_compile, "function", lambda target, f, name: launched.append(name) or real_function(target, f, name))
+    q, k, v = random_qkv(np.random.default_rng(14), d=64, dtype=np.float16)
+    for value, kernel in (("90", "attention_fwd_wgmma<__half, 64>"), ("80", "attention_fwd_tc<__half, 64, 64>"),
+                          ("", "attention_fwd_tc<__half, 64, 64>")):
+        monkeypatch.setenv("CUPY_ATTN_COMPUTE_CAPABILITY", value)
+        launched.clear()
+        check(q, k, v, np.dtype(np.float16))
+        assert launched == [kernel]
+    for bad in ("8.0", "70", "sm_90", "-80"):
+        monkeypatch.setenv("CUPY_ATTN_COMPUTE_CAPABILITY", bad)
+        with pytest.raises(ValueError, match="CUPY_ATTN_COMPUTE_CAPABILITY must be a compute capability of at least"):
+            cupy_attn.attention(q, k, v, backend="emulator")
+
+
 def test_float64_is_refused():
     q, k, v = random_qkv(np.random.default_rng(0), dtype=np.float64)
     with pytest.raises(TypeError, match="float64 inputs run on the NumPy backend only"):
