@@ -322,8 +322,31 @@ __device__ __forceinline__ void wgmma_wait() {
 #endif
 }
 
+// The asm of each shape and form, the element type ("f16" or "bf16") spliced into the opcode.
 #define WGMMA_ACCUMULATORS_32 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 #define WGMMA_ACCUMULATORS_64 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define WGMMA_SS_32(TYPE) \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" \
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, " \
+                 "%16, %17, p, 1, 1, 0, 0;\n}\n" \
+                 : WGMMA_ACCUMULATORS_32 : "l"(a_desc), "l"(b_desc), "r"(scale_d))
+#define WGMMA_SS_64(TYPE) \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
+                 "%32, %33, p, 1, 1, 0, 0;\n}\n" \
+                 : WGMMA_ACCUMULATORS_64 : "l"(a_desc), "l"(b_desc), "r"(scale_d))
+#define WGMMA_RS_32(TYPE) \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n" \
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, " \
+                 "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n" \
+                 : WGMMA_ACCUMULATORS_32 \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d))
+#define WGMMA_RS_64(TYPE) \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
+                 "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n" \
+                 : WGMMA_ACCUMULATORS_64 \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d))
 
 // SS form: A and B from shared memory; N (32 or 64) columns, N / 2 accumulators per lane.
 // scale_d = 0 overwrites d, 1 accumulates.
@@ -333,30 +356,11 @@ __device__ __forceinline__ void wgmma_m64k16_ss(float (&d)[N / 2], unsigned long
     static_assert(N == 32 || N == 64, "wgmma shapes m64n32k16 and m64n64k16");
 #ifdef __CUDA_ARCH__
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr bool kHalf = is_same<T, __half>::value;
     if constexpr (N == 32) {
-        if constexpr (is_same<T, __half>::value) {
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-                         "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-                         : WGMMA_ACCUMULATORS_32
-                         : "l"(a_desc), "l"(b_desc), "r"(scale_d));
-        } else {
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-                         "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-                         : WGMMA_ACCUMULATORS_32
-                         : "l"(a_desc), "l"(b_desc), "r"(scale_d));
-        }
-    } else     if constexpr (N == 64) {
-        if constexpr (is_same<T, __half>::value) {
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                         "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-                         : WGMMA_ACCUMULATORS_64
-                         : "l"(a_desc), "l"(b_desc), "r"(scale_d));
-        } else {
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-                         : WGMMA_ACCUMULATORS_64
-                         : "l"(a_desc), "l"(b_desc), "r"(scale_d));
-        }
+        if constexpr (kHalf) WGMMA_SS_32("f16"); else WGMMA_SS_32("bf16");
+    } else {
+        if constexpr (kHalf) WGMMA_SS_64("f16"); else WGMMA_SS_64("bf16");
     }
 #else
     static_assert(sizeof(T) == 0, "wgmma needs the sm_90a target (-arch=sm_90a)");
@@ -376,30 +380,11 @@ __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const u32 (&a
     static_assert(N == 32 || N == 64, "wgmma shapes m64n32k16 and m64n64k16");
 #ifdef __CUDA_ARCH__
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr bool kHalf = is_same<T, __half>::value;
     if constexpr (N == 32) {
-        if constexpr (is_same<T, __half>::value) {
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-                         "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-                         : WGMMA_ACCUMULATORS_32
-                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d));
-        } else {
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-                         "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-                         : WGMMA_ACCUMULATORS_32
-                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d));
-        }
-    } else     if constexpr (N == 64) {
-        if constexpr (is_same<T, __half>::value) {
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                         "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-                         : WGMMA_ACCUMULATORS_64
-                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d));
-        } else {
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-                         : WGMMA_ACCUMULATORS_64
-                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d));
-        }
+        if constexpr (kHalf) WGMMA_RS_32("f16"); else WGMMA_RS_32("bf16");
+    } else {
+        if constexpr (kHalf) WGMMA_RS_64("f16"); else WGMMA_RS_64("bf16");
     }
 #else
     static_assert(sizeof(T) == 0, "wgmma needs the sm_90a target (-arch=sm_90a)");
@@ -412,6 +397,10 @@ __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const u32 (&a
 #endif
 }
 
+#undef WGMMA_SS_32
+#undef WGMMA_SS_64
+#undef WGMMA_RS_32
+#undef WGMMA_RS_64
 #undef WGMMA_ACCUMULATORS_32
 #undef WGMMA_ACCUMULATORS_64
 
