@@ -1,11 +1,12 @@
 """Benchmark cupy_attn against PyTorch SDPA (every backend), JAX and NumPy.
 
-    python bench/bench_attention.py [--quick] [--out DIR] [--impls NAME ...] [--pass fwd,bwd]
-                                    [--compile-times] [--device auto|gpu|cpu]
+    python bench/bench_attention.py [--quick | --full] [--budget-s S] [--out DIR] [--impls NAME ...]
+                                    [--pass fwd,bwd] [--compile-times] [--device auto|gpu|cpu]
 
-On a GPU: cupy_attn's CUDA kernels against each available PyTorch SDPA backend (flash,
-efficient, cudnn, math) and jax.nn.dot_product_attention, in FlashAttention's configurations
-(B·S = 16k, H·D = 2048, S 512 to 16k, D 64/128/256, fp16/bf16, causal and not) plus a GQA case, a
+On a GPU: cupy_attn's CUDA kernels (and, on compute capability 9.0, its mma.sync kernels beside
+the wgmma ones) against PyTorch SDPA's flash, cuDNN and efficient backends and
+jax.nn.dot_product_attention, in FlashAttention's configurations (B·S = 16k, H·D = 2048, S 1k to
+16k, D 64/128, bf16/fp16, causal and not; --full adds D = 256 and S = 512) plus a GQA case, a
 padding-mask case and a decode case. Without a GPU: the NumPy backend against naive NumPy and
 PyTorch SDPA on the CPU, at CPU-sized shapes.
 
@@ -26,6 +27,7 @@ import statistics
 import sys
 import time
 import tracemalloc
+from functools import lru_cache
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -56,19 +58,21 @@ class Case:
         return f * (2.5 if pass_ == "bwd" else 1.0)
 
 
-def gpu_cases(quick: bool) -> list[Case]:
-    cases = []
-    dtypes = ["float16"] if quick else ["float16", "bfloat16"]
-    dims = [64, 128] if quick else [64, 128, 256]
-    seqs = [1024, 4096] if quick else [512, 1024, 2048, 4096, 8192, 16384]
-    for dtype in dtypes:
-        for d in dims:
-            for s in seqs:
-                for causal in (False, True):
-                    cases.append(Case("sweep", 16384 // s, 2048 // d, 2048 // d, s, s, d, dtype, causal))
+def gpu_cases(quick: bool, full: bool = False) -> list[Case]:
+    """The headline cases first (bf16, D = 128), so a run cut short by --budget-s keeps them."""
+    if quick:
+        dtypes, dims, seqs = ["float16"], [64, 128], [1024, 4096]
+    else:
+        dtypes, dims, seqs = ["bfloat16", "float16"], [128, 64], [1024, 2048, 4096, 8192, 16384]
+    cases = [Case("sweep", 16384 // s, 2048 // d, 2048 // d, s, s, d, dtype, causal)
+             for d in dims for dtype in dtypes for s in seqs for causal in (False, True)]
     cases.append(Case("gqa", 2, 32, 8, 4096, 4096, 128, "bfloat16", True))
     cases.append(Case("padding_mask", 4, 16, 16, 4096, 4096, 128, "float16", False, padding=True))
     cases.append(Case("decode", 8, 32, 8, 1, 32768 if not quick else 8192, 128, "float16", False))
+    if full:
+        cases += [Case("sweep", 16384 // s, 2048 // d, 2048 // d, s, s, d, dtype, causal)
+                  for d, s in ((256, 1024), (256, 4096), (256, 16384), (128, 512), (64, 512))
+                  for dtype in dtypes for causal in (False, True)]
     return cases
 
 
@@ -81,6 +85,7 @@ def cpu_cases(quick: bool) -> list[Case]:
 
 # ---- inputs -----------------------------------------------------------------------------------
 
+@lru_cache(maxsize=8)  # every implementation and pass of one case share them
 def host_inputs(case: Case, seed: int):
     rng = np.random.default_rng(seed)
     dtype = np.dtype(cupy_attn._arrays.BFLOAT16 if case.dtype == "bfloat16" else case.dtype)
@@ -300,7 +305,9 @@ class TorchSdpaCpu(Impl):
         return calls
 
 
-IMPLS = [CupyAttnCuda(), CupyAttnMmaSync(), *(TorchSdpa(b) for b in ("flash", "efficient", "cudnn", "math")), JaxDotProductAttention(),
+# SDPA's math backend is left out on the GPU: it materialises (B, H, S, S) scores, is no anchor, and
+# would spend most of a lent GPU's minutes on the 16k cases.
+IMPLS = [CupyAttnCuda(), CupyAttnMmaSync(), *(TorchSdpa(b) for b in ("flash", "cudnn", "efficient")), JaxDotProductAttention(),
          NumpyBackend(), NaiveNumpy(), TorchSdpaCpu()]
 
 
@@ -391,21 +398,31 @@ class PeakMemoryHook:
 # ---- driver -------------------------------------------------------------------------------------
 
 def run(args) -> list[dict]:
+    """Every case in turn, each through every implementation, so a run stopped by --budget-s has
+    complete comparisons for the cases it reached. results.json is rewritten after each record."""
     device = args.device
     if device == "auto":
         device = "gpu" if _backends.cuda_status()[0] else "cpu"
-    cases = gpu_cases(args.quick) if device == "gpu" else cpu_cases(args.quick)
-    impls = [i for i in IMPLS if i.device == device and (not args.impls or i.name in args.impls)]
-    reps = 10 if args.quick else 30
-    records = []
-    for impl in impls:
+    cases = gpu_cases(args.quick, args.full) if device == "gpu" else cpu_cases(args.quick)
+    impls = []
+    for impl in IMPLS:
+        if impl.device != device or (args.impls and impl.name not in args.impls):
+            continue
         why = impl.available()
         if why:
             print(f"skipping {impl.name}: {why}", file=sys.stderr)
-            continue
-        for case in cases:
-            for pass_ in args.passes:
-                sets = [host_inputs(case, seed) for seed in range(input_sets(case) if device == "gpu" else 1)]
+        else:
+            impls.append(impl)
+    reps = 10 if args.quick or device == "gpu" and not args.full else 30
+    records = []
+    started = time.perf_counter()
+    for n, case in enumerate(cases):
+        if args.budget_s and time.perf_counter() - started > args.budget_s:
+            print(f"budget of {args.budget_s} s spent: {len(cases) - n} of {len(cases)} cases not run", file=sys.stderr)
+            break
+        sets = [host_inputs(case, seed) for seed in range(input_sets(case) if device == "gpu" else 1)]
+        for pass_ in args.passes:
+            for impl in impls:
                 try:
                     calls = impl.prepare(case, pass_, sets)
                     if isinstance(calls, str):
@@ -415,12 +432,16 @@ def run(args) -> list[dict]:
                     ms, peak = (time_gpu if device == "gpu" else time_cpu)(calls, reps)
                 except Exception as exc:  # an implementation that rejects a case is reported, not fatal
                     print(f"{impl.name} {case.name} S={case.Sq} D={case.D} {case.dtype} causal={case.causal} "
-                          f"{pass_}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}", file=sys.stderr)
+                          f"{pass_}: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}",
+                          file=sys.stderr)
                     continue
+                finally:
+                    calls = None
                 record = dict(asdict(case), impl=impl.name, device=device, ms_median=ms,
                               tflops=case.flops(pass_) / (ms * 1e-3) / 1e12, peak_bytes=int(peak), reps=reps)
                 record["pass"] = pass_
                 records.append(record)
+                (args.out / "results.json").write_text(json.dumps(records, indent=1))
                 print(f"{impl.name:<28} {case.name:<12} {case.dtype:<8} B={case.B:<3} H={case.H:<3} S={case.Sq:>5}/{case.Sk:<5} "
                       f"D={case.D:<3} causal={case.causal!s:<5} {pass_} {ms:9.3f} ms {record['tflops']:8.3f} TFLOP/s", flush=True)
     return records
@@ -509,6 +530,9 @@ def compile_times() -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a small subset (under two minutes on a CPU)")
+    parser.add_argument("--full", action="store_true", help="also D = 256 and S = 512 (GPU)")
+    parser.add_argument("--budget-s", type=float, default=0,
+                        help="start no new case after this many seconds (0: no limit); what ran is reported")
     parser.add_argument("--out", type=Path, default=Path("bench/out"))
     parser.add_argument("--impls", nargs="*", help="implementation names to run (default: all available)")
     parser.add_argument("--pass", dest="passes", default="fwd,bwd", type=lambda s: [p for p in s.split(",") if p],

@@ -1,62 +1,136 @@
 #!/usr/bin/env bash
-# One command for a lent GPU: GPU tests, compute-sanitizer, benchmark. Installs nothing; runs
-# from the source tree with the machine's CuPy, PyTorch and JAX.
+# One command for a lent GPU: GPU tests, compute-sanitizer, benchmark and Nsight Compute. Installs
+# nothing; runs from the source tree with the machine's python3, CuPy, PyTorch and JAX.
 #
-#   bash bench/gpu_check.sh OUTDIR [--full] [--only tests,sanitize,bench]
+#   bash bench/gpu_check.sh OUTDIR [--only tests,sanitize,bench] [--bench-budget S] [--full] [--dry-run]
 #
-# Writes logs, results.json and PNGs to OUTDIR and prints a summary last. Exits non-zero when any
-# GPU test fails (the sanitizer and benchmark still run, so one call gives all the evidence).
-# Each step has its own time limit (tests 300 s, each sanitizer tool 150 s, benchmark 420 s);
-# where one device call may run 600 s, split the steps over two calls with --only, e.g.
-# "--only tests,sanitize" and then "--only bench".
+# Every run first compiles all kernel variants in parallel into CuPy's disk cache (precompile.py),
+# so no timed step compiles. Steps:
+#   tests     pytest -m gpu (both kernel families), per-test timeout, one line per module in the summary
+#   sanitize  compute-sanitizer memcheck, racecheck and synccheck over bench/sanitize_cases.py
+#   bench     bench/bench_attention.py against SDPA's flash/cuDNN/efficient and JAX (stops starting
+#             cases after --bench-budget seconds), then ncu on one forward and one dK/dV launch per
+#             kernel family (bench/ncu_cases.py)
+# Each step has its own time limit, so a device call of "--only tests,sanitize" stays under about
+# 5 minutes and "--only bench" under --bench-budget + 2 minutes. Writes logs, results.json, PNGs and
+# the ncu report to OUTDIR and prints a one-screen summary last. Exits non-zero when a GPU test or
+# a sanitizer fails (the other steps still run, so one call gives all the evidence).
+#
+# --dry-run runs every step's CPU twin (NVRTC instead of CuPy, test collection, the emulator, the
+# CPU benchmark) so a typo never costs GPU minutes; CI runs it (tests/test_gpu_check.py).
 set -uo pipefail
-out=${1:?usage: bench/gpu_check.sh OUTDIR [--full] [--only tests,sanitize,bench]}
+out=${1:?usage: bench/gpu_check.sh OUTDIR [--only tests,sanitize,bench] [--bench-budget S] [--full] [--dry-run]}
 shift
-quick=--quick
 steps=tests,sanitize,bench
+budget=200
+size=
+dry=
 while [ $# -gt 0 ]; do
     case "$1" in
-        --full) quick= ;;
         --only) steps=${2:?--only needs a comma-separated list of tests, sanitize, bench}; shift ;;
+        --bench-budget) budget=${2:?--bench-budget needs seconds}; shift ;;
+        --full) size=--full ;;
+        --dry-run) dry=1 ;;
         *) echo "unknown argument: $1" >&2; exit 2 ;;
     esac
     shift
 done
+for step in ${steps//,/ }; do
+    case "$step" in tests|sanitize|bench) ;; *) echo "unknown step: $step (tests, sanitize, bench)" >&2; exit 2 ;; esac
+done
 run() { case ",$steps," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+out=$(cd "$out" && pwd)
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX would otherwise take 75% of the GPU from CuPy and PyTorch
+py=${PYTHON:-python3}
 status=0
+note() { echo "$*" | tee -a "$out/summary.txt"; }
+: > "$out/summary.txt"
 
-echo "== environment" | tee "$out/summary.txt"
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; python -m cupy_attn info; } 2>&1 | tee "$out/info.log"
+note "== environment ($(date -u +%FT%TZ))"
+{ [ -n "$dry" ] || nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
+  $py -m cupy_attn info; } > "$out/setup.log" 2>&1
+grep -E "^GPU|cupy-cuda|torch|jax|NVIDIA" "$out/setup.log" | tee -a "$out/summary.txt"
+note "== compile every variant in parallel"
+timeout 150 $py bench/precompile.py ${dry:+--dry-run} >> "$out/setup.log" 2>&1 || { note "precompile failed (see setup.log)"; status=1; }
+tail -n 1 "$out/setup.log" | tee -a "$out/summary.txt"
 
 if run tests; then
-    echo "== GPU tests" | tee -a "$out/summary.txt"
-    timeout 300 python -m pytest tests -m gpu -q -p no:cacheprovider > "$out/gpu_tests.log" 2>&1 || status=1
-    tail -n 3 "$out/gpu_tests.log" | tee -a "$out/summary.txt"
+    note "== GPU tests"
+    extra=()
+    $py -c "import xdist" 2>/dev/null && extra+=(-n 8)
+    $py -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout 120)
+    if [ -n "$dry" ]; then
+        # Collection only: where CuPy is missing the GPU modules skip themselves (exit 5, nothing
+        # collected); what this checks is the command line and that every test module imports.
+        $py -m pytest tests -m gpu --collect-only -q -p no:cacheprovider "${extra[@]}" > "$out/gpu_tests.log" 2>&1
+        rc=$?
+        [ $rc -eq 0 ] || [ $rc -eq 5 ] || status=1
+        tail -n 1 "$out/gpu_tests.log" | tee -a "$out/summary.txt"
+    else
+        timeout 200 $py -m pytest tests -m gpu -v -rfE --tb=short -p no:cacheprovider "${extra[@]}" > "$out/gpu_tests.log" 2>&1 || status=1
+        # one line per module: passed / failed / errors / skipped
+        # (pytest-xdist prints "[gw0] [ 1%] PASSED tests/m.py::t", plain pytest "tests/m.py::t PASSED")
+        grep -oE "\] (PASSED|FAILED|ERROR|SKIPPED) tests/[a-z_]+\.py|^tests/[a-z_]+\.py::[^ ]+ (PASSED|FAILED|ERROR|SKIPPED)" \
+            "$out/gpu_tests.log" | sed -E 's/^\] //; s/::[^ ]+//' | sort | uniq -c | tee -a "$out/summary.txt"
+        tail -n 1 "$out/gpu_tests.log" | tee -a "$out/summary.txt"
+    fi
 fi
 
-sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
-run sanitize || sanitizer=skip
-for tool in memcheck racecheck; do
-    [ "$sanitizer" = skip ] && break
-    echo "== compute-sanitizer $tool" | tee -a "$out/summary.txt"
-    if [ -n "$sanitizer" ]; then
-        timeout 150 "$sanitizer" --tool "$tool" --error-exitcode 3 python bench/sanitize_cases.py > "$out/sanitizer_$tool.log" 2>&1
+if run sanitize; then
+    sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
+    for tool in memcheck racecheck synccheck; do
+        note "== compute-sanitizer $tool"
+        log="$out/sanitizer_$tool.log"
+        if [ -n "$dry" ]; then
+            $py bench/sanitize_cases.py --dry-run > "$log" 2>&1
+        elif [ -n "$sanitizer" ]; then
+            timeout 100 "$sanitizer" --tool "$tool" --error-exitcode 3 $py bench/sanitize_cases.py > "$log" 2>&1
+        else
+            echo "compute-sanitizer not found" > "$log"; false
+        fi
         rc=$?
         [ $rc -eq 0 ] || status=1
-        grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitize cases ran" "$out/sanitizer_$tool.log" | tee -a "$out/summary.txt"
-        echo "exit $rc" | tee -a "$out/summary.txt"
-    else
-        echo "compute-sanitizer not found" | tee -a "$out/summary.txt"
-    fi
-done
+        grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitize cases ran|not found" "$log" | tee -a "$out/summary.txt"
+        note "exit $rc"
+        [ -n "$dry" ] && break
+    done
+fi
 
 if run bench; then
-    echo "== benchmark" | tee -a "$out/summary.txt"
-    timeout 420 python bench/bench_attention.py $quick --out "$out" > "$out/bench.log" 2>&1 || echo "benchmark exit $?" | tee -a "$out/summary.txt"
+    note "== benchmark (budget ${budget} s)"
+    if [ -n "$dry" ]; then
+        bench_args=(--quick --device cpu --impls cupy_attn_numpy naive_numpy --budget-s 1)
+    else
+        bench_args=($size --budget-s "$budget")
+    fi
+    timeout $((budget + 150)) $py bench/bench_attention.py "${bench_args[@]}" --out "$out" > "$out/bench.log" 2>&1 \
+        || note "benchmark exit $?"
+    grep -E "^budget|not run" "$out/bench.log" | tee -a "$out/summary.txt"
     sed -n '/relative to the best other/,$p' "$out/bench.log" | tee -a "$out/summary.txt"
+
+    note "== Nsight Compute: one forward and one dK/dV launch per kernel family"
+    ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1 || true)
+    if [ -n "$dry" ]; then
+        $py bench/ncu_cases.py --dry-run > "$out/ncu.log" 2>&1 || note "ncu cases failed"
+        tail -n 1 "$out/ncu.log" | tee -a "$out/summary.txt"
+    elif [ -n "$ncu" ]; then
+        timeout 150 "$ncu" --clock-control none -k 'regex:attention_(fwd|bwd_dkdv)' -c 4 \
+            --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy --section SchedulerStats \
+            --section MemoryWorkloadAnalysis_Tables --section LaunchStats \
+            -f -o "$out/ncu" $py bench/ncu_cases.py > "$out/ncu.log" 2>&1 || note "ncu exit $?"
+        "$ncu" --import "$out/ncu.ncu-rep" --page raw --csv > "$out/ncu_raw.csv" 2>> "$out/ncu.log" \
+            && $py bench/ncu_cases.py --summarize "$out/ncu_raw.csv" | tee -a "$out/summary.txt"
+        "$ncu" --import "$out/ncu.ncu-rep" --page details > "$out/ncu_details.txt" 2>> "$out/ncu.log"
+    else
+        note "ncu not found"
+    fi
 fi
-[ $status -eq 0 ] && echo "GPU CHECK PASSED" || echo "GPU CHECK FAILED (see $out/*.log)"
+if [ -n "$dry" ]; then
+    [ $status -eq 0 ] && note "GPU CHECK DRY RUN PASSED" || note "GPU CHECK DRY RUN FAILED (see $out/*.log)"
+else
+    [ $status -eq 0 ] && note "GPU CHECK PASSED" || note "GPU CHECK FAILED (see $out/*.log)"
+fi
 exit $status

@@ -1,31 +1,59 @@
-"""Small kernel runs for compute-sanitizer (memcheck, racecheck): every kernel, awkward shapes.
+"""Small kernel runs for compute-sanitizer (memcheck, racecheck, synccheck): every kernel family,
+awkward shapes.
 
     compute-sanitizer --tool memcheck python bench/sanitize_cases.py
+    python bench/sanitize_cases.py --dry-run      # the same calls, smaller, on the emulator (no GPU)
+
+CuPy's memory pool is switched off so every array is its own cudaMalloc: memcheck then sees a
+read or write past an array's end instead of landing silently in a neighbour's pool block.
 """
+import argparse
 import sys
 from pathlib import Path
 
-import cupy
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cupy_attn  # noqa: E402
-
 from cupy_attn import _kernel_backend  # noqa: E402
 
-rng = np.random.default_rng(0)
-# The GPU's own kernels, then those chosen for compute capability 8.0 (on an sm_90 GPU: the
-# mma.sync kernels instead of the wgmma ones).
-for capability in (None, 80):
-    _kernel_backend.CUDA_COMPUTE_CAPABILITY = capability
-    for dtype in (np.float16, np.float32):
-        for d, sq, sk, kw in ((40, 37, 70, dict(causal=True)), (128, 65, 33, dict(window=(8, 2), kv_lengths=[33, 20])),
-                              (256, 17, 50, dict(mask=rng.random((17, 50)) < 0.8, softcap=5.0))):
-            q = cupy.asarray(rng.standard_normal((2, 4, sq, d)).astype(dtype))
-            k, v = (cupy.asarray(rng.standard_normal((2, 2, sk, d)).astype(dtype)) for _ in range(2))
-            gkw = {n: cupy.asarray(x) if isinstance(x, (np.ndarray, list)) else x for n, x in kw.items()}
-            out, lse = cupy_attn.attention(q, k, v, return_lse=True, **gkw)
-            for deterministic in (False, True):
-                cupy_attn.attention_backward(cupy.ones_like(out), q, k, v, out, lse, deterministic=deterministic, **gkw)
-cupy.cuda.Device().synchronize()
-print("sanitize cases ran")
+CASES = ((40, 37, 70, dict(causal=True)),
+         (128, 65, 33, dict(window=(8, 2), kv_lengths=[33, 20])),
+         (256, 17, 50, dict(mask=np.random.default_rng(1).random((17, 50)) < 0.8, softcap=5.0)))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="run the calls on the emulator, first case only")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        xp, backend, cases = np, "emulator", CASES[:1]
+    else:
+        import cupy
+
+        cupy.cuda.set_allocator(None)
+        xp, backend, cases = cupy, "auto", CASES
+    rng = np.random.default_rng(0)
+    runs = 0
+    # The GPU's own kernels, then those chosen for compute capability 8.0 (on an sm_90 GPU: the
+    # mma.sync kernels instead of the wgmma ones).
+    for capability in (None, 80):
+        _kernel_backend.CUDA_COMPUTE_CAPABILITY = capability
+        for dtype in (np.float16, np.float32):
+            for d, sq, sk, kw in cases:
+                q = xp.asarray(rng.standard_normal((2, 4, sq, d)).astype(dtype))
+                k, v = (xp.asarray(rng.standard_normal((2, 2, sk, d)).astype(dtype)) for _ in range(2))
+                gkw = {n: xp.asarray(x) if isinstance(x, (np.ndarray, list)) else x for n, x in kw.items()}
+                out, lse = cupy_attn.attention(q, k, v, return_lse=True, backend=backend, **gkw)
+                for deterministic in (False, True):
+                    cupy_attn.attention_backward(xp.ones_like(out), q, k, v, out, lse, deterministic=deterministic,
+                                                 backend=backend, **gkw)
+                runs += 1
+    if xp is not np:
+        xp.cuda.Device().synchronize()
+    print(f"sanitize cases ran: {runs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

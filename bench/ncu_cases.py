@@ -1,0 +1,74 @@
+"""One forward and one dK/dV launch per tensor-core kernel family, for Nsight Compute.
+
+    ncu --clock-control none -k regex:"attention_(fwd|bwd_dkdv)" -c 4 --section ... \
+        python bench/ncu_cases.py
+    python bench/ncu_cases.py --dry-run     # the same calls, tiny, on the emulator (no GPU)
+    python bench/ncu_cases.py --summarize ncu_raw.csv   # ncu --page raw --csv: the counters we track
+
+bf16, B = 4, H = 16, S = 4096, D = 128, not causal (FlashAttention's headline configuration at
+B·S = 16k). Order of the four profiled launches: the GPU's own forward, its own dK/dV, then the
+forward and dK/dV chosen for compute capability 8.0 (on an sm_90 GPU: the mma.sync kernels
+instead of the wgmma ones). Run bench/precompile.py first so that no compilation happens under
+the profiler; ncu flushes the caches before each profiled launch.
+"""
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import cupy_attn  # noqa: E402
+from cupy_attn import _arrays, _kernel_backend  # noqa: E402
+
+
+# Substrings of the raw metric names worth a line each: time, tensor pipes, issue slots, achieved
+# occupancy, shared-memory bank conflicts and wavefronts, DRAM throughput, registers.
+TRACKED = ("gpu__time_duration.sum", "pipe_tensor", "issue_active.avg.pct", "warps_active.avg.pct_of_peak",
+           "data_bank_conflicts_pipe_lsu_mem_shared", "data_pipe_lsu_wavefronts_mem_shared.sum",
+           "dram__throughput.avg.pct_of_peak_sustained_elapsed", "launch__registers_per_thread",
+           "launch__occupancy_limit")
+
+
+def summarize(path: Path) -> str:
+    rows = list(csv.reader(path.open()))
+    header, units, kernels = rows[0], rows[1], rows[2:]
+    name_col = header.index("Kernel Name")
+    columns = [i for i, name in enumerate(header) if any(t in name for t in TRACKED)]
+    lines = []
+    for row in kernels:
+        lines.append(row[name_col][:90])
+        lines += [f"  {header[i]:<75} {row[i]:>14} {units[i]}" for i in columns]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the emulator")
+    parser.add_argument("--summarize", type=Path, help="print the tracked counters of an ncu raw CSV and exit")
+    args = parser.parse_args(argv)
+    if args.summarize:
+        print(summarize(args.summarize))
+        return 0
+    if args.dry_run:
+        xp, backend, (b, h, s, d) = np, "emulator", (1, 1, 70, 128)
+    else:
+        import cupy
+
+        xp, backend, (b, h, s, d) = cupy, "auto", (4, 16, 4096, 128)
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (xp.asarray(rng.standard_normal((b, h, s, d), dtype=np.float32).astype(_arrays.BFLOAT16))
+                     for _ in range(4))
+    for capability in (None, 80):
+        _kernel_backend.CUDA_COMPUTE_CAPABILITY = capability
+        out, lse = cupy_attn.attention(q, k, v, return_lse=True, backend=backend)
+        cupy_attn.attention_backward(dout, q, k, v, out, lse, backend=backend)
+        if xp is not np:
+            xp.cuda.Device().synchronize()
+        print(f"ran forward and backward for compute capability {capability or 'of this GPU'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
