@@ -1,0 +1,53 @@
+"""Markdown tables from a benchmark's results.json: TFLOP/s of every implementation per case and
+cupy_attn's ratio to each other one.
+
+    python bench/report.py bench/out/results.json [--pass fwd]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+OURS = "cupy_attn"
+COLUMNS = (("cupy_attn", "cupy_attn"), ("cupy_attn_mma_sync", "ours, mma.sync"), ("torch_sdpa_flash", "SDPA flash"),
+           ("torch_sdpa_cudnn", "SDPA cuDNN"), ("torch_sdpa_efficient", "SDPA efficient"),
+           ("jax_dot_product_attention", "JAX"))
+
+
+def table(records: list[dict], pass_: str) -> str:
+    present = [(impl, title) for impl, title in COLUMNS if any(r["impl"] == impl for r in records)]
+    others = [(impl, title) for impl, title in present if impl != OURS]
+    cases: dict = {}
+    for r in records:
+        if r["pass"] == pass_:
+            key = (r["name"], r["dtype"], r["D"], r["Sq"], r["Sk"], r["causal"], r["B"], r["H"], r["Hkv"])
+            cases.setdefault(key, {})[r["impl"]] = r["tflops"]
+    head = ["case", "dtype", "D", "Sq/Sk", "causal"] + [t for _, t in present] + [f"÷ {t}" for _, t in others]
+    lines = [f"| {' | '.join(head)} |", "|" + "---|" * len(head)]
+    order = lambda k: (k[0] != "sweep", k[0], k[1], -k[2], k[3], k[5])  # noqa: E731
+    for key in sorted(cases, key=order):
+        got = cases[key]
+        name, dtype, d, sq, sk, causal = key[:6]
+        cells = [name, dtype, str(d), f"{sq}/{sk}", "yes" if causal else "no"]
+        cells += [f"{got[i]:.1f}" if i in got else "—" for i, _ in present]
+        cells += [f"{got[OURS] / got[i]:.2f}" if OURS in got and i in got else "—" for i, _ in others]
+        lines.append(f"| {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--pass", dest="passes", default="fwd,bwd")
+    args = parser.parse_args(argv)
+    records = json.loads(args.results.read_text())
+    for pass_ in args.passes.split(","):
+        print(f"\n{'Forward' if pass_ == 'fwd' else 'Backward'} (TFLOP/s; ÷: cupy_attn over that implementation)\n")
+        print(table(records, pass_))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
