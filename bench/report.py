@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 
 OURS = "cupy_attn"
-COLUMNS = (("cupy_attn", "cupy_attn"), ("cupy_attn_mma_sync", "ours, mma.sync"), ("torch_sdpa_flash", "SDPA flash"),
-           ("torch_sdpa_cudnn", "SDPA cuDNN"), ("torch_sdpa_efficient", "SDPA efficient"),
-           ("jax_dot_product_attention", "JAX"))
+# cupy_attn_mma_sync: records from before 2026-11-30's switch, when an sm_90 GPU ran wgmma by default
+COLUMNS = (("cupy_attn", "cupy_attn"), ("cupy_attn_mma_sync", "ours, mma.sync"), ("cupy_attn_wgmma", "ours, wgmma"),
+           ("torch_sdpa_flash", "SDPA flash"), ("torch_sdpa_cudnn", "SDPA cuDNN"),
+           ("torch_sdpa_efficient", "SDPA efficient"), ("jax_dot_product_attention", "JAX"))
 
 
 def table(records: list[dict], pass_: str) -> str:

@@ -35,9 +35,9 @@ def main(argv=None) -> int:
         xp, backend, cases = cupy, "auto", CASES
     rng = np.random.default_rng(0)
     runs = 0
-    # The GPU's own kernels, then those chosen for compute capability 8.0 (on an sm_90 GPU: the
-    # mma.sync kernels instead of the wgmma ones).
-    for capability in (None, 80):
+    # The GPU's default kernels, then on compute capability 9.0 the wgmma ones.
+    hopper = xp is not np and int(xp.cuda.Device().compute_capability) == 90
+    for capability in (None, 90) if hopper else (None,):
         _kernel_backend.CUDA_COMPUTE_CAPABILITY = capability
         for dtype in (np.float16, np.float32):
             for d, sq, sk, kw in cases:

@@ -249,6 +249,15 @@ HOPPER_BACKWARD_TILES = (
     HopperBackwardTile(128, 32, "128 + 32 accumulators per thread; 102 KB shared"),
 )
 # Kernel files that only compile for one architecture, and that architecture.
+# The compute capability whose kernels a GPU runs when CUPY_ATTN_COMPUTE_CAPABILITY is unset,
+# where measurement found another family faster than the GPU's own. On an H200 (bench/RESULTS.md,
+# 2026-11-30) the mma.sync kernels beat the wgmma ones in all 80 benchmark cases (wgmma at
+# 0.88-0.99x forward, 0.79-0.95x backward: fewer tensor-pipe cycles, bank-conflicted transposes),
+# so compute capability 9.0 runs the 8.0 kernels until the wgmma ones win a measurement;
+# CUPY_ATTN_COMPUTE_CAPABILITY=90 asks for the wgmma kernels.
+DEFAULT_KERNELS_FOR = {90: 80}
+
+
 FILE_ARCH = {"attention_fwd_wgmma.cu": HOPPER_ARCH, "attention_bwd_wgmma.cu": HOPPER_ARCH}
 
 

@@ -21,11 +21,11 @@ EMULATOR_SCHEDULE = "forward"
 POISON_OUTPUTS = False
 # The compute capability kernels are chosen for. Test hooks, which win over the environment:
 # the one the emulator stands in for (90 selects the Hopper wgmma kernels; None: the environment,
-# else 80), and one to use instead of the GPU's (GPU tests set 80 to run the mma.sync kernels on
-# an sm_90 device, whose own choice is wgmma).
+# else 80), and one to use instead of the GPU's default (GPU tests set 90 to run the wgmma kernels
+# on an sm_90 device, which runs the mma.sync ones by default: _config.DEFAULT_KERNELS_FOR).
 EMULATOR_COMPUTE_CAPABILITY = None
 CUDA_COMPUTE_CAPABILITY = None
-# Users choose the same through the environment, e.g. 80 for the mma.sync kernels on an H100.
+# Users choose the same through the environment, e.g. 90 for the wgmma kernels on an H100.
 CAPABILITY_VARIABLE = "CUPY_ATTN_COMPUTE_CAPABILITY"
 
 _CAUSAL = {None: 0, "bottom_right": 1, "top_left": 2}
@@ -124,9 +124,10 @@ def _requested_capability():
 
 
 def compute_capability(target: str) -> int:
-    """The compute capability kernels are chosen for: the current GPU's (e.g. 90 for H100/H200)
-    unless CUPY_ATTN_COMPUTE_CAPABILITY asks for an older one, or what the emulator stands in
-    for (80 unless the variable says otherwise)."""
+    """The compute capability kernels are chosen for: the current GPU's, or the one whose kernels
+    measured faster on it (_config.DEFAULT_KERNELS_FOR: 80 on H100/H200), unless
+    CUPY_ATTN_COMPUTE_CAPABILITY asks for another the GPU can run; for the emulator, the GPU it
+    stands in for (80 unless the variable says otherwise)."""
     requested = _requested_capability()
     if target == "emulator":
         if EMULATOR_COMPUTE_CAPABILITY is not None:
@@ -138,7 +139,7 @@ def compute_capability(target: str) -> int:
 
     device = int(cupy.cuda.Device().compute_capability)
     if requested is None:
-        return device
+        return _config.DEFAULT_KERNELS_FOR.get(device, device)
     if requested > device or (requested == 90 and device != 90):  # sm_90a code runs on 9.0 only
         raise ValueError(f"{CAPABILITY_VARIABLE}={requested} asks for kernels this GPU (compute capability "
                          f"{device // 10}.{device % 10}) cannot run; use {device} or an older one such as 80")

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import cupy_attn
-from cupy_attn import _kernel_backend, reference
+from cupy_attn import _config, _kernel_backend, reference
 from helpers import BF16, assert_close, random_qkv
 from test_forward import FEATURES, feature_keywords
 
@@ -16,14 +16,15 @@ def poisoned_outputs(monkeypatch):
     monkeypatch.setattr(_kernel_backend, "POISON_OUTPUTS", True)
 
 
-@pytest.fixture(params=["own", "mma_sync"])
+@pytest.fixture(params=["default", "wgmma"])
 def tensor_core_kernels(request, monkeypatch):
-    """The GPU's own choice of kernels, and the mma.sync kernels that GPUs other than sm_90 run
-    (on an sm_90 GPU its own fp16/bf16 forward, and dK/dV up to D = 128, are the wgmma kernels)."""
-    if request.param == "mma_sync":
-        if int(cupy.cuda.Device().compute_capability) < 80:
-            pytest.skip("mma.sync m16n8k16 needs compute capability 8.0")
-        monkeypatch.setattr(_kernel_backend, "CUDA_COMPUTE_CAPABILITY", 80)
+    """The GPU's default kernels (mma.sync for fp16/bf16 on every GPU from compute capability 8.0,
+    H100/H200 included, where they measured faster) and, on compute capability 9.0, the wgmma
+    kernels (the fp16/bf16 forward, and dK/dV up to D = 128)."""
+    if request.param == "wgmma":
+        if int(cupy.cuda.Device().compute_capability) != 90:
+            pytest.skip("the wgmma kernels are built for sm_90a: compute capability 9.0 only")
+        monkeypatch.setattr(_kernel_backend, "CUDA_COMPUTE_CAPABILITY", 90)
     return request.param
 
 
@@ -49,24 +50,34 @@ def test_head_dims(tensor_core_kernels, dtype, d, causal):
     check(q, k, v, dtype, causal=causal)
 
 
-def test_hopper_gpus_run_the_wgmma_kernels(monkeypatch):
-    if int(cupy.cuda.Device().compute_capability) != 90:
-        pytest.skip("the wgmma kernels are built for sm_90a: compute capability 9.0 only")
+def launched_kernels(monkeypatch) -> list:
     from cupy_attn import _compile
 
     launched = []
     real_function = _compile.function
     monkeypatch.setattr(_compile, "function", lambda target, f, name: launched.append(name) or real_function(target, f, name))
+    return launched
+
+
+@pytest.mark.parametrize("requested", [None, "90"], ids=["default", "environment_90"])
+def test_hopper_gpus_run_mma_sync_unless_wgmma_is_asked_for(monkeypatch, requested):
+    if int(cupy.cuda.Device().compute_capability) != 90:
+        pytest.skip("the wgmma kernels are built for sm_90a: compute capability 9.0 only")
+    if requested:
+        monkeypatch.setenv(_kernel_backend.CAPABILITY_VARIABLE, requested)
+    family = 90 if requested else 80
+    launched = launched_kernels(monkeypatch)
     rng = np.random.default_rng(5)
     q, k, v = random_qkv(rng, b=1, h=2, sq=300, sk=300, d=128, dtype=BF16)
     check(q, k, v, BF16, causal=True)
-    assert launched == ["attention_fwd_wgmma<__nv_bfloat16, 128>"]
+    assert launched == [_config.forward_tile(128, 128, BF16, family).name_expression(BF16)]
+    assert ("wgmma" in launched[0]) == (family == 90)
     gq, gk, gv = on_gpu(q, k, v)
     out, lse = cupy_attn.attention(gq, gk, gv, causal=True, return_lse=True)
     dout = rng.standard_normal(out.shape).astype(BF16)
     launched.clear()
     grads = cupy_attn.attention_backward(cupy.asarray(dout), gq, gk, gv, out, lse, causal=True)
-    assert "attention_bwd_dkdv_wgmma<__nv_bfloat16, 128, 32>" in launched
+    assert _config.backward_tile(128, 128, BF16, family).name_expression(BF16) in launched
     for g, w in zip(grads, reference.attention_gradients(dout, q, k, v, causal=True)):
         assert_close(g.get(), w, BF16, grad=True)
 

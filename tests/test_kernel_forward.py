@@ -2,6 +2,9 @@
 
 Outputs are poisoned with NaN before every launch, so an element the kernel fails to write shows.
 """
+import sys
+import types
+
 import numpy as np
 import pytest
 
@@ -165,6 +168,29 @@ def test_environment_chooses_the_compute_capability(monkeypatch):
         monkeypatch.setenv("CUPY_ATTN_COMPUTE_CAPABILITY", bad)
         with pytest.raises(ValueError, match="CUPY_ATTN_COMPUTE_CAPABILITY must be a compute capability of at least"):
             cupy_attn.attention(q, k, v, backend="emulator")
+
+
+@pytest.mark.parametrize("device, requested, chosen", [(90, None, 80), (90, "90", 90), (90, "80", 80), (80, None, 80),
+                                                       (86, None, 86), (89, "80", 80), (100, None, 100)])
+def test_gpu_kernel_choice_by_device_and_environment(monkeypatch, device, requested, chosen):
+    """Without a GPU: a stand-in CuPy reports the device; an H100/H200 runs the mma.sync kernels
+    unless wgmma is asked for (they measured faster: _config.DEFAULT_KERNELS_FOR)."""
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda: types.SimpleNamespace(compute_capability=str(device))))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    if requested:
+        monkeypatch.setenv("CUPY_ATTN_COMPUTE_CAPABILITY", requested)
+    else:
+        monkeypatch.delenv("CUPY_ATTN_COMPUTE_CAPABILITY", raising=False)
+    assert _kernel_backend.compute_capability("cuda") == chosen
+
+
+@pytest.mark.parametrize("device, requested", [(90, "100"), (89, "90"), (80, "86")])
+def test_gpu_kernels_the_device_cannot_run_are_refused(monkeypatch, device, requested):
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda: types.SimpleNamespace(compute_capability=str(device))))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setenv("CUPY_ATTN_COMPUTE_CAPABILITY", requested)
+    with pytest.raises(ValueError, match="asks for kernels this GPU"):
+        _kernel_backend.compute_capability("cuda")
 
 
 def test_float64_is_refused():
