@@ -31,7 +31,7 @@ def compile_on_gpu(variant: tuple) -> tuple[str, float]:
 def compile_without_gpu(variant: tuple) -> tuple[str, float]:
     filename, name = variant
     arch = _config.FILE_ARCH.get(filename, "sm_90")
-    result = _nvrtc.compile_kernel(_compile.kernel_source(filename), name, arch, _compile.NVRTC_OPTIONS)
+    result = _nvrtc.compile_kernel(_compile.kernel_source(filename), name, arch, _compile.gpu_build_options(filename))
     return name, result.compile_seconds
 
 

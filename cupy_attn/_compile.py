@@ -17,14 +17,27 @@ from ._source import inline_local_includes
 log = logging.getLogger("cupy_attn")
 
 NVRTC_OPTIONS = ("-std=c++17",)
+# What CuPy 14's RawModule adds to the options it is given before NVRTC runs, where they change the
+# generated code (cupy/_core/core.pyx assemble_cupy_compiler_options; cupy/cuda/compiler.py
+# _compile_with_cache_cuda and _compile_using_nvrtc_no_warning): flush-to-zero for float32, and
+# __device__ as the default execution space. Its include paths change no code; its -arch=sm_<device>
+# (a cubin, straight from NVRTC) is what the report's arch stands for.
+CUPY_ADDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
 
 
 def nvrtc_options(filename: str) -> tuple:
-    """NVRTC options for kernels/filename: files bound to one architecture (the wgmma forward,
-    sm_90a) name it; CuPy's own -arch for the device comes first, and NVRTC builds for sm_90a
-    when both are given."""
+    """NVRTC options cupy.RawModule is given for kernels/filename: files bound to one architecture
+    (the wgmma kernels, sm_90a) name it; CuPy's own -arch for the device is added after ours, and
+    NVRTC builds for sm_90a when both are given."""
     arch = _config.FILE_ARCH.get(filename)
     return NVRTC_OPTIONS + ((f"-arch={arch}",) if arch else ())
+
+
+def gpu_build_options(filename: str) -> tuple:
+    """Every code-changing NVRTC option a GPU build of kernels/filename gets: ours and CuPy's. The
+    compile report, the precompile check and the compile-time benchmark build with these, so their
+    registers and spills are those of the code that runs."""
+    return nvrtc_options(filename) + CUPY_ADDED_OPTIONS
 
 
 @lru_cache(maxsize=None)

@@ -119,7 +119,7 @@ def kernels(args) -> int:
     for requested in args.arch:
         for filename, name, dtype in _config.kernel_variants(requested):
             arch = _config.FILE_ARCH.get(filename, requested)
-            c = _nvrtc.compile_kernel(_compile.kernel_source(filename), name, arch, _compile.NVRTC_OPTIONS)
+            c = _nvrtc.compile_kernel(_compile.kernel_source(filename), name, arch, _compile.gpu_build_options(filename))
             rows.append({"name": name, "dtype": str(dtype), "arch": arch, "registers": c.registers,
                          "spill_stores": c.spill_stores, "spill_loads": c.spill_loads,
                          "stack_frame_bytes": c.stack_frame_bytes,

@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 
-from cupy_attn import _config, cli
+from cupy_attn import _compile, _config, _nvrtc, cli
 from helpers import BF16
 
 
@@ -20,6 +20,10 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
         assert row["spill_stores"] == 0 and row["spill_loads"] == 0 and row["stack_frame_bytes"] == 0, row
         assert 0 < row["registers"] <= 255
         assert row["arch"] == ("sm_90a" if "_wgmma<" in row["name"] else row["arch"])
+    # the report builds as CuPy does on a GPU (test_report_builds_with_the_options_cupy_adds)
+    filename, name = "attention_fwd_tc.cu", _config.TENSOR_CORE_TILES[1].name_expression(np.float16)
+    as_on_gpu = _nvrtc.compile_kernel(_compile.kernel_source(filename), name, "sm_80", _compile.gpu_build_options(filename))
+    assert next(r for r in rows if r["name"] == name and r["arch"] == "sm_80")["registers"] == as_on_gpu.registers
     for arch in ("sm_80", "sm_90", "sm_90a"):
         for dtype in ("float16", "bfloat16", "float32"):
             tensor_cores = dtype != "float32"
@@ -79,3 +83,13 @@ def test_tile_tables_cover_every_head_dim():
         assert fwd.head_dim % fwd.lanes_per_row == 0 and fwd.block_n % fwd.lanes_per_row == 0
         assert _config.THREADS % bwd.block_n == 0 and _config.THREADS % bwd.block_m == 0
     assert np.dtype(np.float16) in _config.CTYPES
+
+
+def test_report_builds_with_the_options_cupy_adds():
+    """CuPy's RawModule compiles with -ftz=true (and more: _compile.CUPY_ADDED_OPTIONS); the report
+    must too, or its registers are not those of the code that runs. Flush-to-zero shows in the PTX."""
+    filename, name = "attention_fwd_tc.cu", _config.TENSOR_CORE_TILES[1].name_expression(np.float16)
+    ours_only = _nvrtc.compile_kernel(_compile.kernel_source(filename), name, "sm_80", _compile.nvrtc_options(filename))
+    as_on_gpu = _nvrtc.compile_kernel(_compile.kernel_source(filename), name, "sm_80", _compile.gpu_build_options(filename))
+    assert set(_compile.CUPY_ADDED_OPTIONS) <= set(_compile.gpu_build_options(filename))
+    assert as_on_gpu.ptx.count(".ftz.f32") > 2 * ours_only.ptx.count(".ftz.f32")

@@ -121,3 +121,30 @@ def test_backward(tensor_core_kernels, dtype, deterministic, d):
         again = cupy_attn.attention_backward(cupy.asarray(dout), gq, gk, gv, out, lse, deterministic=True, **gkw)
         for a, b in zip(grads, again):
             assert bool((a.view(cupy.uint8) == b.view(cupy.uint8)).all())
+
+
+def test_cupy_compiles_with_the_options_the_report_uses(monkeypatch, tmp_path):
+    """CuPy's NVRTC call gets exactly _compile.gpu_build_options plus options that change no code
+    (include paths, its -arch for this device, cache and PCH flags): a CuPy release that adds a
+    code-changing option fails here, before the compile report drifts from the code that runs."""
+    from cupy.cuda import compiler
+
+    from cupy_attn import _compile
+
+    seen = []
+    real_compile = compiler._NVRTCProgram.compile
+    monkeypatch.setattr(compiler._NVRTCProgram, "compile", lambda self, options=(), *a, **k: seen.append(options)
+                        or real_compile(self, options, *a, **k))
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))  # a cold cache: NVRTC must run
+    _compile._function.cache_clear()
+    filename = "attention_fwd_wgmma.cu" if int(cupy.cuda.Device().compute_capability) == 90 else "attention_fwd_tc.cu"
+    name = (_config.HOPPER_TILES if "wgmma" in filename else _config.TENSOR_CORE_TILES)[1].name_expression(np.float16)
+    try:
+        _compile.function("cuda", filename, name)
+    finally:
+        _compile._function.cache_clear()
+    options = seen[-1]
+    expected = _compile.gpu_build_options(filename)
+    assert set(expected) <= set(options)
+    no_code_change = ("-I", "-arch=sm_", "-arch=compute_", "--pch", "--std=", "-DCUPY_USE_JITIFY")
+    assert [o for o in options if o not in expected and not o.startswith(no_code_change)] == []
