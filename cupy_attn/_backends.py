@@ -19,9 +19,9 @@ class BackendUnavailableError(RuntimeError):
 
 
 def cuda_status() -> tuple[bool, str]:
-    """Whether CuPy can reach a GPU, and why not."""
+    """Whether CuPy can reach a GPU and compile the kernels there, and why not."""
     if importlib.util.find_spec("cupy") is None:
-        return False, "CuPy is not installed (pip install 'cupy_attn[cuda12]' or '[cuda13]')"
+        return False, "CuPy is not installed (pip install 'cupy_attn[cuda13]', or '[cuda12]' for CUDA 12)"
     try:
         import cupy
 
@@ -30,7 +30,33 @@ def cuda_status() -> tuple[bool, str]:
         return False, f"CuPy cannot reach a GPU: {exc}"
     if count == 0:
         return False, "CuPy found no CUDA device"
-    return True, f"{count} CUDA device(s) visible to CuPy"
+    compiles, why = cuda_compiler_status()
+    if not compiles:
+        return False, why
+    return True, f"{count} CUDA device(s) visible to CuPy; {why}"
+
+
+def cuda_compiler_status() -> tuple[bool, str]:
+    """Whether CuPy can compile the kernels: NVRTC loads and the CUDA headers the kernels include
+    (cuda_fp16.h, cuda_bf16.h) are where CuPy 14 looks for them (cuda.pathfinder). A machine with
+    only the NVIDIA driver gets both from CuPy's ``ctk`` extra."""
+    import cupy
+
+    major = cupy.cuda.runtime.runtimeGetVersion() // 1000
+    hint = (f"pip install 'cupy-cuda{major}x[ctk]' (what 'cupy_attn[cuda{major}]' installs), "
+            "or set CUDA_PATH to a CUDA toolkit")
+    try:
+        nvrtc = "NVRTC {}.{}".format(*cupy.cuda.nvrtc.getVersion())
+    except Exception as exc:  # the library is missing or does not load
+        return False, f"CuPy cannot load NVRTC ({exc}): {hint}"
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+    except ImportError:  # CuPy before 14 finds headers through CUDA_PATH alone
+        return True, f"{nvrtc}; CUDA headers not checked (no cuda.pathfinder)"
+    headers = find_nvidia_header_directory("cudart")
+    if headers is None:
+        return False, f"{nvrtc}, but no CUDA headers (cuda_fp16.h) where CuPy looks: {hint}"
+    return True, f"{nvrtc}, CUDA headers in {headers}"
 
 
 def available() -> dict[str, tuple[bool, str]]:

@@ -1,4 +1,6 @@
 """Every misuse raises ValueError or TypeError naming the argument."""
+import sys
+
 import numpy as np
 import pytest
 
@@ -164,3 +166,55 @@ def test_bad_mask_builder_input():
         masks.to_additive(np.ones(2, bool), np.int32)
     with pytest.raises(TypeError, match="like must be a NumPy or CuPy array"):
         masks.causal_mask(2, 2, like=[1])
+
+
+def fake_cupy(monkeypatch, *, devices=1, nvrtc=(13, 0), headers="/site/nvidia/cu13/include"):
+    """A stand-in CuPy (and cuda.pathfinder) to check what cuda_status says without a GPU."""
+    import importlib.machinery
+    import types
+
+    def module(name, **attrs):
+        m = types.ModuleType(name)
+        m.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        m.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, m)
+        return m
+
+    def get_version():
+        if isinstance(nvrtc, Exception):
+            raise nvrtc
+        return nvrtc
+
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: devices, runtimeGetVersion=lambda: 13000)
+    module("cupy", cuda=types.SimpleNamespace(runtime=runtime, nvrtc=types.SimpleNamespace(getVersion=get_version)))
+    module("cuda", __path__=[])
+    module("cuda.pathfinder", find_nvidia_header_directory=lambda lib: headers if lib == "cudart" else None)
+
+
+def test_cuda_status_says_what_to_install_when_headers_are_missing(monkeypatch):
+    from cupy_attn import _backends
+
+    fake_cupy(monkeypatch, headers=None)
+    usable, why = _backends.cuda_status()
+    assert not usable
+    assert "no CUDA headers" in why and "pip install 'cupy-cuda13x[ctk]'" in why and "NVRTC 13.0" in why
+
+
+def test_cuda_status_says_what_to_install_when_nvrtc_is_missing(monkeypatch):
+    from cupy_attn import _backends
+
+    fake_cupy(monkeypatch, nvrtc=OSError("libnvrtc.so.13: cannot open shared object file"))
+    usable, why = _backends.cuda_status()
+    assert not usable
+    assert "cannot load NVRTC" in why and "libnvrtc.so.13" in why and "cupy-cuda13x[ctk]" in why
+
+
+def test_cuda_status_reports_nvrtc_and_headers_when_found(monkeypatch):
+    from cupy_attn import _backends
+
+    fake_cupy(monkeypatch)
+    usable, why = _backends.cuda_status()
+    assert usable
+    assert why == "1 CUDA device(s) visible to CuPy; NVRTC 13.0, CUDA headers in /site/nvidia/cu13/include"
+    fake_cupy(monkeypatch, devices=0)
+    assert _backends.cuda_status() == (False, "CuPy found no CUDA device")
