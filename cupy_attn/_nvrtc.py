@@ -65,6 +65,7 @@ class Compiled:
     compile_seconds: float
     ptx: str
     log: str
+    cubin: bytes  # the machine code NVRTC built for a real architecture (sm_XX), for disassembly
 
 
 def _ptxas_number(pattern: str, log: str) -> int:
@@ -97,6 +98,10 @@ def compile_kernel(code: str, name_expression: str, arch: str, options=()) -> Co
         lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
         ptx = ctypes.create_string_buffer(size.value)
         lib.nvrtcGetPTX(prog, ptx)
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        if size.value:
+            lib.nvrtcGetCUBIN(prog, cubin)
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
     # ptxas reports per entry function; this program holds exactly one.
@@ -107,5 +112,5 @@ def compile_kernel(code: str, name_expression: str, arch: str, options=()) -> Co
         spill_loads=_ptxas_number(r"(\d+) bytes spill loads", log),
         stack_frame_bytes=_ptxas_number(r"(\d+) bytes stack frame", log),
         static_shared_bytes=_ptxas_number(r"(\d+) bytes smem", log),
-        compile_seconds=seconds, ptx=ptx.value.decode(), log=log,
+        compile_seconds=seconds, ptx=ptx.value.decode(), log=log, cubin=cubin.raw[:size.value],
     )

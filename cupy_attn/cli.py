@@ -113,17 +113,20 @@ def demo(args) -> int:
 
 
 def kernels(args) -> int:
-    from . import _compile, _config, _nvrtc
+    from . import _compile, _config, _nvrtc, _sass
 
     rows = []
     for requested in args.arch:
         for filename, name, dtype in _config.kernel_variants(requested):
             arch = _config.FILE_ARCH.get(filename, requested)
             c = _nvrtc.compile_kernel(_compile.kernel_source(filename), name, arch, _compile.gpu_build_options(filename))
-            rows.append({"name": name, "dtype": str(dtype), "arch": arch, "registers": c.registers,
-                         "spill_stores": c.spill_stores, "spill_loads": c.spill_loads,
-                         "stack_frame_bytes": c.stack_frame_bytes,
-                         "static_shared_bytes": c.static_shared_bytes, "compile_seconds": round(c.compile_seconds, 3)})
+            row = {"name": name, "dtype": str(dtype), "arch": arch, "registers": c.registers,
+                   "spill_stores": c.spill_stores, "spill_loads": c.spill_loads, "stack_frame_bytes": c.stack_frame_bytes,
+                   "static_shared_bytes": c.static_shared_bytes, "compile_seconds": round(c.compile_seconds, 3),
+                   "advisories": _sass.advisories(c.log)}
+            if args.sass:
+                row.update(_sass.hot_loop_report(*_sass.disassemble(c.cubin), arch).as_row())
+            rows.append(row)
             if args.ptx_dir:
                 args.ptx_dir.mkdir(parents=True, exist_ok=True)
                 stem = "_".join(re.findall(r"\w+", name))
@@ -132,11 +135,21 @@ def kernels(args) -> int:
         print(json.dumps(rows, indent=1))
     else:
         print(f"NVRTC {_nvrtc.version()}")
+        sass = f" {'loop':>5} {'path':>5} {'tensor':>6} {'ldsm':>4} {'lds':>4} {'sts':>4} {'ldgsts':>6} {'bar':>3} " \
+               f"{'mufu':>4} {'atom':>4} {'issue/tensor':>12}" if args.sass else ""
         print(f"{'kernel':<58} {'arch':<7} {'regs':>4} {'spill st':>8} {'spill ld':>8} {'stack':>5} {'static smem':>11} "
-              f"{'s':>6}")
+              f"{'s':>6}{sass}")
         for r in rows:
-            print(f"{r['name']:<58} {r['arch']:<7} {r['registers']:>4} {r['spill_stores']:>8} {r['spill_loads']:>8} "
-                  f"{r['stack_frame_bytes']:>5} {r['static_shared_bytes']:>11} {r['compile_seconds']:>6.2f}")
+            line = (f"{r['name']:<58} {r['arch']:<7} {r['registers']:>4} {r['spill_stores']:>8} {r['spill_loads']:>8} "
+                    f"{r['stack_frame_bytes']:>5} {r['static_shared_bytes']:>11} {r['compile_seconds']:>6.2f}")
+            if args.sass:
+                ratio = "—" if r["issue_per_tensor"] is None else f"{r['issue_per_tensor']:.2f}"
+                line += (f" {r['loop_instructions']:>5} {r['path_instructions']:>5} {sum(r['tensor_instructions'].values()):>6} "
+                         f"{r['ldsm']:>4} {r['lds']:>4} {r['sts']:>4} {r['ldgsts']:>6} {r['bar']:>3} {r['mufu']:>4} "
+                         f"{r['atomics']:>4} {ratio:>12}")
+            print(line)
+            for advisory in r["advisories"]:
+                print(f"    ptxas: {advisory}")
     spills = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
     if spills:
         print(f"{len(spills)} variant(s) spill registers", file=sys.stderr)
@@ -155,6 +168,8 @@ def main(argv=None) -> int:
     k.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"], choices=("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a"))
     k.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     k.add_argument("--ptx-dir", type=Path, help="write each variant's PTX here")
+    k.add_argument("--sass", action="store_true",
+                   help="disassemble each cubin (nvdisasm) and report its hot loop: instruction mix and issue_per_tensor")
     k.set_defaults(run=kernels)
     args = parser.parse_args(argv)
     return args.run(args)

@@ -1,6 +1,7 @@
 """Every kernel variant compiles under NVRTC for sm_80 and sm_90 (the wgmma forward for sm_90a),
 without spills or local memory (no GPU needed)."""
 import json
+from pathlib import Path
 
 import numpy as np
 
@@ -8,10 +9,14 @@ from cupy_attn import _compile, _config, _nvrtc, cli
 from helpers import BF16
 
 
+BUDGETS = Path(__file__).with_name("sass_budgets.json")
+
+
 def test_every_variant_compiles_without_spills(tmp_path, capsys):
-    status = cli.main(["kernels", "--arch", "sm_80", "sm_90", "--json", "--ptx-dir", str(tmp_path)])
+    status = cli.main(["kernels", "--arch", "sm_80", "sm_90", "--json", "--sass", "--ptx-dir", str(tmp_path)])
     rows = json.loads(capsys.readouterr().out)
     assert status == 0
+    check_sass_budgets(rows)
     assert len(rows) == len(_config.kernel_variants("sm_80")) + len(_config.kernel_variants("sm_90"))
     keys = {"name", "arch", "registers", "spill_stores", "spill_loads", "stack_frame_bytes", "static_shared_bytes",
             "compile_seconds"}
@@ -93,3 +98,21 @@ def test_report_builds_with_the_options_cupy_adds():
     as_on_gpu = _nvrtc.compile_kernel(_compile.kernel_source(filename), name, "sm_80", _compile.gpu_build_options(filename))
     assert set(_compile.CUPY_ADDED_OPTIONS) <= set(_compile.gpu_build_options(filename))
     assert as_on_gpu.ptx.count(".ftz.f32") > 2 * ours_only.ptx.count(".ftz.f32")
+
+
+def check_sass_budgets(rows):
+    """No ptxas advisory anywhere, and no tensor-core variant's hot loop issues more per tensor-core
+    cycle than tests/sass_budgets.json allows. A change that lowers a ratio may lower its budget;
+    one that raises it must raise the budget on purpose, in the same commit."""
+    budgets = json.loads(BUDGETS.read_text())
+    assert [(r["name"], r["arch"], r["advisories"]) for r in rows if r["advisories"]] == []
+    measured = {f"{r['name']} @ {r['arch']}": r["issue_per_tensor"] for r in rows if r["issue_per_tensor"] is not None}
+    tensor_core = {f"{r['name']} @ {r['arch']}" for r in rows if "_tc<" in r["name"] or "_wgmma<" in r["name"]}
+    assert tensor_core <= measured.keys(), "a tensor-core kernel has no hot loop with tensor instructions"
+    assert sorted(measured.keys() - budgets.keys()) == [], "new variants need a budget in tests/sass_budgets.json"
+    over = {k: (v, budgets[k]) for k, v in measured.items() if v > budgets[k] + 5e-4}
+    assert over == {}, "issue_per_tensor above its budget (measured, budget)"
+    for r in rows:
+        if r["issue_per_tensor"] is not None:
+            assert r["path_instructions"] <= r["loop_instructions"]
+            assert sum(r["tensor_instructions"].values()) > 0 and r["ldgsts"] > 0

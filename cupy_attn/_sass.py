@@ -1,0 +1,252 @@
+"""A static reading of a kernel's machine code (SASS), no GPU needed: the hot loop's instruction
+mix and a model of its issue cycles against its tensor-core cycles.
+
+The cubin comes from NVRTC (`_nvrtc.compile_kernel`, built as CuPy builds it), the disassembly
+from `nvdisasm` (the `nvidia-cuda-nvdisasm` wheel of the test extra, $CUDA_PATH/bin or PATH).
+
+Hot loop: every backward branch (a BRA to an earlier label) closes a loop; the hot loop is the
+one holding the most tensor-core instructions (HMMA for mma.sync, HGMMA for wgmma), the
+innermost such loop where several hold as many. `loop_instructions` counts every instruction in
+it (all paths; a nested loop's body once). The per-iteration numbers come from the fastest path:
+the fewest instructions from the loop's head to its back-edge through every block that holds a
+tensor instruction, with each conditional branch free to go either way. Features a call does not
+use (masks, softcap, ALiBi, boundary tiles) sit behind branches such a path skips, so it is what
+an interior tile of a call without them issues; `path_instructions` and the per-class counts
+(ldsm, lds, sts, ldgsts, bar, mufu, atomics) are of that path.
+
+The model (README, "Performance without a GPU"): one warp scheduler per SM sub-partition issues
+at most one instruction per cycle, and each of its warps issues every instruction of the loop
+once per iteration; one warp's tensor-core instruction keeps that sub-partition's tensor core busy
+for TENSOR_CYCLES cycles. Both sides grow with the warps per scheduler alike, so
+
+    issue_per_tensor = path instructions / tensor-core cycles of the path's tensor instructions
+
+per warp and iteration, whatever the occupancy. Below 1 the tensor cores bound the loop; above 1
+instruction issue does, and the tensor cores can be busy at most 1/issue_per_tensor of the time.
+Ignored: latency and dependency stalls, shared-memory and barrier waits, memory bandwidth,
+partial tiles, and time outside the loop.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+# SASS opcode (before the first dot) -> the counter it adds to.
+COUNTED = {"LDSM": "ldsm", "LDS": "lds", "STS": "sts", "LDGSTS": "ldgsts", "BAR": "bar", "MUFU": "mufu",
+           "ATOM": "atomics", "ATOMS": "atomics", "ATOMG": "atomics", "RED": "atomics", "REDG": "atomics"}
+TENSOR_OPCODES = ("HMMA", "HGMMA")
+
+# Dense fp16/bf16 multiply-adds per clock per SM sub-partition (fp32 accumulation): A100 (sm_80)
+# 1024 per SM, H100 SXM (sm_90) 2048 per SM (989 TFLOP/s at 1.83 GHz over 132 SMs); four
+# sub-partitions each. Assumed for mma.sync on sm_90 too, which makes its tensor cycles a lower
+# bound and issue_per_tensor an upper bound there.
+FMA_PER_CYCLE = {"sm_80": 256, "sm_86": 128, "sm_89": 128, "sm_90": 512, "sm_90a": 512}
+
+
+class SassError(RuntimeError):
+    """nvdisasm is missing or its output could not be read."""
+
+
+def tensor_fma(opcode: str) -> int:
+    """Multiply-adds one warp's tensor instruction does on its sub-partition: HMMA.16816.F32 is
+    m16n8k16 (2048); HGMMA.64xNx16.F32 is a warpgroup's m64nNk16, a quarter per warp."""
+    parts = opcode.split(".")
+    if parts[0] == "HMMA":
+        m, n, k = {"16816": (16, 8, 16), "1688": (16, 8, 8), "884": (8, 8, 4)}[parts[1]]
+        return m * n * k
+    if parts[0] == "HGMMA":
+        m, n, k = (int(x) for x in parts[1].split("x"))
+        return m * n * k // 4
+    raise ValueError(f"not a tensor-core instruction: {opcode}")
+
+
+def tensor_cycles(opcode: str, arch: str) -> float:
+    return tensor_fma(opcode) / FMA_PER_CYCLE[arch]
+
+
+@lru_cache(maxsize=1)
+def nvdisasm() -> Path:
+    roots = [Path(p) / "nvidia" for p in sys.path if (Path(p) / "nvidia").is_dir()]
+    for root in roots:
+        for candidate in sorted(root.glob("cu1*/bin/nvdisasm"), reverse=True) + [root / "cuda_nvdisasm/bin/nvdisasm"]:
+            if candidate.is_file():
+                return candidate
+    cuda = os.environ.get("CUDA_PATH")
+    for candidate in ([Path(cuda) / "bin" / "nvdisasm"] if cuda else []) + [Path("/usr/local/cuda/bin/nvdisasm")]:
+        if candidate.is_file():
+            return candidate
+    found = shutil.which("nvdisasm")
+    if found:
+        return Path(found)
+    raise SassError("nvdisasm not found: pip install nvidia-cuda-nvdisasm (the test extra has it), or set CUDA_PATH")
+
+
+@dataclass
+class Instruction:
+    offset: int
+    opcode: str  # with its modifiers, e.g. HMMA.16816.F32.BF16
+    target: str | None = None  # a branch's label
+    predicated: bool = False
+
+    @property
+    def ends_block(self) -> bool:
+        return self.opcode.startswith(("BRA", "EXIT", "RET", "JMP", "BRX", "JMX"))
+
+    @property
+    def falls_through(self) -> bool:
+        return self.predicated or not self.ends_block
+
+
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_x]+)*)(.*);")
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+
+
+def parse(text: str) -> tuple[list[Instruction], dict[str, int]]:
+    """nvdisasm's text -> instructions in order, and each label's offset."""
+    instructions, labels, pending = [], {}, []
+    for line in text.splitlines():
+        label = _LABEL.match(line.strip())
+        if label:
+            pending.append(label.group(1))
+            continue
+        match = _INSTRUCTION.search(line)
+        if not match:
+            continue
+        offset = int(match.group(1), 16)
+        for name in pending:
+            labels[name] = offset
+        pending = []
+        opcode, operands = match.group(3), match.group(4)
+        target = _TARGET.search(operands) if opcode.startswith("BRA") else None
+        # "@P0 BRA P1, `(L)" and "BRA P1, `(L)" branch on a predicate operand too
+        predicated = bool(match.group(2)) or (target is not None and re.match(r"\s*!?U?P[0-9],", operands) is not None)
+        instructions.append(Instruction(offset, opcode, target.group(1) if target else None, predicated))
+    if not instructions:
+        raise SassError("nvdisasm printed no instructions")
+    return instructions, labels
+
+
+def disassemble(cubin: bytes) -> tuple[list[Instruction], dict[str, int]]:
+    if not cubin:
+        raise SassError("no cubin: compile for a real architecture (sm_XX), not a virtual one")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        result = subprocess.run([str(nvdisasm()), "-c", str(path)], capture_output=True, text=True)
+    if result.returncode:
+        raise SassError(f"nvdisasm failed: {result.stderr.strip()}")
+    return parse(result.stdout)
+
+
+def loops(instructions: list[Instruction], labels: dict[str, int]) -> list[tuple[int, int]]:
+    """(first offset, last offset) of every loop: a branch back to an earlier (or its own) label."""
+    return sorted({(labels[i.target], i.offset) for i in instructions
+                   if i.target in labels and labels[i.target] <= i.offset})
+
+
+@dataclass
+class LoopReport:
+    loop_instructions: int = 0  # every instruction in the hot loop, all paths
+    path_instructions: int = 0  # the fastest path's, per iteration
+    tensor_instructions: dict = field(default_factory=dict)  # opcode -> count on the path
+    counts: dict = field(default_factory=dict)  # ldsm, lds, sts, ldgsts, bar, mufu, atomics on the path
+    tensor_cycles: float = 0.0
+    issue_per_tensor: float | None = None  # None: no tensor instruction in any loop
+
+    def as_row(self) -> dict:
+        row = {"loop_instructions": self.loop_instructions, "path_instructions": self.path_instructions,
+               "tensor_instructions": self.tensor_instructions,
+               "issue_per_tensor": None if self.issue_per_tensor is None else round(self.issue_per_tensor, 3)}
+        row.update({name: self.counts.get(name, 0) for name in sorted(set(COUNTED.values()))})
+        return row
+
+
+def _is_tensor(instruction: Instruction) -> bool:
+    return instruction.opcode.startswith(TENSOR_OPCODES)
+
+
+def _is_steady(instruction: Instruction) -> bool:
+    return instruction.opcode.startswith(TENSOR_OPCODES + ("LDGSTS",))
+
+
+def fastest_path(body: list[Instruction], labels: dict[str, int]) -> list[Instruction] | None:
+    """The fewest instructions from body[0] to the back-edge at body[-1] that pass every basic block
+    holding a tensor instruction; None if no such path. Forward edges only (a nested loop's
+    back-edge is not taken, so its body counts once); edges out of the body end nowhere."""
+    first, last = body[0].offset, body[-1].offset
+    leaders = {first} | {o for o in labels.values() if first <= o <= last}
+    leaders |= {b.offset for a, b in zip(body, body[1:]) if a.ends_block}
+    blocks, current = [], []
+    for instruction in body:
+        if instruction.offset in leaders and current:
+            blocks.append(current)
+            current = []
+        current.append(instruction)
+    blocks.append(current)
+    start_of = {block[0].offset: n for n, block in enumerate(blocks)}
+
+    def successors(n):
+        end = blocks[n][-1]
+        nexts = []
+        if end.falls_through and n + 1 < len(blocks):
+            nexts.append(n + 1)
+        if end.target in labels and labels[end.target] > end.offset and labels[end.target] in start_of:
+            nexts.append(start_of[labels[end.target]])
+        return nexts
+
+    # Shortest paths through the blocks that every steady-state iteration runs, one leg at a time:
+    # those holding tensor instructions or asynchronous copies (the next tile's load).
+    waypoints = [0] + [n for n, block in enumerate(blocks) if any(map(_is_steady, block)) and n] + [len(blocks) - 1]
+    path = [0]
+    for source, goal in zip(waypoints, waypoints[1:]):
+        if source == goal:
+            continue
+        cost, back = {source: 0}, {}
+        for n in range(source, goal + 1):  # blocks in layout order: forward edges go up
+            if n not in cost:
+                continue
+            for m in successors(n):
+                if m <= goal and cost[n] + len(blocks[m]) < cost.get(m, float("inf")):
+                    cost[m], back[m] = cost[n] + len(blocks[m]), n
+        if goal not in cost:
+            return None
+        leg, n = [], goal
+        while n != source:
+            leg.append(n)
+            n = back[n]
+        path += leg[::-1]
+    return [instruction for n in path for instruction in blocks[n]]
+
+
+def hot_loop_report(instructions: list[Instruction], labels: dict[str, int], arch: str) -> LoopReport:
+    def inside(span):
+        return [i for i in instructions if span[0] <= i.offset <= span[1]]
+
+    candidates = [(sum(map(_is_tensor, inside(s))), -(s[1] - s[0]), s) for s in loops(instructions, labels)]
+    if not candidates or max(candidates)[0] == 0:
+        return LoopReport()
+    body = inside(max(candidates)[2])
+    path = fastest_path(body, labels)
+    if path is None:
+        raise SassError(f"no path through the hot loop at {body[0].offset:#x} passes all its tensor instructions")
+    report = LoopReport(loop_instructions=len(body), path_instructions=len(path))
+    report.tensor_instructions = dict(Counter(i.opcode for i in path if _is_tensor(i)))
+    report.counts = dict(Counter(COUNTED[i.opcode.split(".")[0]] for i in path if i.opcode.split(".")[0] in COUNTED))
+    report.tensor_cycles = sum(n * tensor_cycles(op, arch) for op, n in report.tensor_instructions.items())
+    report.issue_per_tensor = report.path_instructions / report.tensor_cycles
+    return report
+
+
+def advisories(ptxas_log: str) -> list[str]:
+    """ptxas's warnings and performance notes (e.g. serialized wgmma) among NVRTC's log lines."""
+    return [line.strip() for line in ptxas_log.splitlines()
+            if "warning" in line.lower() or "performance" in line.lower() or re.search(r"\(C\d{4}\)", line)]

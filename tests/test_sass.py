@@ -1,0 +1,117 @@
+"""The SASS reading (cupy_attn._sass) on hand-made disassembly with known answers."""
+import pytest
+
+from cupy_attn import _sass
+
+# A loop at 0x10..0x70 whose optional block (0x30, 0x40: a feature a call may not use) sits behind a
+# branch; the fastest path skips it.
+FEATURE_BEHIND_A_BRANCH = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0020*/              @P0 BRA `(.L_x_1) ;
+        /*0030*/                   FMUL R4, R4, R5 ;
+        /*0040*/                   FMUL R4, R4, R5 ;
+.L_x_1:
+        /*0050*/                   LDSM.16.M88.4 R8, [R2] ;
+        /*0060*/                   MUFU.EX2 R3, R3 ;
+        /*0070*/              @P1 BRA `(.L_x_0) ;
+        /*0080*/                   EXIT ;
+"""
+
+# The same shape, but the branch skips a block holding tensor work and an asynchronous copy: every
+# iteration's tensor instructions must be on the path, so the path cannot skip it.
+TENSOR_WORK_BEHIND_A_BRANCH = FEATURE_BEHIND_A_BRANCH.replace(
+    "/*0030*/                   FMUL R4, R4, R5 ;", "/*0030*/                   HMMA.16816.F32 R4, R8, R12, R4 ;").replace(
+    "/*0040*/                   FMUL R4, R4, R5 ;", "/*0040*/                   LDGSTS.E.BYPASS.128 [R6], desc[UR4][R10.64] ;")
+
+# Two loops: an outer one (0x10..0x90) with no tensor work of its own beyond the inner one
+# (0x20..0x50, two HGMMA); the hot loop is the innermost with the most tensor instructions.
+NESTED = """
+.L_x_0:
+        /*0010*/                   IADD3 R0, R0, 0x1, RZ ;
+.L_x_1:
+        /*0020*/                   HGMMA.64x128x16.F32 R24, gdesc[UR4], R24 ;
+        /*0030*/                   HGMMA.64x128x16.F32 R24, gdesc[UR8], R24 ;
+        /*0040*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0050*/              @!P2 BRA `(.L_x_1) ;
+        /*0060*/                   STS.128 [R3], R24 ;
+        /*0070*/                   RED.E.ADD.F32.FTZ.RN.STRONG.GPU desc[UR4][R8.64], R9 ;
+        /*0080*/                   ISETP.GE.AND P0, PT, R0, R1, PT ;
+        /*0090*/              @!P0 BRA `(.L_x_0) ;
+        /*00a0*/                   EXIT ;
+"""
+
+
+def report(text, arch):
+    return _sass.hot_loop_report(*_sass.parse(text), arch)
+
+
+def test_fastest_path_skips_optional_work_and_the_model_divides_issue_by_tensor_cycles():
+    instructions, labels = _sass.parse(FEATURE_BEHIND_A_BRANCH)
+    assert _sass.loops(instructions, labels) == [(0x10, 0x70)]
+    r = report(FEATURE_BEHIND_A_BRANCH, "sm_80")
+    assert (r.loop_instructions, r.path_instructions) == (7, 5)
+    assert r.tensor_instructions == {"HMMA.16816.F32": 1}
+    assert r.counts == {"ldsm": 1, "mufu": 1}
+    assert r.issue_per_tensor == pytest.approx(5 / 8)  # m16n8k16: 2048 FMA at 256 per cycle on sm_80
+    assert report(FEATURE_BEHIND_A_BRANCH, "sm_90").issue_per_tensor == pytest.approx(5 / 4)  # 512 per cycle
+
+
+def test_fastest_path_keeps_tensor_work_and_asynchronous_copies():
+    r = report(TENSOR_WORK_BEHIND_A_BRANCH, "sm_80")
+    assert (r.loop_instructions, r.path_instructions) == (7, 7)
+    assert r.tensor_instructions == {"HMMA.16816.F32": 2}
+    assert r.counts == {"ldsm": 1, "mufu": 1, "ldgsts": 1}
+    assert r.issue_per_tensor == pytest.approx(7 / 16)
+
+
+def test_hot_loop_is_the_innermost_with_the_most_tensor_instructions():
+    instructions, labels = _sass.parse(NESTED)
+    assert _sass.loops(instructions, labels) == [(0x10, 0x90), (0x20, 0x50)]
+    r = report(NESTED, "sm_90a")
+    assert (r.loop_instructions, r.path_instructions) == (4, 4)
+    assert r.tensor_instructions == {"HGMMA.64x128x16.F32": 2}
+    assert r.counts == {"bar": 1}
+    # a warp's quarter of m64n128k16 is 32768 FMA: 64 cycles at 512 per cycle
+    assert r.issue_per_tensor == pytest.approx(4 / 128)
+
+
+def test_counters_cover_atomics_and_stores():
+    instructions, _ = _sass.parse(NESTED)
+    counted = [_sass.COUNTED.get(i.opcode.split(".")[0]) for i in instructions]
+    assert counted.count("atomics") == 1 and counted.count("sts") == 1 and counted.count("bar") == 1
+
+
+def test_no_tensor_loop_reports_nothing():
+    text = FEATURE_BEHIND_A_BRANCH.replace("HMMA.16816.F32", "FFMA")
+    r = report(text, "sm_80")
+    assert r.issue_per_tensor is None and r.path_instructions == 0
+
+
+@pytest.mark.parametrize("opcode, fma", [("HMMA.16816.F32", 2048), ("HMMA.16816.F32.BF16", 2048), ("HMMA.1688.F32", 1024),
+                                         ("HGMMA.64x64x16.F32", 16384), ("HGMMA.64x256x16.F32.BF16", 65536)])
+def test_tensor_work_per_instruction(opcode, fma):
+    assert _sass.tensor_fma(opcode) == fma
+
+
+def test_not_a_tensor_instruction_is_refused():
+    with pytest.raises(ValueError, match="not a tensor-core instruction"):
+        _sass.tensor_fma("FFMA")
+
+
+def test_advisories_are_ptxas_warnings_and_performance_notes():
+    clean = "ptxas info    : Used 166 registers, used 1 barriers\nptxas info    : Compile time = 330.671 ms\n"
+    assert _sass.advisories(clean) == []
+    noted = clean + ("ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+                     "due to the presence of Extern calls in the function\n"
+                     "ptxas warning : Registers are spilled to local memory in function 'f', 8 bytes spill stores\n")
+    found = _sass.advisories(noted)
+    assert len(found) == 2 and "C7515" in found[0] and found[1].startswith("ptxas warning")
+
+
+def test_garbage_is_refused():
+    with pytest.raises(_sass.SassError, match="no instructions"):
+        _sass.parse("not a disassembly")
+    with pytest.raises(_sass.SassError, match="no cubin"):
+        _sass.disassemble(b"")
