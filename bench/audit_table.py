@@ -1,0 +1,61 @@
+"""README's "Performance without a GPU" table from the SASS audit, occupancy by calculation.
+
+    python -m cupy_attn kernels --arch sm_80 sm_90 --sass --json > kernels.json
+    python bench/audit_table.py kernels.json
+
+fp16, D = 64/128/256, each tensor-core kernel family. Occupancy on sm_90 (65,536 registers,
+228 KB shared memory per SM, 1 KB of it reserved per block, registers allocated per warp in
+units of 256): blocks of 4 warps per SM, the lesser of what registers and shared memory allow.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cupy_attn import _config  # noqa: E402
+
+FP16 = np.dtype(np.float16)
+
+
+def shared_bytes() -> dict[str, int]:
+    """fp16 name expression -> dynamic shared memory per block, from the tile table."""
+    sizes = {t.name_expression(FP16): t.shared_bytes for t in
+             (*_config.TENSOR_CORE_TILES, *_config.HOPPER_TILES, *_config.TENSOR_CORE_BACKWARD_TILES,
+              *_config.HOPPER_BACKWARD_TILES)}
+    sizes.update({t.dq_name(FP16): t.dq_shared_bytes for t in _config.TENSOR_CORE_TILES})
+    return sizes
+
+
+def blocks_per_sm(registers: int, shared: int) -> int:
+    warps = min(64, 65536 // (-(-registers * 32 // 256) * 256))
+    return min(warps * 32 // _config.THREADS, (228 * 1024) // (shared + 1024), 32)
+
+
+def table(rows: list[dict]) -> str:
+    sizes = shared_bytes()
+    kinds = (("forward", "attention_fwd_tc<", "mma.sync"), ("forward", "attention_fwd_wgmma<", "wgmma"),
+             ("dK/dV", "attention_bwd_dkdv_tc<", "mma.sync"), ("dK/dV", "attention_bwd_dkdv_wgmma<", "wgmma"),
+             ("dQ", "attention_bwd_dq_tc<", "mma.sync"))
+    lines = ["| kernel | D | arch | path / loop instructions | tensor instructions | ldsm | lds | sts | bar | mufu "
+             "| issue_per_tensor | registers | blocks (warps) per SM |", "|" + "---|" * 13]
+    for pass_, prefix, family in kinds:
+        for d in (64, 128, 256):
+            for r in rows:
+                head = f"{prefix}__half, {d}"
+                if r["dtype"] != "float16" or not r["name"].startswith(head) or r["name"][len(head)] not in ",>":
+                    continue
+                tensors = ", ".join(f"{n} {op}" for op, n in r["tensor_instructions"].items())
+                blocks = blocks_per_sm(r["registers"], sizes[r["name"]])
+                occupancy = f"{blocks} ({blocks * _config.THREADS // 32})" if r["arch"] != "sm_80" else "—"
+                lines.append(f"| {pass_} ({family}) | {d} | {r['arch']} | {r['path_instructions']} / {r['loop_instructions']} "
+                             f"| {tensors} | {r['ldsm']} | {r['lds']} | {r['sts']} | {r['bar']} | {r['mufu']} "
+                             f"| {r['issue_per_tensor']:.2f} | {r['registers']} | {occupancy} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table(json.loads(Path(sys.argv[1]).read_text())))
