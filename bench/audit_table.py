@@ -1,7 +1,9 @@
-"""README's "Performance without a GPU" table from the SASS audit, occupancy by calculation.
+"""README's "Performance without a GPU" tables from the SASS audit and the emulator's memory
+counters, occupancy by calculation.
 
     python -m cupy_attn kernels --arch sm_80 sm_90 --sass --json > kernels.json
-    python bench/audit_table.py kernels.json
+    python -m cupy_attn kernels --memory --json > memory.json
+    python bench/audit_table.py kernels.json memory.json
 
 fp16, D = 64/128/256, each tensor-core kernel family. Occupancy on sm_90 (65,536 registers,
 228 KB shared memory per SM, 1 KB of it reserved per block, registers allocated per warp in
@@ -57,5 +59,20 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def memory_table(rows: list[dict]) -> str:
+    lines = ["| family | D | pass | kernel | shared wavefronts / ideal | ratio | global sectors / ideal | ratio | worst site |",
+             "|" + "---|" * 9]
+    for r in rows:
+        worst = max(r["sites"], key=lambda s: (s["actual"] / s["ideal"], s["actual"]))
+        lines.append(f"| {r['family']} | {r['head_dim']} | {r['pass']} | `{r['kernel']}` "
+                     f"| {r['smem_wavefronts']} / {r['smem_ideal']} | {r['smem_wavefronts'] / r['smem_ideal']:.2f} "
+                     f"| {r['gmem_sectors']} / {r['gmem_ideal']} | {r['gmem_sectors'] / r['gmem_ideal']:.2f} "
+                     f"| {worst['space']} {worst['site']}: {worst['actual'] / worst['ideal']:.2f} |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     print(table(json.loads(Path(sys.argv[1]).read_text())))
+    if len(sys.argv) > 2:
+        print()
+        print(memory_table(json.loads(Path(sys.argv[2]).read_text())))

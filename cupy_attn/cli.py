@@ -112,9 +112,29 @@ def demo(args) -> int:
     return 1 if failures else 0
 
 
+def memory(args) -> int:
+    from ._memory_report import memory_report, ratio
+
+    rows = memory_report()
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"{'family':<9} {'D':>3} {'pass':<27} {'kernel':<52} {'smem wavefronts / ideal':>24} {'gmem sectors / ideal':>22}")
+    for r in rows:
+        print(f"{r['family']:<9} {r['head_dim']:>3} {r['pass']:<27} {r['kernel']:<52} "
+              f"{r['smem_wavefronts']:>9} / {r['smem_ideal']:<7} {ratio(r['smem_wavefronts'], r['smem_ideal']):>5.2f} "
+              f"{r['gmem_sectors']:>8} / {r['gmem_ideal']:<6} {ratio(r['gmem_sectors'], r['gmem_ideal']):>5.2f}")
+        for site in r["sites"]:
+            print(f"    {site['space']:<6} {site['site']:<40} {site['accesses']:>7} accesses {site['actual']:>8} / "
+                  f"{site['ideal']:<8} {ratio(site['actual'], site['ideal']):>5.2f}")
+    return 0
+
+
 def kernels(args) -> int:
     from . import _compile, _config, _nvrtc, _sass
 
+    if args.memory:
+        return memory(args)
     rows = []
     for requested in args.arch:
         for filename, name, dtype in _config.kernel_variants(requested):
@@ -168,6 +188,9 @@ def main(argv=None) -> int:
     k.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"], choices=("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a"))
     k.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     k.add_argument("--ptx-dir", type=Path, help="write each variant's PTX here")
+    k.add_argument("--memory", action="store_true",
+                   help="run the tensor-core kernels (fp16, D = 64 and 128, both families) on the emulator and report "
+                        "shared-memory wavefronts and global sectors against their minimum, per kernel and access site")
     k.add_argument("--sass", action="store_true",
                    help="disassemble each cubin (nvdisasm) and report its hot loop: instruction mix and issue_per_tensor")
     k.set_defaults(run=kernels)

@@ -13,6 +13,14 @@ namespace ptx {
 
 typedef unsigned int u32;
 
+// The caller's file and line, which the emulated twins of shared/global memory primitives hand to
+// the emulator's memory counters (access_count.cuh). Nothing on the GPU.
+#ifdef __CUDA_ARCH__
+#define PTX_CALL_SITE
+#else
+#define PTX_CALL_SITE , const char *site_file = __builtin_FILE(), int site_line = __builtin_LINE()
+#endif
+
 template <class A, class B> struct is_same { static constexpr bool value = false; };
 template <class A> struct is_same<A, A> { static constexpr bool value = true; };
 
@@ -177,7 +185,7 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const u32 (&a)[4], c
 // elements (l/4, 2(l%4)) and (l/4, 2(l%4)+1) of matrix m, or of its transpose with Trans.
 // With Count < 4 the addresses of lanes 8·Count and up are ignored. All 32 lanes execute it.
 template <int Count, bool Trans = false>
-__device__ __forceinline__ void ldmatrix(u32 (&r)[Count], const void* row) {
+__device__ __forceinline__ void ldmatrix(u32 (&r)[Count], const void* row PTX_CALL_SITE) {
     static_assert(Count == 1 || Count == 2 || Count == 4, "ldmatrix loads 1, 2 or 4 matrices");
 #ifdef __CUDA_ARCH__
     u32 address = static_cast<u32>(__cvta_generic_to_shared(row));
@@ -192,6 +200,7 @@ __device__ __forceinline__ void ldmatrix(u32 (&r)[Count], const void* row) {
         else asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
     }
 #else
+    if (::emu::lane_id() < 8u * Count) ::emu::count_access(::emu::kShared, row, 16, site_file, site_line);
     emulated::LdmatrixOperand op{static_cast<const unsigned short*>(row), {}};
     ::emu::warp_collective(0xffffffffu, &op, emulated::ldmatrix_fn<Count, Trans>, Trans ? "ldmatrix.trans" : "ldmatrix");
     for (int m = 0; m < Count; ++m) r[m] = op.r[m];
@@ -202,13 +211,15 @@ __device__ __forceinline__ void ldmatrix(u32 (&r)[Count], const void* row) {
 // registers. The copy is only guaranteed to have landed after cp_async_wait covers its group.
 // The emulator defers it until then, so a missing wait reads poisoned shared memory.
 template <int Bytes>
-__device__ __forceinline__ void cp_async(void* shared_dst, const void* global_src) {
+__device__ __forceinline__ void cp_async(void* shared_dst, const void* global_src PTX_CALL_SITE) {
     static_assert(Bytes == 4 || Bytes == 8 || Bytes == 16, "cp.async copies 4, 8 or 16 bytes");
 #ifdef __CUDA_ARCH__
     u32 dst = static_cast<u32>(__cvta_generic_to_shared(shared_dst));
     if constexpr (Bytes == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(global_src));
     else asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" :: "r"(dst), "l"(global_src), "n"(Bytes));
 #else
+    ::emu::count_access(::emu::kShared, shared_dst, Bytes, site_file, site_line);
+    ::emu::count_access(::emu::kGlobal, global_src, Bytes, site_file, site_line);
     ::emu::async_copy(shared_dst, global_src, Bytes);
 #endif
 }

@@ -61,7 +61,10 @@ __device__ __forceinline__ void atomic_dq(const Params& p, const HeadView& at, f
         for (int e = 0; e < 8; ++e) {
             const int i = m0 + rows + g + 8 * ((e % 4) / 2), col = (d + e / 4) * 8 + 2 * t + (e & 1);
             const float value = e < 4 ? c0[e] : c1[e - 4];
-            if (i < p.seq_q && col < p.head_dim) atomicAdd(dq_accum + (at.stats + i) * p.head_dim + col, value * p.scale);
+            if (i < p.seq_q && col < p.head_dim) {
+                ATTN_COUNT_GLOBAL(dq_accum + (at.stats + i) * p.head_dim + col, 4);
+                atomicAdd(dq_accum + (at.stats + i) * p.head_dim + col, value * p.scale);
+            }
         }
     }
 }
@@ -81,8 +84,14 @@ __device__ __forceinline__ void store_dkdv(const Params& p, const BlockInfo& b, 
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
             const int col = dim0 + d * 8 + 2 * t + (e & 1);
-            if (col < p.head_dim) dk_part[(key_rows + key) * p.head_dim + col] = dk[d][e] * p.scale;
-            if (col < p.head_dim_v) dv_part[(key_rows + key) * p.head_dim_v + col] = dv[d][e];
+            if (col < p.head_dim) {
+                ATTN_COUNT_GLOBAL(dk_part + (key_rows + key) * p.head_dim + col, 4);
+                dk_part[(key_rows + key) * p.head_dim + col] = dk[d][e] * p.scale;
+            }
+            if (col < p.head_dim_v) {
+                ATTN_COUNT_GLOBAL(dv_part + (key_rows + key) * p.head_dim_v + col, 4);
+                dv_part[(key_rows + key) * p.head_dim_v + col] = dv[d][e];
+            }
         }
     }
 }

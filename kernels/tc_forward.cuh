@@ -2,6 +2,7 @@
 // m16n8 accumulator layout (warp w: rows 16w + g and 16w + g + 8, columns 8j + 2t and + 1), so
 // the per-tile online softmax and the epilogue are the same code.
 #pragma once
+#include "access_count.cuh"
 #include "block_info.cuh"
 #include "mask.cuh"
 #include "numeric.cuh"
@@ -49,8 +50,14 @@ __device__ __forceinline__ void store_rows(const Params& p, const HeadView& at, 
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
             const int col = d * 8 + 2 * t;
-            if (col < p.head_dim_v) out[at.o + i * at.o_row + col] = from_float<T>(o[d][2 * r] * inv);
-            if (col + 1 < p.head_dim_v) out[at.o + i * at.o_row + col + 1] = from_float<T>(o[d][2 * r + 1] * inv);
+            if (col < p.head_dim_v) {
+                ATTN_COUNT_GLOBAL(out + at.o + i * at.o_row + col, sizeof(T));
+                out[at.o + i * at.o_row + col] = from_float<T>(o[d][2 * r] * inv);
+            }
+            if (col + 1 < p.head_dim_v) {
+                ATTN_COUNT_GLOBAL(out + at.o + i * at.o_row + col + 1, sizeof(T));
+                out[at.o + i * at.o_row + col + 1] = from_float<T>(o[d][2 * r + 1] * inv);
+            }
         }
         if (t == 0) lse[at.stats + i] = softmax[r].lse();
     }

@@ -1,5 +1,6 @@
 // Shared pieces of the tensor-core kernels: 16-bit tiles in shared memory and fragment packing.
 #pragma once
+#include "access_count.cuh"
 #include "numeric.cuh"
 #include "ptx.cuh"
 #include "tile_io.cuh"
@@ -61,10 +62,13 @@ __device__ __forceinline__ void transpose_into_core(T* dst, const T* src) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             unsigned short lo, hi;
+            ATTN_COUNT_SHARED(src + SrcLayout::offset(row0 + 2 * e, col), 2);
             memcpy(&lo, src + SrcLayout::offset(row0 + 2 * e, col), 2);
+            ATTN_COUNT_SHARED(src + SrcLayout::offset(row0 + 2 * e + 1, col), 2);
             memcpy(&hi, src + SrcLayout::offset(row0 + 2 * e + 1, col), 2);
             words[e] = static_cast<unsigned>(lo) | static_cast<unsigned>(hi) << 16;
         }
+        ATTN_COUNT_SHARED(dst + CoreMatrixLayout<kRows>::offset(col, row0), 16);
         *reinterpret_cast<uint4*>(dst + CoreMatrixLayout<kRows>::offset(col, row0)) =
             make_uint4(words[0], words[1], words[2], words[3]);
     }

@@ -6,6 +6,7 @@ CUDA thread as a fiber, with real barrier, warp-collective and shared-memory sem
 arrays. See README.md, "The emulator", for what it models and what it does not.
 """
 from ._build import EmulatorCompileError, EmulatorError, compiler
+from ._counters import MemoryCounters, SiteCount, counting
 from ._module import SCHEDULES, Function, RawModule
 
 
@@ -15,4 +16,5 @@ def available() -> tuple[bool, str]:
     return (True, f"C++ compiler {cxx}") if cxx else (False, "no C++ compiler found (install g++ or set $CXX)")
 
 
-__all__ = ["EmulatorCompileError", "EmulatorError", "Function", "RawModule", "SCHEDULES", "available"]
+__all__ = ["EmulatorCompileError", "EmulatorError", "Function", "MemoryCounters", "RawModule", "SCHEDULES", "SiteCount",
+           "available", "counting"]

@@ -7,6 +7,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from . import _counters
 from ._build import EmulatorError, build
 
 SCHEDULES = {"forward": 0, "reverse": 1, "random": 2, "warps": 3, "warps_reverse": 4}
@@ -34,7 +35,9 @@ def _load(path: str) -> ctypes.CDLL:
     lib.emu_launch.restype = ctypes.c_int
     lib.emu_launch.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_uint), ctypes.c_size_t,
                                ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_ulonglong, ctypes.c_int,
-                               ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
+                               ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int,
+                               ctypes.POINTER(ctypes.c_ulonglong), ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_int,
+                               ctypes.c_char_p, ctypes.c_size_t]
     return lib
 
 
@@ -102,12 +105,20 @@ class Function:
         values = [self._argument(i, a, p) for i, (a, p) in enumerate(zip(args, self.params))]
         argv = (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(v) for v in values])
         error = ctypes.create_string_buffer(4096)
+        counters = _counters.active()
+        counted = ctypes.create_string_buffer(1 << 16 if counters else 1)
+        arrays = [a for a in args if isinstance(a, np.ndarray)]
+        bases = (ctypes.c_ulonglong * max(len(arrays), 1))(*[a.ctypes.data for a in arrays])
+        sizes = (ctypes.c_ulonglong * max(len(arrays), 1))(*[a.nbytes for a in arrays])
         status = self._lib.emu_launch(self._index, (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
                                       argv, SCHEDULES[schedule], int(seed) & (2**64 - 1),
                                       default_workers() if workers is None else int(workers), int(stack_size),
-                                      error, len(error))
+                                      error, len(error), int(counters is not None), bases, sizes, len(arrays),
+                                      counted, len(counted))
         if status:
             raise EmulatorError(f"{self.name}: {error.value.decode(errors='replace')}")
+        if counters is not None:
+            counters.add(self.name, counted.value.decode())
 
     @property
     def max_dynamic_shared_size_bytes(self) -> int:

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdarg>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <numeric>
@@ -15,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "emu_counters.h"
 #include "emu_fiber.h"
 #include "emu_types.h"
 
@@ -57,6 +59,7 @@ struct Fiber {
     unsigned async_groups_committed = 0;
     std::vector<DeferredWarpOp> deferred_ops;
     unsigned deferred_groups_committed = 0;
+    AccessLog log;  // counted memory accesses, when the launch counts them
 };
 
 // The last lane of `mask` to arrive computes the collective for all: `fn` gets every lane's
@@ -78,6 +81,12 @@ struct Launch {
     unsigned long long seed;
     size_t stack_bytes;
     unsigned long long blocks;
+    bool counting = false;
+    // The launch's array arguments (base, bytes), sorted: global addresses are counted as offsets
+    // into them, as if each array began on a cudaMalloc boundary (256 bytes) like on the GPU.
+    std::vector<std::pair<uintptr_t, size_t>> arrays;
+    std::mutex counter_mutex;
+    CounterTable counters;
     std::atomic<unsigned long long> next_block{0};
     std::atomic<bool> failed{false};
     std::mutex error_mutex;
@@ -248,6 +257,21 @@ inline void run_block(Launch& L, unsigned long long linear_block) {
     if (b.aborted) {
         std::lock_guard<std::mutex> lock(L.error_mutex);
         if (!L.failed.exchange(true)) L.error = b.error;
+    } else if (L.counting) {
+        CounterTable block_counters;
+        for (size_t first = 0; first < b.fibers.size(); first += 32) {
+            std::vector<const AccessLog*> logs;
+            for (size_t t = first; t < std::min(b.fibers.size(), first + 32); ++t) logs.push_back(&b.fibers[t].log);
+            count_warp(logs, block_counters);
+        }
+        std::lock_guard<std::mutex> lock(L.counter_mutex);
+        for (const auto& [site, totals] : block_counters) {
+            SiteTotals& into = L.counters[site];
+            into.accesses += totals.accesses;
+            into.lanes += totals.lanes;
+            into.cost.actual += totals.cost.actual;
+            into.cost.ideal += totals.cost.ideal;
+        }
     }
 }
 
@@ -298,6 +322,34 @@ inline void warp_collective(unsigned mask, void* operand, CollectiveFn fn, const
 }
 
 inline unsigned char* dynamic_shared() { return tl_block->dynamic_shared; }
+
+// Record one lane's access for the launch's counters (emu_counters.h), if it counts: `bytes` at
+// `address` in shared (kShared; kept as its offset, which decides the bank) or global memory.
+inline void count_access(int space, const void* address, unsigned bytes, const char* file, int line) {
+    Block* b = tl_block;
+    if (!b || !b->launch->counting) return;
+    Fiber* f = tl_fiber;
+    uintptr_t at = reinterpret_cast<uintptr_t>(address);
+    if (space == kShared) {
+        const unsigned char* c = static_cast<const unsigned char*>(address);
+        if (c < b->dynamic_shared || c + bytes > b->dynamic_shared + b->launch->shared_bytes)
+            fail(format("counted shared access of %u bytes at %p (%s:%d) is not in the block's %zu bytes of dynamic "
+                        "shared memory", bytes, address, file, line, b->launch->shared_bytes));
+        at = static_cast<uintptr_t>(c - b->dynamic_shared);
+    } else {
+        const auto& arrays = b->launch->arrays;
+        auto it = std::upper_bound(arrays.begin(), arrays.end(), std::make_pair(at, ~size_t(0)));
+        while (it != arrays.begin() && at + bytes > std::prev(it)->first + std::prev(it)->second) --it;  // views overlap
+        if (it == arrays.begin())
+            fail(format("counted global access of %u bytes at %p (%s:%d) is not inside an array argument", bytes,
+                        address, file, line));
+        --it;
+        // array i's byte j becomes i * 2^40 + j: distinct arrays never share a sector
+        at = (static_cast<uintptr_t>(it - arrays.begin()) << 40) + (at - it->first);
+    }
+    unsigned occurrence = f->log.seen[{file, line, space}]++;
+    f->log.accesses.push_back(Access{file, line, space, occurrence, f->linear & 31u, at, bytes});
+}
 
 // The shared-window address of a pointer into the block's dynamic shared memory (what
 // __cvta_generic_to_shared gives on the GPU, where dynamic shared memory starts at 0 for kernels
@@ -549,7 +601,10 @@ extern "C" __attribute__((visibility("default"))) int emu_kernel_params(int k, i
 extern "C" __attribute__((visibility("default"))) int emu_launch(int k, const unsigned* grid, const unsigned* block,
                                                                  size_t shared_bytes, void** args, int schedule,
                                                                  unsigned long long seed, int workers,
-                                                                 size_t stack_bytes, char* error, size_t error_size) {
+                                                                 size_t stack_bytes, char* error, size_t error_size,
+                                                                 int counting, const unsigned long long* array_bases,
+                                                                 const unsigned long long* array_bytes, int array_count,
+                                                                 char* counters, size_t counters_size) {
     emu::Launch L;
     L.invoke = emu_kernel_table[k].invoke;
     L.args = args;
@@ -560,11 +615,27 @@ extern "C" __attribute__((visibility("default"))) int emu_launch(int k, const un
     L.seed = seed;
     L.stack_bytes = stack_bytes;
     L.blocks = static_cast<unsigned long long>(grid[0]) * grid[1] * grid[2];
+    L.counting = counting != 0;
+    for (int i = 0; i < array_count; ++i) L.arrays.emplace_back(array_bases[i], array_bytes[i]);
+    std::sort(L.arrays.begin(), L.arrays.end());
     unsigned long long n = std::min<unsigned long long>(std::max(workers, 1), L.blocks);
     std::vector<std::thread> threads;
     for (unsigned long long i = 1; i < n; ++i) threads.emplace_back(emu::run_worker, &L);
     emu::run_worker(&L);
     for (std::thread& t : threads) t.join();
+    if (L.counting && !L.failed) {
+        // One line per site: file, line, space, warp-wide accesses, lane accesses, actual, ideal.
+        std::string text;
+        for (const auto& [site, totals] : L.counters)
+            text += emu::format("%s\t%d\t%d\t%llu\t%llu\t%llu\t%llu\n", std::get<0>(site).c_str(), std::get<1>(site),
+                                std::get<2>(site), totals.accesses, totals.lanes, totals.cost.actual, totals.cost.ideal);
+        if (text.size() >= counters_size) {
+            std::snprintf(error, error_size, "the counters of %zu sites do not fit their %zu-byte buffer",
+                          L.counters.size(), counters_size);
+            return 1;
+        }
+        std::memcpy(counters, text.c_str(), text.size() + 1);
+    }
     if (!L.failed) return 0;
     std::snprintf(error, error_size, "%s", L.error.c_str());
     return 1;
