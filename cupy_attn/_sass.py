@@ -8,11 +8,13 @@ Hot loop: every backward branch (a BRA to an earlier label) closes a loop; the h
 one holding the most tensor-core instructions (HMMA for mma.sync, HGMMA for wgmma), the
 innermost such loop where several hold as many. `loop_instructions` counts every instruction in
 it (all paths; a nested loop's body once). The per-iteration numbers come from the fastest path:
-the fewest instructions from the loop's head to its back-edge through every block that holds a
-tensor instruction, with each conditional branch free to go either way. Features a call does not
+the fewest instructions from the loop's head to its back-edge through every block that holds
+work each iteration does (a tensor instruction, an asynchronous copy or a 16-byte shared store),
+with each conditional branch free to go either way. Features a call does not
 use (masks, softcap, ALiBi, boundary tiles) sit behind branches such a path skips, so it is what
 an interior tile of a call without them issues; `path_instructions` and the per-class counts
-(ldsm, lds, sts, ldgsts, bar, mufu, atomics) are of that path.
+(ldsm, lds, sts, ldgsts, bar, mufu, atomics) are of that path. Instructions predicated on !PT
+(ptxas pads cp.async with never-executed loads) take issue slots but count in no class.
 
 The model (README, "Performance without a GPU"): one warp scheduler per SM sub-partition issues
 at most one instruction per cycle, and each of its warps issues every instruction of the loop
@@ -95,6 +97,7 @@ class Instruction:
     opcode: str  # with its modifiers, e.g. HMMA.16816.F32.BF16
     target: str | None = None  # a branch's label
     predicated: bool = False
+    never: bool = False  # predicated on !PT: issued (ptxas pads cp.async with such loads) but never executed
 
     @property
     def ends_block(self) -> bool:
@@ -129,7 +132,8 @@ def parse(text: str) -> tuple[list[Instruction], dict[str, int]]:
         target = _TARGET.search(operands) if opcode.startswith("BRA") else None
         # "@P0 BRA P1, `(L)" and "BRA P1, `(L)" branch on a predicate operand too
         predicated = bool(match.group(2)) or (target is not None and re.match(r"\s*!?U?P[0-9],", operands) is not None)
-        instructions.append(Instruction(offset, opcode, target.group(1) if target else None, predicated))
+        never = (match.group(2) or "").strip() == "@!PT"
+        instructions.append(Instruction(offset, opcode, target.group(1) if target else None, predicated, never))
     if not instructions:
         raise SassError("nvdisasm printed no instructions")
     return instructions, labels
@@ -175,7 +179,10 @@ def _is_tensor(instruction: Instruction) -> bool:
 
 
 def _is_steady(instruction: Instruction) -> bool:
-    return instruction.opcode.startswith(TENSOR_OPCODES + ("LDGSTS",))
+    """Work every iteration does: tensor instructions, asynchronous copies (the next tile) and
+    16-byte shared stores (transposes, staging through registers)."""
+    return not instruction.never and (instruction.opcode.startswith(TENSOR_OPCODES + ("LDGSTS",))
+                                      or instruction.opcode == "STS.128")
 
 
 def fastest_path(body: list[Instruction], labels: dict[str, int]) -> list[Instruction] | None:
@@ -203,8 +210,7 @@ def fastest_path(body: list[Instruction], labels: dict[str, int]) -> list[Instru
             nexts.append(start_of[labels[end.target]])
         return nexts
 
-    # Shortest paths through the blocks that every steady-state iteration runs, one leg at a time:
-    # those holding tensor instructions or asynchronous copies (the next tile's load).
+    # Shortest paths through the blocks that every steady-state iteration runs, one leg at a time.
     waypoints = [0] + [n for n, block in enumerate(blocks) if any(map(_is_steady, block)) and n] + [len(blocks) - 1]
     path = [0]
     for source, goal in zip(waypoints, waypoints[1:]):
@@ -240,7 +246,8 @@ def hot_loop_report(instructions: list[Instruction], labels: dict[str, int], arc
         raise SassError(f"no path through the hot loop at {body[0].offset:#x} passes all its tensor instructions")
     report = LoopReport(loop_instructions=len(body), path_instructions=len(path))
     report.tensor_instructions = dict(Counter(i.opcode for i in path if _is_tensor(i)))
-    report.counts = dict(Counter(COUNTED[i.opcode.split(".")[0]] for i in path if i.opcode.split(".")[0] in COUNTED))
+    report.counts = dict(Counter(COUNTED[i.opcode.split(".")[0]] for i in path
+                                 if i.opcode.split(".")[0] in COUNTED and not i.never))
     report.tensor_cycles = sum(n * tensor_cycles(op, arch) for op, n in report.tensor_instructions.items())
     report.issue_per_tensor = report.path_instructions / report.tensor_cycles
     return report

@@ -14,39 +14,75 @@ struct TcLayout {
     static constexpr int kStride = kHeadDim + 8;  // halves per shared-memory row (+16 bytes)
 };
 
+// How a staging loop spreads a tile's 16-byte chunks over the block's kThreads threads: in passes
+// of kRowsPerPass rows x kChunksPerPass chunks, kColumnPasses of them side by side, each thread
+// moving the chunk at first_chunk's (row, column) plus a whole pass's rows and columns per step.
+// A layout's offsets are additive over such steps, so a thread computes its addresses once.
+
 // wgmma's K-major layout without swizzle for a tile of kCols 16-bit columns: 8x8 core matrices
 // of 128 contiguous bytes, consecutive along the columns (LBO = 128 bytes), then along the rows
 // (SBO = 16·kCols bytes). offset(r, c) is the element offset of (r, c).
+// Staging: a quarter-warp's 8 lanes fill one core matrix (rows r..r+7 of one chunk column: 128
+// contiguous bytes, free of bank conflicts, where consecutive chunks of a row would be 128 bytes
+// apart on the same 4 banks); a warp 8 rows x 4 chunks (64 contiguous bytes of each row: whole
+// sectors); the 4 warps side by side along the columns as far as they go.
 template <int kCols>
 struct CoreMatrixLayout {
     static constexpr unsigned kLbo = 128, kSbo = 16 * kCols;
     static __device__ __forceinline__ int offset(int r, int c) {
         return (r / 8) * (8 * kCols) + (c / 8) * 64 + (r % 8) * 8 + c % 8;
     }
+    static constexpr int kWarpsAcross = kCols / 32 < kThreads / 32 ? kCols / 32 : kThreads / 32;
+    static constexpr int kChunksPerPass = 4 * kWarpsAcross;
+    static constexpr int kRowsPerPass = kWarpsAcross ? 8 * (kThreads / 32) / kWarpsAcross : 0;
+    static constexpr int kColumnPasses = kChunksPerPass ? kCols / 8 / kChunksPerPass : 0;
+    static __device__ __forceinline__ void first_chunk(int thread, int& r, int& c) {
+        const int lane = thread % 32, warp = thread / 32;
+        r = (warp / kWarpsAcross) * 8 + lane % 8;
+        c = ((warp % kWarpsAcross) * 4 + lane / 8) * 8;
+    }
 };
 
-// Row-major rows of kHeadDim + 8 elements (the mma.sync kernels' ldmatrix layout).
+// Row-major rows of kHeadDim + 8 elements (the mma.sync kernels' ldmatrix layout). Staging:
+// consecutive threads along a row, contiguous in global and in shared memory.
 template <int kHeadDim>
 struct PaddedRowLayout {
     static __device__ __forceinline__ int offset(int r, int c) { return r * TcLayout<kHeadDim>::kStride + c; }
+    static constexpr int kChunksPerPass = kHeadDim / 8;
+    static constexpr int kRowsPerPass = kThreads / kChunksPerPass;
+    static constexpr int kColumnPasses = 1;
+    static __device__ __forceinline__ void first_chunk(int thread, int& r, int& c) {
+        r = thread / kChunksPerPass;
+        c = (thread % kChunksPerPass) * 8;
+    }
 };
 
 // Stage rows [row0, row0 + kRows) x kHeadDim of a 16-bit matrix in shared memory laid out by
 // Layout: 16-byte chunks by cp.async where the source allows it (`vectorised`: aligned base and
 // strides), element by element otherwise; zeros past `rows` and `dims`. The caller commits and
-// waits.
+// waits. Each thread computes its addresses once and advances them by constants.
 template <int kRows, int kHeadDim, class Layout = PaddedRowLayout<kHeadDim>, class T>
 __device__ __forceinline__ void stage_async(T* dst, const T* src, long long row_stride, int row0, int rows, int dims,
                                             bool vectorised) {
-    constexpr int kChunks = kHeadDim / 8;
-    for (int idx = threadIdx.x; idx < kRows * kChunks; idx += kThreads) {
-        const int r = idx / kChunks, c = (idx % kChunks) * 8;
-        T* d = dst + Layout::offset(r, c);
-        const T* s = src + (row0 + r) * row_stride + c;
-        if (vectorised && row0 + r < rows && c + 8 <= dims) {
-            ptx::cp_async<16>(d, s);
-        } else {
-            for (int e = 0; e < 8; ++e) d[e] = (row0 + r < rows && c + e < dims) ? s[e] : from_float<T>(0.f);
+    static_assert(Layout::kRowsPerPass > 0 && kRows % Layout::kRowsPerPass == 0 &&
+                  Layout::kColumnPasses * Layout::kChunksPerPass * 8 == kHeadDim, "whole passes cover the tile");
+    int r0, c0;
+    Layout::first_chunk(threadIdx.x, r0, c0);
+    T* const d0 = dst + Layout::offset(r0, c0);
+    const T* const s0 = src + (row0 + r0) * row_stride + c0;
+#pragma unroll
+    for (int pass_c = 0; pass_c < Layout::kColumnPasses; ++pass_c) {
+#pragma unroll
+        for (int pass_r = 0; pass_r < kRows / Layout::kRowsPerPass; ++pass_r) {
+            const int dr = pass_r * Layout::kRowsPerPass, dc = pass_c * Layout::kChunksPerPass * 8;
+            T* d = d0 + Layout::offset(dr, dc);
+            const T* s = s0 + dr * row_stride + dc;
+            const bool row_in = row0 + r0 + dr < rows;
+            if (vectorised && row_in && c0 + dc + 8 <= dims) {
+                ptx::cp_async<16>(d, s);
+            } else {
+                for (int e = 0; e < 8; ++e) d[e] = (row_in && c0 + dc + e < dims) ? s[e] : from_float<T>(0.f);
+            }
         }
     }
 }

@@ -77,6 +77,13 @@ def test_hot_loop_is_the_innermost_with_the_most_tensor_instructions():
     assert r.issue_per_tensor == pytest.approx(4 / 128)
 
 
+def test_never_executed_padding_takes_a_slot_but_counts_in_no_class():
+    text = FEATURE_BEHIND_A_BRANCH.replace("/*0060*/                   MUFU.EX2 R3, R3 ;",
+                                           "/*0060*/              @!PT LDS RZ, [RZ] ;")
+    r = report(text, "sm_80")
+    assert r.path_instructions == 5 and r.counts == {"ldsm": 1}
+
+
 def test_counters_cover_atomics_and_stores():
     instructions, _ = _sass.parse(NESTED)
     counted = [_sass.COUNTED.get(i.opcode.split(".")[0]) for i in instructions]
