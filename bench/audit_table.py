@@ -5,7 +5,8 @@ counters, occupancy by calculation.
     python -m cupy_attn kernels --memory --json > memory.json
     python bench/audit_table.py kernels.json memory.json
 
-fp16, D = 64/128/256, each tensor-core kernel family. Occupancy on sm_90 (65,536 registers,
+fp16, D = 64/128/256, each tensor-core kernel family; the plain build (what a call without
+softcap, ALiBi or a mask runs), with the general build's instruction counts beside it. Occupancy on sm_90 (65,536 registers,
 228 KB shared memory per SM, 1 KB of it reserved per block, registers allocated per warp in
 units of 256): blocks of 4 warps per SM, the lesser of what registers and shared memory allow.
 """
@@ -42,19 +43,24 @@ def table(rows: list[dict]) -> str:
     kinds = (("forward", "attention_fwd_tc<", "mma.sync"), ("forward", "attention_fwd_wgmma<", "wgmma"),
              ("dK/dV", "attention_bwd_dkdv_tc<", "mma.sync"), ("dK/dV", "attention_bwd_dkdv_wgmma<", "wgmma"),
              ("dQ", "attention_bwd_dq_tc<", "mma.sync"))
-    lines = ["| kernel | D | arch | path / loop instructions | tensor instructions | ldsm | lds | sts | bar | mufu "
-             "| issue_per_tensor | registers | blocks (warps) per SM |", "|" + "---|" * 13]
+    lines = ["| kernel | D | arch | path / loop instructions | with softcap, ALiBi, masks built in | tensor instructions "
+             "| ldsm | lds | sts | bar | mufu | issue_per_tensor | registers | blocks (warps) per SM |", "|" + "---|" * 14]
+    general = {(r["name"], r["arch"]): r for r in rows if r.get("features") == "all"}
     for pass_, prefix, family in kinds:
         for d in (64, 128, 256):
             for r in rows:
                 head = f"{prefix}__half, {d}"
                 if r["dtype"] != "float16" or not r["name"].startswith(head) or r["name"][len(head)] not in ",>":
                     continue
+                if r.get("features", "plain") != "plain":
+                    continue
+                other = general.get((r["name"], r["arch"]))
+                built_in = f"{other['path_instructions']} / {other['loop_instructions']}" if other else "—"
                 tensors = ", ".join(f"{n} {op}" for op, n in r["tensor_instructions"].items())
                 blocks = blocks_per_sm(r["registers"], sizes[r["name"]])
                 occupancy = f"{blocks} ({blocks * _config.THREADS // 32})" if r["arch"] != "sm_80" else "—"
                 lines.append(f"| {pass_} ({family}) | {d} | {r['arch']} | {r['path_instructions']} / {r['loop_instructions']} "
-                             f"| {tensors} | {r['ldsm']} | {r['lds']} | {r['sts']} | {r['bar']} | {r['mufu']} "
+                             f"| {built_in} | {tensors} | {r['ldsm']} | {r['lds']} | {r['sts']} | {r['bar']} | {r['mufu']} "
                              f"| {r['issue_per_tensor']:.2f} | {r['registers']} | {occupancy} |")
     return "\n".join(lines)
 

@@ -509,7 +509,8 @@ def compile_times() -> list[dict]:
     rows = []
     for filename, name, dtype in _config.kernel_variants("sm_90"):
         arch = _config.FILE_ARCH.get(filename, "sm_90")
-        c = _nvrtc.compile_kernel(_compile.kernel_source(filename), name, arch, _compile.gpu_build_options(filename))
+        c = _nvrtc.compile_kernel(_compile.kernel_source(filename), name, arch,
+                                  _compile.gpu_build_options(filename, _config.PLAIN_FEATURES))
         rows.append({"kernel": name, "nvrtc_cold_s": round(c.compile_seconds, 3)})
         print(f"{name:<58} NVRTC cold {c.compile_seconds:6.2f} s", flush=True)
     if _backends.cuda_status()[0]:

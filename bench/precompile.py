@@ -22,17 +22,18 @@ from cupy_attn import _compile, _config, _nvrtc  # noqa: E402
 
 
 def compile_on_gpu(variant: tuple) -> tuple[str, float]:
-    filename, name = variant
+    filename, name, features = variant
     start = time.perf_counter()
-    _compile.function("cuda", filename, name)
-    return name, time.perf_counter() - start
+    _compile.function("cuda", filename, name, features=features)
+    return f"{name} [{features}]", time.perf_counter() - start
 
 
 def compile_without_gpu(variant: tuple) -> tuple[str, float]:
-    filename, name = variant
+    filename, name, features = variant
     arch = _config.FILE_ARCH.get(filename, "sm_90")
-    result = _nvrtc.compile_kernel(_compile.kernel_source(filename), name, arch, _compile.gpu_build_options(filename))
-    return name, result.compile_seconds
+    result = _nvrtc.compile_kernel(_compile.kernel_source(filename), name, arch,
+                                   _compile.gpu_build_options(filename, features))
+    return f"{name} [{features}]", result.compile_seconds
 
 
 def main(argv=None) -> int:
@@ -46,7 +47,9 @@ def main(argv=None) -> int:
         import cupy
 
         arch, work = f"sm_{cupy.cuda.Device().compute_capability}", compile_on_gpu
-    variants = [(filename, name) for filename, name, _ in _config.kernel_variants(arch)]
+    # Both score-feature builds of every variant (plain calls and calls with softcap, ALiBi or a mask).
+    variants = [(filename, name, features) for filename, name, _ in _config.kernel_variants(arch)
+                for features in _config.FEATURE_LEVELS]
     if args.dry_run:
         variants = variants[:2]
     start = time.perf_counter()

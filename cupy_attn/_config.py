@@ -249,6 +249,15 @@ HOPPER_BACKWARD_TILES = (
     HopperBackwardTile(128, 32, "128 + 32 accumulators per thread; 102 KB shared"),
 )
 # Kernel files that only compile for one architecture, and that architecture.
+# Score features a module is built for (-DATTN_SCORE_FEATURES, kernels/mask.cuh): a call with no
+# softcap, ALiBi or mask runs the PLAIN module, whose loops carry no trace of them (the SASS audit's
+# fastest path at D = 128 on sm_90: 815 instructions per key tile instead of 1037); any of them
+# selects the module that decides each at run time. Two builds per kernel at most, not one per
+# combination: each build costs a compile (and on the emulator a g++ run).
+PLAIN_FEATURES, ALL_FEATURES = 0, 7
+FEATURE_LEVELS = (PLAIN_FEATURES, ALL_FEATURES)
+
+
 # The compute capability whose kernels a GPU runs when CUPY_ATTN_COMPUTE_CAPABILITY is unset,
 # where measurement found another family faster than the GPU's own. On an H200 (bench/RESULTS.md,
 # 2026-11-30) the mma.sync kernels beat the wgmma ones in all 80 benchmark cases (wgmma at

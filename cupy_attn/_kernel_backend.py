@@ -73,10 +73,18 @@ def _lengths(problem: Problem, lengths, full: int):
     return xp.ascontiguousarray(lengths, dtype=np.int32)
 
 
-def _launch(target: str, filename: str, name: str, grid, args, shared_bytes: int = 0):
+def score_features(problem: Problem) -> int:
+    """The module a call needs: PLAIN without softcap, ALiBi and mask, else ALL (kernels/mask.cuh)."""
+    p = problem
+    used = (p.softcap is not None and p.softcap > 0) or p.alibi_slopes is not None or p.mask is not None
+    return _config.ALL_FEATURES if used else _config.PLAIN_FEATURES
+
+
+def _launch(target: str, filename: str, name: str, grid, args, shared_bytes: int = 0, *,
+            features: int = _config.ALL_FEATURES):
     if 0 in grid:
         return  # nothing to compute (an empty batch, head or sequence axis)
-    fn = _compile.function(target, filename, name)
+    fn = _compile.function(target, filename, name, features=features)
     if shared_bytes > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_bytes:
         fn.max_dynamic_shared_size_bytes = shared_bytes
     block = (_config.THREADS,)
@@ -157,7 +165,8 @@ def forward(problem: Problem, q, k, v, *, target: str):
     # The tensor-core kernels take a `vectorised` flag after lse; the fp32 kernel does not.
     flags = () if isinstance(tile, _config.ForwardTile) else (_vector_flags(q, k, v),)
     args = (q, k, v, out, lse, *flags, *_common_args(p, q, k, v, out))
-    _launch(target, tile.filename, tile.name_expression(p.dtype), grid, args, tile.shared_bytes)
+    _launch(target, tile.filename, tile.name_expression(p.dtype), grid, args, tile.shared_bytes,
+            features=score_features(p))
     return out, lse
 
 
@@ -200,21 +209,24 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     dk = _empty(xp, (b, h, sk, p.head_dim), np.float32)
     dv = _empty(xp, (b, h, sk, p.head_dim_v), np.float32)
     common = _common_args(p, q, k, v, dout)
+    features = score_features(p)
     dkdv_grid = (_blocks(sk, tile.block_n), h, b)
     if not isinstance(tile, _config.BackwardTile):  # tensor cores: mma.sync or wgmma
         vectorised = _vector_flags(q, k, v, dout)
         _launch(target, tile.filename, tile.name_expression(p.dtype), dkdv_grid,
-                (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), vectorised, *common), tile.shared_bytes)
+                (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), vectorised, *common), tile.shared_bytes,
+                features=features)
         if deterministic:
             dq_tile = _config.tensor_core_dq_tile(p.head_dim, p.head_dim_v)
             _launch(target, "attention_bwd_tc.cu", dq_tile.dq_name(p.dtype), (_blocks(sq, dq_tile.block_m), h, b),
-                    (q, k, v, dout, lse, delta, dq, vectorised, *common), dq_tile.dq_shared_bytes)
+                    (q, k, v, dout, lse, delta, dq, vectorised, *common), dq_tile.dq_shared_bytes, features=features)
     else:
         _launch(target, "attention_bwd.cu", tile.dkdv_name(p.dtype), dkdv_grid,
-                (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), *common), tile.dkdv_shared_bytes)
+                (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), *common), tile.dkdv_shared_bytes,
+                features=features)
         if deterministic:
             _launch(target, "attention_bwd.cu", tile.dq_name(p.dtype), (_blocks(sq, tile.dq_block_m), h, b),
-                    (q, k, v, dout, lse, delta, dq, *common), tile.dq_shared_bytes)
+                    (q, k, v, dout, lse, delta, dq, *common), tile.dq_shared_bytes, features=features)
     if p.groups > 1:
         dk = dk.reshape(b, p.kv_heads, p.groups, sk, p.head_dim).sum(axis=2)
         dv = dv.reshape(b, p.kv_heads, p.groups, sk, p.head_dim_v).sum(axis=2)

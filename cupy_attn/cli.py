@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import re
@@ -136,11 +137,13 @@ def kernels(args) -> int:
     if args.memory:
         return memory(args)
     rows = []
+    levels = {"plain": _config.PLAIN_FEATURES, "all": _config.ALL_FEATURES}
     for requested in args.arch:
-        for filename, name, dtype in _config.kernel_variants(requested):
+        for (filename, name, dtype), features in itertools.product(_config.kernel_variants(requested), args.features):
             arch = _config.FILE_ARCH.get(filename, requested)
-            c = _nvrtc.compile_kernel(_compile.kernel_source(filename), name, arch, _compile.gpu_build_options(filename))
-            row = {"name": name, "dtype": str(dtype), "arch": arch, "registers": c.registers,
+            c = _nvrtc.compile_kernel(_compile.kernel_source(filename), name, arch,
+                                      _compile.gpu_build_options(filename, levels[features]))
+            row = {"name": name, "features": features, "dtype": str(dtype), "arch": arch, "registers": c.registers,
                    "spill_stores": c.spill_stores, "spill_loads": c.spill_loads, "stack_frame_bytes": c.stack_frame_bytes,
                    "static_shared_bytes": c.static_shared_bytes, "compile_seconds": round(c.compile_seconds, 3),
                    "advisories": _sass.advisories(c.log)}
@@ -150,17 +153,17 @@ def kernels(args) -> int:
             if args.ptx_dir:
                 args.ptx_dir.mkdir(parents=True, exist_ok=True)
                 stem = "_".join(re.findall(r"\w+", name))
-                (args.ptx_dir / f"{stem}_{dtype}_{arch}.ptx").write_text(c.ptx)
+                (args.ptx_dir / f"{stem}_{dtype}_{arch}_{features}.ptx").write_text(c.ptx)
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
         print(f"NVRTC {_nvrtc.version()}")
         sass = f" {'loop':>5} {'path':>5} {'tensor':>6} {'ldsm':>4} {'lds':>4} {'sts':>4} {'ldgsts':>6} {'bar':>3} " \
                f"{'mufu':>4} {'atom':>4} {'issue/tensor':>12}" if args.sass else ""
-        print(f"{'kernel':<58} {'arch':<7} {'regs':>4} {'spill st':>8} {'spill ld':>8} {'stack':>5} {'static smem':>11} "
+        print(f"{'kernel':<58} {'features':<8} {'arch':<7} {'regs':>4} {'spill st':>8} {'spill ld':>8} {'stack':>5} {'static smem':>11} "
               f"{'s':>6}{sass}")
         for r in rows:
-            line = (f"{r['name']:<58} {r['arch']:<7} {r['registers']:>4} {r['spill_stores']:>8} {r['spill_loads']:>8} "
+            line = (f"{r['name']:<58} {r['features']:<8} {r['arch']:<7} {r['registers']:>4} {r['spill_stores']:>8} {r['spill_loads']:>8} "
                     f"{r['stack_frame_bytes']:>5} {r['static_shared_bytes']:>11} {r['compile_seconds']:>6.2f}")
             if args.sass:
                 ratio = "—" if r["issue_per_tensor"] is None else f"{r['issue_per_tensor']:.2f}"
@@ -188,6 +191,9 @@ def main(argv=None) -> int:
     k.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"], choices=("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a"))
     k.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     k.add_argument("--ptx-dir", type=Path, help="write each variant's PTX here")
+    k.add_argument("--features", nargs="+", default=["plain", "all"], choices=("plain", "all"),
+                   help="score-feature builds to compile: plain (no softcap, ALiBi or mask: what a plain call runs) "
+                        "and all (decided at run time)")
     k.add_argument("--memory", action="store_true",
                    help="run the tensor-core kernels (fp16, D = 64 and 128, both families) on the emulator and report "
                         "shared-memory wavefronts and global sectors against their minimum, per kernel and access site")

@@ -7,6 +7,18 @@
 
 namespace attn {
 
+// The score features a module is compiled with (-DATTN_SCORE_FEATURES, chosen per call by the
+// launcher): a call without softcap, ALiBi or a mask runs a module built with 0, whose loops
+// carry no trace of them; any of them selects the module that decides each at run time. A
+// module asked to compute a feature it was built without traps rather than ignore it.
+enum : int { kFeatureSoftcap = 1, kFeatureAlibi = 2, kFeatureMask = 4, kAllFeatures = 7 };
+#ifndef ATTN_SCORE_FEATURES
+#define ATTN_SCORE_FEATURES 7
+#endif
+constexpr int kScoreFeatures = ATTN_SCORE_FEATURES;
+constexpr bool kSoftcapBuilt = kScoreFeatures & kFeatureSoftcap, kAlibiBuilt = kScoreFeatures & kFeatureAlibi,
+               kMaskBuilt = kScoreFeatures & kFeatureMask;
+
 struct ScoreTransform {
     float scale_log2;      // scale · log2 e (no softcap)
     float scale_over_cap;  // scale / c
@@ -15,11 +27,13 @@ struct ScoreTransform {
     bool softcap;
 
     __device__ __forceinline__ ScoreTransform(const Params& p, const BlockInfo& b) {
-        softcap = p.softcap > 0.f;
+        if ((!kSoftcapBuilt && p.softcap > 0.f) || (!kAlibiBuilt && p.has_alibi) || (!kMaskBuilt && p.mask_kind != kMaskNone))
+            __trap();
+        softcap = kSoftcapBuilt && p.softcap > 0.f;
         scale_log2 = p.scale * kLog2e;
         scale_over_cap = softcap ? p.scale / p.softcap : 0.f;
         cap_log2 = p.softcap * kLog2e;
-        slope_log2 = p.has_alibi ? p.alibi_slopes[b.bidb * p.heads + b.bidh] * kLog2e : 0.f;
+        slope_log2 = kAlibiBuilt && p.has_alibi ? p.alibi_slopes[b.bidb * p.heads + b.bidh] * kLog2e : 0.f;
     }
 
     // d(natural-log score)/d(q·k·scale): 1, or 1 - tanh² through the softcap.
@@ -41,8 +55,8 @@ struct ScoreTransform {
             if (!keep) return -infinity();
         }
         float s = softcap ? cap_log2 * tanhf(qk * scale_over_cap) : qk * scale_log2;
-        if (p.has_alibi) s -= slope_log2 * fabsf(static_cast<float>(i + b.diag_offset - j));
-        if (p.mask_kind != kMaskNone) {
+        if (kAlibiBuilt && p.has_alibi) s -= slope_log2 * fabsf(static_cast<float>(i + b.diag_offset - j));
+        if (kMaskBuilt && p.mask_kind != kMaskNone) {
             long long at = b.bidb * p.mask_stride_b + b.bidh * p.mask_stride_h + i * p.mask_stride_q + j * p.mask_stride_k;
             if (p.mask_kind == kMaskBool) {
                 if (!static_cast<const unsigned char*>(p.mask)[at]) return -infinity();

@@ -55,7 +55,7 @@ def launched_kernels(monkeypatch) -> list:
 
     launched = []
     real_function = _compile.function
-    monkeypatch.setattr(_compile, "function", lambda target, f, name: launched.append(name) or real_function(target, f, name))
+    monkeypatch.setattr(_compile, "function", lambda target, f, name, **kw: launched.append(name) or real_function(target, f, name, **kw))
     return launched
 
 

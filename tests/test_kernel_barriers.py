@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cupy_attn
-from cupy_attn import _compile, _kernel_backend
+from cupy_attn import _compile, _config, _kernel_backend
 from cupy_attn.emulator import RawModule
 from helpers import random_qkv
 
@@ -58,10 +58,11 @@ def test_removing_a_barrier_breaks_a_kernel(monkeypatch, filename, at, barrier):
     mutated = source[:at] + source[at + len(barrier):]
     real_function = _compile.function
 
-    def function(target, name, name_expression):
+    def function(target, name, name_expression, features=_config.ALL_FEATURES):
         if name != filename:
-            return real_function(target, name, name_expression)
-        return RawModule(mutated, name_expressions=[name_expression]).get_function(name_expression)
+            return real_function(target, name, name_expression, features=features)
+        return RawModule(mutated, options=_compile.feature_options(features),
+                         name_expressions=[name_expression]).get_function(name_expression)
 
     monkeypatch.setattr(_compile, "function", function)
     monkeypatch.setattr(_kernel_backend, "POISON_OUTPUTS", True)

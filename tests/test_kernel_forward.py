@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import cupy_attn
-from cupy_attn import _compile, _kernel_backend, reference
+from cupy_attn import _compile, _config, _kernel_backend, _problem, reference
 from helpers import BF16, assert_close, random_qkv
 from test_forward import FEATURES, feature_keywords
 
@@ -141,7 +141,7 @@ def test_compute_capability_selects_the_forward(monkeypatch):
     keeps the CUDA-core kernel everywhere."""
     launched = []
     real_function = _compile.function
-    monkeypatch.setattr(_compile, "function", lambda target, f, name: launched.append(name) or real_function(target, f, name))
+    monkeypatch.setattr(_compile, "function", lambda target, f, name, **kw: launched.append(name) or real_function(target, f, name, **kw))
     q, k, v = random_qkv(np.random.default_rng(13), d=64, dtype=np.float16)
     for capability, dtype, kernel in ((90, np.float16, "attention_fwd_wgmma<__half, 64>"),
                                       (90, BF16, "attention_fwd_wgmma<__nv_bfloat16, 64>"),
@@ -156,7 +156,7 @@ def test_compute_capability_selects_the_forward(monkeypatch):
 def test_environment_chooses_the_compute_capability(monkeypatch):
     launched = []
     real_function = _compile.function
-    monkeypatch.setattr(_compile, "function", lambda target, f, name: launched.append(name) or real_function(target, f, name))
+    monkeypatch.setattr(_compile, "function", lambda target, f, name, **kw: launched.append(name) or real_function(target, f, name, **kw))
     q, k, v = random_qkv(np.random.default_rng(14), d=64, dtype=np.float16)
     for value, kernel in (("90", "attention_fwd_wgmma<__half, 64>"), ("80", "attention_fwd_tc<__half, 64, 64>"),
                           ("", "attention_fwd_tc<__half, 64, 64>")):
@@ -203,3 +203,33 @@ def test_head_dim_above_256_is_refused():
     q, k, v = random_qkv(np.random.default_rng(0), d=264)
     with pytest.raises(ValueError, match="head dims up to 256"):
         cupy_attn.attention(q, k, v, backend="emulator")
+
+
+@pytest.mark.parametrize("feature", [None, "softcap", "alibi", "bool mask", "float mask"])
+def test_a_call_runs_the_build_of_the_features_it_uses(monkeypatch, feature):
+    """A plain call runs the module built without softcap, ALiBi and masks; any of them selects
+    the module that decides them at run time."""
+    built = []
+    real_function = _compile.function
+    monkeypatch.setattr(_compile, "function", lambda target, f, name, **kw: built.append(kw["features"])
+                        or real_function(target, f, name, **kw))
+    rng = np.random.default_rng(15)
+    q, k, v = random_qkv(rng, b=1, h=2, sq=33, sk=70, d=64, dtype=np.float16)
+    kw = {None: {}, "softcap": dict(softcap=5.0), "alibi": dict(alibi_slopes=np.array([0.5, 0.25])),
+          "bool mask": dict(mask=rng.random((33, 70)) < 0.7), "float mask": dict(mask=rng.standard_normal((33, 70)))}[feature]
+    check(q, k, v, np.dtype(np.float16), **kw)
+    assert built == [_config.PLAIN_FEATURES if feature is None else _config.ALL_FEATURES]
+
+
+def test_a_plain_build_refuses_a_feature_it_was_built_without():
+    """Launched by hand with softcap on, the plain build traps instead of ignoring it."""
+    from cupy_attn import emulator
+
+    q, k, v = random_qkv(np.random.default_rng(16), b=1, h=1, sq=16, sk=16, d=64, dtype=np.float16)
+    problem = _problem.make_problem(q, k, v, softcap=5.0, backend="emulator")
+    tile = _config.forward_tile(64, 64, np.float16)
+    plain = _compile.function("emulator", tile.filename, tile.name_expression(np.float16), features=_config.PLAIN_FEATURES)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_compile, "function", lambda target, f, name, **kw: plain)
+        with pytest.raises(emulator.EmulatorError, match="__trap"):
+            _kernel_backend.forward(problem, q, k, v, target="emulator")
