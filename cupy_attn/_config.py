@@ -139,8 +139,9 @@ TENSOR_CORE_DTYPES = (np.dtype(np.float16), BFLOAT16)
 
 @dataclass(frozen=True)
 class HopperTile:
-    """The fp16/bf16 forward on wgmma (sm_90a), chosen on compute capability 9.0: one warpgroup
-    per 64 query rows, 64-key tiles, P·V in 64-dim instructions (so head dims pad to 64)."""
+    """The fp16/bf16 forward on wgmma (sm_90a), chosen for compute capability 9.0 (which runs it
+    when asked for: DEFAULT_KERNELS_FOR): one warpgroup per 64 query rows, 64-key tiles, P·V in
+    64-dim instructions (so head dims pad to 64)."""
 
     filename: ClassVar[str] = "attention_fwd_wgmma.cu"
 
@@ -218,8 +219,8 @@ TENSOR_CORE_BACKWARD_TILES = (
 
 @dataclass(frozen=True)
 class HopperBackwardTile:
-    """The fp16/bf16 dK/dV kernel on wgmma (sm_90a), chosen on compute capability 9.0 for head
-    dims up to 128: one warpgroup per 64 keys, block_m query rows per step, Q and dO in two
+    """The fp16/bf16 dK/dV kernel on wgmma (sm_90a), chosen for compute capability 9.0 (when asked
+    for: DEFAULT_KERNELS_FOR) for head dims up to 128: one warpgroup per 64 keys, block_m query rows per step, Q and dO in two
     stages. Its dq goes by atomics, or comes from the deterministic tensor-core dQ kernel."""
 
     filename: ClassVar[str] = "attention_bwd_wgmma.cu"
