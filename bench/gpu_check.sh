@@ -2,7 +2,7 @@
 # One command for a lent GPU: GPU tests, compute-sanitizer, benchmark and Nsight Compute. Installs
 # nothing; runs from the source tree with the machine's python3, CuPy, PyTorch and JAX.
 #
-#   bash bench/gpu_check.sh OUTDIR [--only tests,sanitize,bench] [--bench-budget S] [--full] [--dry-run]
+#   bash bench/gpu_check.sh OUTDIR [--only tests,sanitize,bench,sweep] [--bench-budget S] [--full] [--dry-run]
 #
 # Every run first compiles all kernel variants in parallel into CuPy's disk cache (precompile.py),
 # so no timed step compiles. Steps:
@@ -11,6 +11,9 @@
 #   bench     bench/bench_attention.py against SDPA's flash/cuDNN/efficient and JAX (stops starting
 #             cases after --bench-budget seconds), then ncu on one forward and one dK/dV launch per
 #             kernel family (bench/ncu_cases.py)
+#   sweep     (only when named) bench/tile_sweep.py: candidate tiles of the default kernels, each
+#             checked against the reference, then timed (stops starting candidates after
+#             --bench-budget seconds)
 # Each step has its own time limit, so a device call of "--only tests,sanitize" stays under about
 # 5 minutes and "--only bench" under --bench-budget + 2 minutes. Writes logs, results.json, PNGs and
 # the ncu report to OUTDIR and prints a one-screen summary last. Exits non-zero when a GPU test or
@@ -36,7 +39,7 @@ while [ $# -gt 0 ]; do
     shift
 done
 for step in ${steps//,/ }; do
-    case "$step" in tests|sanitize|bench) ;; *) echo "unknown step: $step (tests, sanitize, bench)" >&2; exit 2 ;; esac
+    case "$step" in tests|sanitize|bench|sweep) ;; *) echo "unknown step: $step (tests, sanitize, bench, sweep)" >&2; exit 2 ;; esac
 done
 run() { case ",$steps," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 cd "$(dirname "$0")/.."
@@ -126,6 +129,18 @@ if run bench; then
         "$ncu" --import "$out/ncu.ncu-rep" --page details > "$out/ncu_details.txt" 2>> "$out/ncu.log"
     else
         note "ncu not found"
+    fi
+fi
+if run sweep; then
+    note "== tile sweep (budget ${budget} s)"
+    if [ -n "$dry" ]; then
+        $py bench/tile_sweep.py --dry-run > "$out/sweep.log" 2>&1 || status=1
+        tail -n 1 "$out/sweep.log" | tee -a "$out/summary.txt"
+    else
+        timeout $((budget + 120)) $py bench/tile_sweep.py --out "$out" --budget-s "$budget" > "$out/sweep.log" 2>&1 \
+            || note "tile sweep exit $?"
+        grep -E "^REJECTED|^budget" "$out/sweep.log" | tee -a "$out/summary.txt"
+        sed -n '/best tile per case/,$p' "$out/sweep.log" | tee -a "$out/summary.txt"
     fi
 fi
 if [ -n "$dry" ]; then
