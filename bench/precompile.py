@@ -36,6 +36,18 @@ def compile_without_gpu(variant: tuple) -> tuple[str, float]:
     return f"{name} [{features}]", result.compile_seconds
 
 
+def compile_in_parallel(work, variants: list, jobs: int, verbose: bool = False) -> float:
+    """Run work(variant) for every (filename, name expression, features) variant in a pool of
+    `jobs` processes; the wall time it took."""
+    start = time.perf_counter()
+    # spawn: each worker opens its own CUDA context (a forked CUDA context is unusable)
+    with ProcessPoolExecutor(max_workers=max(1, min(jobs, len(variants))), mp_context=get_context("spawn")) as pool:
+        for name, seconds in pool.map(work, variants):
+            if verbose:
+                print(f"{name:<58} {seconds:6.2f} s", flush=True)
+    return time.perf_counter() - start
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
@@ -52,13 +64,8 @@ def main(argv=None) -> int:
                 for features in _config.FEATURE_LEVELS]
     if args.dry_run:
         variants = variants[:2]
-    start = time.perf_counter()
-    # spawn: each worker opens its own CUDA context (a forked CUDA context is unusable)
-    with ProcessPoolExecutor(max_workers=max(1, min(args.jobs, len(variants))), mp_context=get_context("spawn")) as pool:
-        for name, seconds in pool.map(work, variants):
-            print(f"{name:<58} {seconds:6.2f} s", flush=True)
-    print(f"compiled {len(variants)} variants for {arch} in {time.perf_counter() - start:.1f} s wall "
-          f"with {args.jobs} jobs")
+    seconds = compile_in_parallel(work, variants, args.jobs, verbose=True)
+    print(f"compiled {len(variants)} variants for {arch} in {seconds:.1f} s wall with {args.jobs} jobs")
     return 0
 
 

@@ -113,16 +113,12 @@ def check(pass_: str, tile, rng) -> None:
 def precompile_candidates() -> None:
     """Every candidate's kernel into CuPy's disk cache, in parallel, before anything is timed."""
     import os
-    from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
 
-    from precompile import compile_on_gpu
+    from precompile import compile_in_parallel, compile_on_gpu
 
     variants = sorted({(t.filename, t.name_expression(_config.BFLOAT16), _config.PLAIN_FEATURES) for _, _, t in candidates()})
-    start = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=os.cpu_count(), mp_context=get_context("spawn")) as pool:
-        list(pool.map(compile_on_gpu, variants))
-    print(f"compiled {len(variants)} candidate kernels in {time.perf_counter() - start:.1f} s", flush=True)
+    seconds = compile_in_parallel(compile_on_gpu, variants, os.cpu_count())
+    print(f"compiled {len(variants)} candidate kernels in {seconds:.1f} s", flush=True)
 
 
 def sweep(args) -> int:

@@ -27,7 +27,7 @@ CUPY_ADDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
 
 def feature_options(features: int) -> tuple:
     """The -D that builds a module for a set of score features (kernels/mask.cuh)."""
-    if features not in (_config.PLAIN_FEATURES, _config.ALL_FEATURES):
+    if features not in _config.FEATURE_LEVELS:
         raise ValueError(f"features must be _config.PLAIN_FEATURES or _config.ALL_FEATURES, got {features!r}")
     return (f"-DATTN_SCORE_FEATURES={features}",)
 

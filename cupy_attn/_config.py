@@ -220,8 +220,9 @@ TENSOR_CORE_BACKWARD_TILES = (
 @dataclass(frozen=True)
 class HopperBackwardTile:
     """The fp16/bf16 dK/dV kernel on wgmma (sm_90a), chosen for compute capability 9.0 (when asked
-    for: DEFAULT_KERNELS_FOR) for head dims up to 128: one warpgroup per 64 keys, block_m query rows per step, Q and dO in two
-    stages. Its dq goes by atomics, or comes from the deterministic tensor-core dQ kernel."""
+    for: DEFAULT_KERNELS_FOR) for head dims up to 128: one warpgroup per 64 keys, block_m query
+    rows per step, Q and dO in two stages. Its dq goes by atomics, or comes from the deterministic
+    tensor-core dQ kernel."""
 
     filename: ClassVar[str] = "attention_bwd_wgmma.cu"
 
@@ -249,7 +250,6 @@ HOPPER_BACKWARD_TILES = (
     HopperBackwardTile(64, 64, "64 + 64 accumulators per thread; 83 KB shared"),
     HopperBackwardTile(128, 32, "128 + 32 accumulators per thread; 102 KB shared"),
 )
-# Kernel files that only compile for one architecture, and that architecture.
 # Score features a module is built for (-DATTN_SCORE_FEATURES, kernels/mask.cuh): a call with no
 # softcap, ALiBi or mask runs the PLAIN module, whose loops carry no trace of them (the SASS audit's
 # fastest path at D = 128 on sm_90: 815 instructions per key tile instead of 1037); any of them
@@ -267,7 +267,7 @@ FEATURE_LEVELS = (PLAIN_FEATURES, ALL_FEATURES)
 # CUPY_ATTN_COMPUTE_CAPABILITY=90 asks for the wgmma kernels.
 DEFAULT_KERNELS_FOR = {90: 80}
 
-
+# Kernel files that only compile for one architecture, and that architecture.
 FILE_ARCH = {"attention_fwd_wgmma.cu": HOPPER_ARCH, "attention_bwd_wgmma.cu": HOPPER_ARCH}
 
 

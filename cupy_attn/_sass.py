@@ -19,7 +19,7 @@ an interior tile of a call without them issues; `path_instructions` and the per-
 The model (README, "Performance without a GPU"): one warp scheduler per SM sub-partition issues
 at most one instruction per cycle, and each of its warps issues every instruction of the loop
 once per iteration; one warp's tensor-core instruction keeps that sub-partition's tensor core busy
-for TENSOR_CYCLES cycles. Both sides grow with the warps per scheduler alike, so
+for its multiply-adds over FMA_PER_CYCLE cycles. Both sides grow with the warps per scheduler alike, so
 
     issue_per_tensor = path instructions / tensor-core cycles of the path's tensor instructions
 
@@ -187,7 +187,7 @@ def _is_steady(instruction: Instruction) -> bool:
 
 def fastest_path(body: list[Instruction], labels: dict[str, int]) -> list[Instruction] | None:
     """The fewest instructions from body[0] to the back-edge at body[-1] that pass every basic block
-    holding a tensor instruction; None if no such path. Forward edges only (a nested loop's
+    holding steady-state work (_is_steady); None if no such path. Forward edges only (a nested loop's
     back-edge is not taken, so its body counts once); edges out of the body end nowhere."""
     first, last = body[0].offset, body[-1].offset
     leaders = {first} | {o for o in labels.values() if first <= o <= last}

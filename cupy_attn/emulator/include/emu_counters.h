@@ -89,6 +89,13 @@ struct SiteTotals {
     unsigned long long accesses = 0;  // warp-wide
     unsigned long long lanes = 0;     // lane accesses in them
     CostPair cost;                    // wavefronts (shared) or sectors (global)
+
+    void add(unsigned long long more_accesses, unsigned long long more_lanes, CostPair more) {
+        accesses += more_accesses;
+        lanes += more_lanes;
+        cost.actual += more.actual;
+        cost.ideal += more.ideal;
+    }
 };
 
 using CounterTable = std::map<std::tuple<std::string, int, int>, SiteTotals>;
@@ -101,12 +108,7 @@ inline void count_warp(const std::vector<const AccessLog*>& lane_logs, CounterTa
             warp_accesses[{a.file, a.line, a.space, a.occurrence}].push_back(LaneAccess{a.lane, a.address, a.bytes});
     for (const auto& [key, lanes] : warp_accesses) {
         const auto& [file, line, space, occurrence] = key;
-        CostPair cost = space == kShared ? shared_wavefronts(lanes) : global_sectors(lanes);
-        SiteTotals& site = table[{file, line, space}];
-        site.accesses += 1;
-        site.lanes += lanes.size();
-        site.cost.actual += cost.actual;
-        site.cost.ideal += cost.ideal;
+        table[{file, line, space}].add(1, lanes.size(), space == kShared ? shared_wavefronts(lanes) : global_sectors(lanes));
     }
 }
 

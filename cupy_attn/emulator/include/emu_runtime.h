@@ -265,13 +265,7 @@ inline void run_block(Launch& L, unsigned long long linear_block) {
             count_warp(logs, block_counters);
         }
         std::lock_guard<std::mutex> lock(L.counter_mutex);
-        for (const auto& [site, totals] : block_counters) {
-            SiteTotals& into = L.counters[site];
-            into.accesses += totals.accesses;
-            into.lanes += totals.lanes;
-            into.cost.actual += totals.cost.actual;
-            into.cost.ideal += totals.cost.ideal;
-        }
+        for (const auto& [site, totals] : block_counters) L.counters[site].add(totals.accesses, totals.lanes, totals.cost);
     }
 }
 
