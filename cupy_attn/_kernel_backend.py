@@ -46,9 +46,21 @@ def _last_dim_contiguous(xp, x):
 
 
 def _bhs_strides(problem: Problem, x) -> list:
-    """(batch, head, row) strides in elements, whatever the layout."""
+    """(batch, head, row) strides in elements, whatever the layout; a packed (total, H, D) tensor
+    has batch stride 0 (each sequence's first row comes from cu_seqlens)."""
     s = [st // x.itemsize for st in x.strides]
+    if problem.packing is not None:
+        return [I64(0), I64(s[1]), I64(s[0])]
     return [I64(s[0]), I64(s[1]), I64(s[2])] if problem.layout == "bhsd" else [I64(s[0]), I64(s[2]), I64(s[1])]
+
+
+def _packing_args(problem: Problem) -> tuple:
+    """q_starts, kv_starts, packed, total_q, total_k of ATTN_PARAMS."""
+    pack = problem.packing
+    if pack is None:
+        unused = problem.xp.zeros(1, dtype=np.int32)
+        return unused, unused, I32(0), I32(0), I32(0)
+    return pack.cu_seqlens_q[:-1], pack.cu_seqlens_k[:-1], I32(1), I32(pack.total_q), I32(pack.total_k)
 
 
 def _mask_arguments(problem: Problem):
@@ -107,7 +119,7 @@ def _common_args(problem: Problem, q, k, v, fourth) -> tuple:
     slopes = p.xp.zeros(1, np.float32) if p.alibi_slopes is None else p.xp.ascontiguousarray(p.alibi_slopes, dtype=np.float32)
     left, right = p.window if p.window is not None else (None, None)
     return (
-        _lengths(p, p.q_lengths, p.seq_q), _lengths(p, p.kv_lengths, p.seq_k), slopes, mask,
+        _lengths(p, p.q_lengths, p.seq_q), _lengths(p, p.kv_lengths, p.seq_k), *_packing_args(p), slopes, mask,
         I32(p.heads), I32(p.groups), I32(p.seq_q), I32(p.seq_k), I32(p.head_dim), I32(p.head_dim_v),
         *_bhs_strides(p, q), *_bhs_strides(p, k), *_bhs_strides(p, v), *_bhs_strides(p, fourth),
         *mask_strides, mask_kind,
@@ -180,15 +192,29 @@ def _copies_in_16_bytes(x) -> bool:
     """Whether every row of x starts 16-byte aligned, so the tensor-core kernel may copy 8-element
     chunks with cp.async (else it copies element by element)."""
     pointer = x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
-    return pointer % 16 == 0 and all((st // x.itemsize) % 8 == 0 for st in x.strides[:3])
+    return pointer % 16 == 0 and all((st // x.itemsize) % 8 == 0 for st in x.strides[:-1])
 
 
-def _to_layout(problem: Problem, x_bhsd, dtype):
-    """A float32 (B, H, S, D) result -> the caller's layout and dtype, contiguous."""
-    xp = problem.xp
-    if problem.layout == "bshd":
-        x_bhsd = x_bhsd.transpose(0, 2, 1, 3)
-    return xp.ascontiguousarray(x_bhsd.astype(dtype, copy=False))
+def _per_head(problem: Problem, rows: int, dims: int, zeroed: bool = False):
+    """A float32 buffer of one row per (query head, row): (B, H, rows, dims), or (H, total rows,
+    dims) for a packed batch (kernels/block_info.cuh, HeadView.stats and .key_stats)."""
+    p, xp = problem, problem.xp
+    shape = (p.heads, rows, dims) if p.packing is not None else (p.batch, p.heads, rows, dims)
+    return xp.zeros(shape, np.float32) if zeroed else _empty(xp, shape, np.float32)
+
+
+def _from_per_head(problem: Problem, x, dtype, *, sum_groups: bool = False):
+    """A float32 per-head buffer (`_per_head`; with sum_groups, summed over each GQA group to
+    one kv head) -> the caller's layout and dtype, contiguous."""
+    p, xp = problem, problem.xp
+    if sum_groups and p.groups > 1:
+        grouped = x.shape[:-3] + (p.kv_heads, p.groups) + x.shape[-2:]
+        x = x.reshape(grouped).sum(axis=-3)
+    if p.packing is not None:
+        x = x.transpose(1, 0, 2)
+    elif p.layout == "bshd":
+        x = x.transpose(0, 2, 1, 3)
+    return xp.ascontiguousarray(x.astype(dtype, copy=False))
 
 
 def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, deterministic: bool):
@@ -199,15 +225,18 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     lse = xp.ascontiguousarray(lse, dtype=np.float32)
     b, h, sq, sk = p.batch, p.heads, p.seq_q, p.seq_k
 
+    # delta = rowsum(dO ∘ O), one per lse entry; a packed batch is one sequence of total_q rows here.
     delta = _empty(xp, p.lse_shape, np.float32)
-    _launch(target, "attention_bwd.cu", _config.preprocess_name(p.dtype), (_blocks(sq, _config.THREADS), h, b),
-            (dout, out, delta, I32(h), I32(sq), I32(p.head_dim_v), *_bhs_strides(p, dout), *_bhs_strides(p, out)))
+    rows_q, batches = (p.packing.total_q, 1) if p.packing is not None else (sq, b)
+    _launch(target, "attention_bwd.cu", _config.preprocess_name(p.dtype), (_blocks(rows_q, _config.THREADS), h, batches),
+            (dout, out, delta, I32(h), I32(rows_q), I32(p.head_dim_v), *_bhs_strides(p, dout), *_bhs_strides(p, out)))
 
     # dQ in float32: summed by atomics (zero-initialised), or written once per row by the
-    # deterministic dQ kernel. dK, dV per query head; each GQA group is summed below.
-    dq = _empty(xp, (b, h, sq, p.head_dim), np.float32) if deterministic else xp.zeros((b, h, sq, p.head_dim), np.float32)
-    dk = _empty(xp, (b, h, sk, p.head_dim), np.float32)
-    dv = _empty(xp, (b, h, sk, p.head_dim_v), np.float32)
+    # deterministic dQ kernel. dK, dV per query head; each GQA group is summed at the end.
+    rows_k = p.packing.total_k if p.packing is not None else sk
+    dq = _per_head(p, rows_q, p.head_dim, zeroed=not deterministic)
+    dk = _per_head(p, rows_k, p.head_dim)
+    dv = _per_head(p, rows_k, p.head_dim_v)
     common = _common_args(p, q, k, v, dout)
     features = score_features(p)
     dkdv_grid = (_blocks(sk, tile.block_n), h, b)
@@ -227,7 +256,5 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
         if deterministic:
             _launch(target, "attention_bwd.cu", tile.dq_name(p.dtype), (_blocks(sq, tile.dq_block_m), h, b),
                     (q, k, v, dout, lse, delta, dq, *common), tile.dq_shared_bytes, features=features)
-    if p.groups > 1:
-        dk = dk.reshape(b, p.kv_heads, p.groups, sk, p.head_dim).sum(axis=2)
-        dv = dv.reshape(b, p.kv_heads, p.groups, sk, p.head_dim_v).sum(axis=2)
-    return _to_layout(p, dq, p.dtype), _to_layout(p, dk, p.dtype), _to_layout(p, dv, p.dtype)
+    return (_from_per_head(p, dq, p.dtype), _from_per_head(p, dk, p.dtype, sum_groups=True),
+            _from_per_head(p, dv, p.dtype, sum_groups=True))

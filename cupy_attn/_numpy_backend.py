@@ -13,6 +13,8 @@ worker threads on top of it measured slower (they oversubscribe the cores).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ._problem import Problem
@@ -140,7 +142,43 @@ class _Tiles:
                 yield (j0, j1) + tile
 
 
+def _sequences(problem: Problem):
+    """A packed batch as one single-sequence problem per sequence: (problem, q rows, kv rows)."""
+    p = problem
+    cu_q, cu_k = (np.asarray(cu, dtype=np.int64) for cu in (p.packing.cu_seqlens_q, p.packing.cu_seqlens_k))
+    for b in range(p.batch):
+        rows_q, rows_k = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        slopes = None if p.alibi_slopes is None else p.alibi_slopes[b:b + 1]
+        one = dataclasses.replace(p, layout="bshd", batch=1, seq_q=int(cu_q[b + 1] - cu_q[b]),
+                                  seq_k=int(cu_k[b + 1] - cu_k[b]), q_lengths=None, kv_lengths=None,
+                                  alibi_slopes=slopes, packing=None)
+        yield one, rows_q, rows_k
+
+
+def _packed_forward(problem: Problem, q, k, v):
+    """Sequence by sequence: nothing is padded, and no sequence sees another's rows."""
+    p = problem
+    out = np.empty(p.out_shape, dtype=p.dtype)
+    lse = np.empty(p.lse_shape, dtype=p.compute_dtype)
+    for one, rows_q, rows_k in _sequences(p):
+        o, l = forward(one, q[None, rows_q], k[None, rows_k], v[None, rows_k])
+        out[rows_q], lse[:, rows_q] = o[0], l[0]
+    return out, lse
+
+
+def _packed_backward(problem: Problem, dout, q, k, v, out, lse):
+    p = problem
+    dq, dk, dv = (np.empty(x.shape, dtype=p.dtype) for x in (q, k, v))
+    for one, rows_q, rows_k in _sequences(p):
+        dq[rows_q], dk[rows_k], dv[rows_k] = (g[0] for g in backward(
+            one, dout[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k], out[None, rows_q],
+            lse[None, :, rows_q]))
+    return dq, dk, dv
+
+
 def forward(problem: Problem, q, k, v):
+    if problem.packing is not None:
+        return _packed_forward(problem, q, k, v)
     p = problem
     t = _Tiles(p, q, k, v)
     out = np.empty((p.batch, p.kv_heads, p.groups, p.seq_q, p.head_dim_v), dtype=p.compute_dtype)
@@ -178,6 +216,8 @@ def forward(problem: Problem, q, k, v):
 
 
 def backward(problem: Problem, dout, q, k, v, out, lse):
+    if problem.packing is not None:
+        return _packed_backward(problem, dout, q, k, v, out, lse)
     p = problem
     t = _Tiles(p, q, k, v)
     ct = p.compute_dtype

@@ -21,8 +21,20 @@ from ._arrays import (
 )
 
 LAYOUTS = ("bhsd", "bshd")
+PACKED_LAYOUT = "thd"  # attention_varlen: (total, H, D), sequences one after another
 CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
 BACKENDS = ("auto", "numpy", "cuda", "emulator")
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where each sequence of a packed (variable-length) batch lies: sequence b owns rows
+    [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and out, and the same of cu_seqlens_k in k, v."""
+
+    cu_seqlens_q: object  # (B + 1,) int32 array of the inputs' library
+    cu_seqlens_k: object
+    total_q: int
+    total_k: int
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,9 @@ class Problem:
     alibi_slopes: object | None  # (B, H) array in the compute dtype, or None
     mask: object | None  # bool or float array broadcastable to (B, H, Sq, Sk)
     backend: str
+    # A packed batch (layout "thd"): seq_q, seq_k are then the longest lengths, q_lengths and
+    # kv_lengths the lengths of every sequence.
+    packing: Packing | None = None
 
     @property
     def groups(self) -> int:
@@ -60,10 +75,14 @@ class Problem:
 
     @property
     def out_shape(self) -> tuple[int, ...]:
+        if self.packing is not None:
+            return (self.packing.total_q, self.heads, self.head_dim_v)
         return self.to_layout((self.batch, self.heads, self.seq_q, self.head_dim_v))
 
     @property
-    def lse_shape(self) -> tuple[int, int, int]:
+    def lse_shape(self) -> tuple[int, ...]:
+        if self.packing is not None:
+            return (self.heads, self.packing.total_q)
         return (self.batch, self.heads, self.seq_q)
 
     def to_layout(self, bhsd_shape):
@@ -185,10 +204,8 @@ def _mask(mask, xp, target: tuple[int, int, int, int]):
     return mask
 
 
-def make_problem(q, k, v, *, mask=None, causal=False, window=None, q_lengths=None, kv_lengths=None,
-                 scale=None, softcap=None, alibi_slopes=None, layout="bhsd", backend="auto") -> Problem:
-    layout = check_choice("layout", layout, LAYOUTS)
-    backend = check_choice("backend", backend, BACKENDS)
+def _tensors(q, k, v):
+    """The array module and dtype q, k and v share."""
     xp = require_array("q", q)
     require_array("k", k, xp)
     require_array("v", v, xp)
@@ -196,34 +213,121 @@ def make_problem(q, k, v, *, mask=None, causal=False, window=None, q_lengths=Non
     for name, x in (("k", k), ("v", v)):
         if np.dtype(x.dtype) != dtype:
             raise TypeError(f"{name} has dtype {x.dtype} but q has {dtype}; q, k and v must share one dtype")
-    b, h, sq, d = _bhsd("q", q, layout)
-    bk, hkv, sk, dk = _bhsd("k", k, layout)
-    bv, hv, sv, dv = _bhsd("v", v, layout)
-    if not b == bk == bv:
-        raise ValueError(f"batch sizes differ: q has {b}, k has {bk}, v has {bv}")
+    return xp, dtype
+
+
+def _check_heads_and_dims(rows_name: str, q_shape, k_shape, v_shape) -> None:
+    """(heads, rows, head dim) of q, k, v: k and v agree, heads group evenly, dims match."""
+    (h, _, d), (hkv, sk, dk), (hv, sv, dv) = q_shape, k_shape, v_shape
     if hkv != hv:
         raise ValueError(f"k has {hkv} heads but v has {hv}; they must match")
     if sk != sv:
-        raise ValueError(f"k has sequence length {sk} but v has {sv}; they must match")
+        raise ValueError(f"k has {rows_name} {sk} but v has {sv}; they must match")
     if d != dk:
         raise ValueError(f"q has head dim {d} but k has {dk}; they must match")
     if d == 0 or dv == 0:
         raise ValueError(f"head dims must be at least 1, got D = {d}, Dv = {dv}")
     if hkv == 0 or h % hkv:
         raise ValueError(f"q's {h} heads must be a multiple of k/v's {hkv} heads (GQA/MQA)")
-    return Problem(
-        xp=xp, layout=layout, batch=b, heads=h, kv_heads=hkv, seq_q=sq, seq_k=sk,
-        head_dim=d, head_dim_v=dv, dtype=dtype,
+
+
+def _features(problem_fields: dict, xp, batch: int, heads: int, dtype, head_dim: int, *, causal, window, scale,
+              softcap, alibi_slopes) -> dict:
+    """The keywords every attention function shares, validated."""
+    return dict(
+        problem_fields,
         causal=_causal(causal),
         window=_window(window),
+        scale=1.0 / math.sqrt(head_dim) if scale is None else _positive_real("scale", scale),
+        softcap=None if softcap is None else _positive_real("softcap", softcap),
+        alibi_slopes=_alibi(alibi_slopes, xp, batch, heads, dtype),
+    )
+
+
+def _packed(name: str, x, heads_name: str) -> tuple[int, int, int]:
+    if x.ndim != 3:
+        raise ValueError(f"{name} must be 3-D (total, {heads_name}, D) for packed sequences, got shape {tuple(x.shape)}")
+    return tuple(int(n) for n in x.shape)
+
+
+def _cu_seqlens(name: str, cu, xp, total: int, total_name: str):
+    """Validated cumulative sequence starts, (B + 1,) int32, and the lengths they imply."""
+    if module_of(cu) is None:
+        if isinstance(cu, (list, tuple)) and all(is_integer(c) for c in cu):
+            cu = xp.asarray(np.asarray(cu, dtype=np.int32))
+        else:
+            raise TypeError(f"{name} must be an int32 array of shape (B + 1,), got {describe(cu)}")
+    require_array(name, cu, xp)
+    if cu.dtype != np.int32:
+        raise TypeError(f"{name} must have dtype int32 (as FlashAttention's cu_seqlens), got {cu.dtype}")
+    if cu.ndim != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{name} must have shape (B + 1,) with B >= 0, got {tuple(cu.shape)}")
+    host = np.asarray(cu.get() if xp is not np else cu, dtype=np.int64)
+    if host[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {name}[0] = {host[0]}")
+    steps = np.diff(host)
+    if steps.size and steps.min() < 0:
+        at = int(np.argmin(steps))
+        raise ValueError(f"{name} must be non-decreasing, got {name}[{at}] = {host[at]} > {name}[{at + 1}] = {host[at + 1]}")
+    if host[-1] != total:
+        raise ValueError(f"{name}[-1] = {host[-1]} must equal {total_name} = {total}")
+    return cu, xp.asarray(steps)
+
+
+def _max_seqlen(name: str, value, lengths, cu_name: str) -> int:
+    if not is_integer(value) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    longest = int(lengths.max()) if lengths.size else 0
+    if value < longest:
+        raise ValueError(f"{name} = {value} is less than the longest sequence in {cu_name} ({longest})")
+    return int(value)
+
+
+def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                        window=None, scale=None, softcap=None, alibi_slopes=None, backend="auto") -> Problem:
+    """A packed batch: q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv)."""
+    backend = check_choice("backend", backend, BACKENDS)
+    xp, dtype = _tensors(q, k, v)
+    total_q, h, d = _packed("q", q, "H")
+    total_k, hkv, dk = _packed("k", k, "Hkv")
+    total_v, hv, dv = _packed("v", v, "Hkv")
+    _check_heads_and_dims("total rows", (h, total_q, d), (hkv, total_k, dk), (hv, total_v, dv))
+    cu_q, q_lengths = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, xp, total_q, "q.shape[0]")
+    cu_k, kv_lengths = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, xp, total_k, "k.shape[0]")
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both have B + 1 entries, got {cu_q.shape[0]} and {cu_k.shape[0]}")
+    batch = cu_q.shape[0] - 1
+    fields = dict(
+        xp=xp, layout=PACKED_LAYOUT, batch=batch, heads=h, kv_heads=hkv,
+        seq_q=_max_seqlen("max_seqlen_q", max_seqlen_q, q_lengths, "cu_seqlens_q"),
+        seq_k=_max_seqlen("max_seqlen_k", max_seqlen_k, kv_lengths, "cu_seqlens_k"),
+        head_dim=d, head_dim_v=dv, dtype=dtype, q_lengths=q_lengths, kv_lengths=kv_lengths, mask=None,
+        backend=backend, packing=Packing(cu_q, cu_k, total_q, total_k),
+    )
+    return Problem(**_features(fields, xp, batch, h, dtype, d, causal=causal, window=window, scale=scale,
+                               softcap=softcap, alibi_slopes=alibi_slopes))
+
+
+def make_problem(q, k, v, *, mask=None, causal=False, window=None, q_lengths=None, kv_lengths=None,
+                 scale=None, softcap=None, alibi_slopes=None, layout="bhsd", backend="auto") -> Problem:
+    layout = check_choice("layout", layout, LAYOUTS)
+    backend = check_choice("backend", backend, BACKENDS)
+    xp, dtype = _tensors(q, k, v)
+    b, h, sq, d = _bhsd("q", q, layout)
+    bk, hkv, sk, _ = _bhsd("k", k, layout)
+    bv, _, _, dv = _bhsd("v", v, layout)
+    if not b == bk == bv:
+        raise ValueError(f"batch sizes differ: q has {b}, k has {bk}, v has {bv}")
+    _check_heads_and_dims("sequence length", (h, sq, d), _bhsd("k", k, layout)[1:], _bhsd("v", v, layout)[1:])
+    fields = dict(
+        xp=xp, layout=layout, batch=b, heads=h, kv_heads=hkv, seq_q=sq, seq_k=sk, head_dim=d, head_dim_v=dv,
+        dtype=dtype,
         q_lengths=_lengths("q_lengths", q_lengths, xp, b, sq, "Sq"),
         kv_lengths=_lengths("kv_lengths", kv_lengths, xp, b, sk, "Sk"),
-        scale=1.0 / math.sqrt(d) if scale is None else _positive_real("scale", scale),
-        softcap=None if softcap is None else _positive_real("softcap", softcap),
-        alibi_slopes=_alibi(alibi_slopes, xp, b, h, dtype),
-        mask=_mask(mask, xp, (b, h, sq, sk)),
-        backend=backend,
+        mask=_mask(mask, xp, (b, h, sq, sk)), backend=backend,
     )
+    return Problem(**_features(fields, xp, b, h, dtype, d, causal=causal, window=window, scale=scale,
+                               softcap=softcap, alibi_slopes=alibi_slopes))
 
 
 def check_backward_inputs(problem: Problem, dout, out, lse) -> None:
@@ -237,6 +341,7 @@ def check_backward_inputs(problem: Problem, dout, out, lse) -> None:
             raise TypeError(f"{name} must have q's dtype {problem.dtype}, got {x.dtype}")
     require_array("lse", lse, xp)
     if tuple(lse.shape) != problem.lse_shape:
-        raise ValueError(f"lse must have shape (B, H, Sq) = {problem.lse_shape}, got {tuple(lse.shape)}")
+        names = "(H, total_q)" if problem.packing is not None else "(B, H, Sq)"
+        raise ValueError(f"lse must have shape {names} = {problem.lse_shape}, got {tuple(lse.shape)}")
     if np.dtype(lse.dtype) != problem.compute_dtype:
         raise TypeError(f"lse must be {problem.compute_dtype} (as returned by attention), got {lse.dtype}")

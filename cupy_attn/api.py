@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from . import _backends, _interop
-from ._problem import check_backward_inputs, make_problem
+from ._problem import check_backward_inputs, make_problem, make_varlen_problem
 
 _SEMANTICS = """
     Shapes (layout "bhsd"; with layout "bshd" swap the S and H axes of q, k, v, out):
@@ -89,3 +89,68 @@ attention_backward.__doc__ = """Gradients (dq, dk, dv) of attention, from the fo
     separate kernel without atomics: bit-identical results run to run, at the cost of
     recomputing the scores once more. The NumPy backend is always deterministic.
 """ + _SEMANTICS
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                     window=None, scale=None, softcap=None, alibi_slopes=None, return_lse=False, backend="auto"):
+    framework, lead = _interop.lead(q, k, v)
+    with _interop.caller_stream(framework, lead):
+        q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes = map(
+            _interop.to_backend, (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes))
+        problem = make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      causal=causal, window=window, scale=scale, softcap=softcap,
+                                      alibi_slopes=alibi_slopes, backend=backend)
+        out, lse = _backends.forward(_backends.select(problem), problem, q, k, v)
+        out, lse = (_interop.to_framework(framework, x) for x in (out, lse))
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                              causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
+                              backend="auto", deterministic=False):
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    framework, lead = _interop.lead(q, k, v)
+    with _interop.caller_stream(framework, lead):
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = map(
+            _interop.to_backend, (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes))
+        problem = make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      causal=causal, window=window, scale=scale, softcap=softcap,
+                                      alibi_slopes=alibi_slopes, backend=backend)
+        check_backward_inputs(problem, dout, out, lse)
+        grads = _backends.backward(_backends.select(problem), problem, dout, q, k, v, out, lse, deterministic)
+        return tuple(_interop.to_framework(framework, g) for g in grads)
+
+
+_VARLEN_SEMANTICS = """
+    Packed (variable-length) batches, FlashAttention's flash_attn_varlen_func: B sequences laid
+    one after another along the first axis, with no padding.
+
+        q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv); H a multiple of Hkv.
+        cu_seqlens_q, cu_seqlens_k: int32 (B + 1,), starting at 0, non-decreasing, ending at
+            total_q and total_k: sequence b owns q rows [cu_seqlens_q[b], cu_seqlens_q[b + 1])
+            and k, v rows [cu_seqlens_k[b], cu_seqlens_k[b + 1]). Empty sequences are allowed.
+        max_seqlen_q, max_seqlen_k: ints at least the longest sequence (they size the grid).
+        out (total_q, H, Dv) in q's dtype; lse (H, total_q), natural log, float32 (float64 for
+            float64 inputs).
+
+    Each sequence is attended on its own, exactly as `attention` attends one batch entry: the
+    kernels never read a row of another sequence. causal (True / "bottom_right" or "top_left"),
+    window, scale, softcap and alibi_slopes ((H,) or (B, H)) mean what they mean in `attention`,
+    with the alignment taken on each sequence's own lengths (bottom-right: the last query of a
+    sequence lines up with its last key). A query row with no key to attend (an empty key
+    sequence, or masked out) gives output 0 and lse −inf, and zero gradients.
+    Results are arrays of the inputs' library (NumPy, CuPy, PyTorch or JAX, as `attention`).
+"""
+
+attention_varlen.__doc__ = """Attention over a packed batch of variable-length sequences.
+
+    Returns out, or (out, lse) when return_lse is true.
+""" + _VARLEN_SEMANTICS
+
+attention_varlen_backward.__doc__ = """Gradients (dq, dk, dv) of `attention_varlen` from its out and lse.
+
+    dout has out's shape and dtype; the other arguments and keywords must be those of the forward
+    call. dq (total_q, H, D), dk (total_k, Hkv, D), dv (total_k, Hkv, Dv) in the input dtype; dk and
+    dv are summed over the query heads sharing a kv head. deterministic: as in `attention_backward`.
+""" + _VARLEN_SEMANTICS

@@ -7,9 +7,9 @@ namespace attn {
 
 // The per-row statistics the backward needs: lse in base 2 (or -inf) and delta.
 __device__ __forceinline__ void stage_row_stats(float* s_lse2, float* s_delta, const float* lse, const float* delta,
-                                                long long first_row, int m0, int block_m, int seq_q) {
+                                                long long first_row, int m0, int block_m, int rows) {
     for (int r = threadIdx.x; r < block_m; r += kThreads) {
-        bool valid = m0 + r < seq_q;
+        bool valid = m0 + r < rows;
         s_lse2[r] = valid ? lse[first_row + m0 + r] * kLog2e : -infinity();
         s_delta[r] = valid ? delta[first_row + m0 + r] : 0.f;
     }

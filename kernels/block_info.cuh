@@ -6,9 +6,20 @@ namespace attn {
 // The problem as the kernels see it. Strides are in elements; the last dimension of q, k, v and
 // out is contiguous. Lengths and ALiBi slopes are always given (full lengths, zero slopes when
 // unused) so the kernels need no null checks.
+//
+// Two ways to lay out a batch. Padded (packed = 0): entry b starts at b · batch stride and owns
+// seq_q query and seq_k key rows; rows past its lengths are padding, and outputs are written
+// for them (0). Packed (packed = 1, variable-length): the batch stride is 0, entry b owns the
+// rows [q_starts[b], q_starts[b] + q_lengths[b]) of a (total_q, H, D) tensor (keys likewise),
+// and rows past its lengths belong to the next sequence: they are never read nor written.
+// seq_q, seq_k are then the longest lengths (they size the grid); row statistics (lse, delta,
+// dQ) are (H, total_q) and the per-query-head dK, dV are (H, total_k).
 struct Params {
     const int* q_lengths;        // (B,)
     const int* kv_lengths;       // (B,)
+    const int* q_starts;         // (B,) first row of each entry; read only when packed
+    const int* kv_starts;        // (B,)
+    int packed, total_q, total_k;
     const float* alibi_slopes;   // (B, H), contiguous
     const void* mask;            // bool (uint8) or float32, read through mask strides
     int heads, kv_group, seq_q, seq_k, head_dim, head_dim_v;
@@ -34,12 +45,15 @@ __device__ __forceinline__ int right_reach(const Params& p) {
 struct BlockInfo {
     int bidh, bidb, bidh_kv;
     int q_len, kv_len;
-    int diag_offset;  // query i lines up with key i + diag_offset
+    int q_start, kv_start;  // first row of the entry along S (packed batches; 0 when padded)
+    int diag_offset;        // query i lines up with key i + diag_offset
 
     __device__ __forceinline__ BlockInfo(const Params& p, int bidh_, int bidb_)
         : bidh(bidh_), bidb(bidb_), bidh_kv(bidh_ / p.kv_group) {
         q_len = p.q_lengths[bidb];
         kv_len = p.kv_lengths[bidb];
+        q_start = p.packed ? p.q_starts[bidb] : 0;
+        kv_start = p.packed ? p.kv_starts[bidb] : 0;
         diag_offset = p.causal == kCausalTopLeft ? 0 : kv_len - q_len;
     }
 
@@ -92,18 +106,24 @@ struct BlockInfo {
 };
 
 // Where one (batch entry, head) starts in q, k, v and the fourth tensor (out or dout), in
-// elements, with their row strides; and its first row in the (B, H, Sq) lse and delta arrays.
+// elements, with their row strides; its first row in the row statistics (lse, delta, dQ: (B, H,
+// Sq) padded, (H, total_q) packed) and in the per-query-head dK, dV ((B, H, Sk) or (H, total_k));
+// and how many of its query and key rows are in memory: read only below these, write every one.
 struct HeadView {
     long long q, k, v, o;
     long long q_row, k_row, v_row, o_row;
-    long long stats;
+    long long stats, key_stats;
+    int q_end, kv_end;
 };
 
 __device__ __forceinline__ HeadView head_view(const Params& p, const BlockInfo& b, const long long (&s)[12]) {
-    return HeadView{b.bidb * s[0] + b.bidh * s[1], b.bidb * s[3] + b.bidh_kv * s[4],
-                    b.bidb * s[6] + b.bidh_kv * s[7], b.bidb * s[9] + b.bidh * s[10],
+    const long long bh = static_cast<long long>(b.bidb) * p.heads + b.bidh;
+    return HeadView{b.bidb * s[0] + b.bidh * s[1] + b.q_start * s[2], b.bidb * s[3] + b.bidh_kv * s[4] + b.kv_start * s[5],
+                    b.bidb * s[6] + b.bidh_kv * s[7] + b.kv_start * s[8], b.bidb * s[9] + b.bidh * s[10] + b.q_start * s[11],
                     s[2], s[5], s[8], s[11],
-                    (static_cast<long long>(b.bidb) * p.heads + b.bidh) * p.seq_q};
+                    p.packed ? static_cast<long long>(b.bidh) * p.total_q + b.q_start : bh * p.seq_q,
+                    p.packed ? static_cast<long long>(b.bidh) * p.total_k + b.kv_start : bh * p.seq_k,
+                    p.packed ? b.q_len : p.seq_q, p.packed ? b.kv_len : p.seq_k};
 }
 
 }  // namespace attn
@@ -112,15 +132,16 @@ __device__ __forceinline__ HeadView head_view(const Params& p, const BlockInfo& 
 // a Params and the stride table (q, k, v and a fourth tensor: out in the forward, dout in the
 // backward; batch, head, row strides each, in elements). One list, so the launcher builds it once.
 #define ATTN_PARAMS                                                                                              \
-    const int *q_lengths, const int *kv_lengths, const float *alibi_slopes, const void *mask, int heads,         \
+    const int *q_lengths, const int *kv_lengths, const int *q_starts, const int *kv_starts, int packed,         \
+        int total_q, int total_k, const float *alibi_slopes, const void *mask, int heads,                          \
         int kv_group, int seq_q, int seq_k, int head_dim, int head_dim_v, long long q_sb, long long q_sh,        \
         long long q_sr, long long k_sb, long long k_sh, long long k_sr, long long v_sb, long long v_sh,          \
         long long v_sr, long long o_sb, long long o_sh, long long o_sr, long long mask_sb, long long mask_sh,    \
         long long mask_sq, long long mask_sk, int mask_kind, int causal, int window_left, int window_right,      \
         int has_alibi, float scale, float softcap
 #define ATTN_UNPACK_PARAMS                                                                                       \
-    const attn::Params p{q_lengths, kv_lengths, alibi_slopes, mask, heads, kv_group, seq_q, seq_k, head_dim,    \
-                         head_dim_v, mask_sb, mask_sh, mask_sq, mask_sk, mask_kind, causal, window_left,         \
+    const attn::Params p{q_lengths, kv_lengths, q_starts, kv_starts, packed, total_q, total_k, alibi_slopes,     \
+                         mask, heads, kv_group, seq_q, seq_k, head_dim, head_dim_v, mask_sb, mask_sh, mask_sq, mask_sk, mask_kind, causal, window_left,         \
                          window_right, has_alibi, scale, softcap};                                              \
     const long long strides[12] = {q_sb, q_sh, q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, o_sb, o_sh, o_sr}
 

@@ -61,7 +61,7 @@ __device__ __forceinline__ void atomic_dq(const Params& p, const HeadView& at, f
         for (int e = 0; e < 8; ++e) {
             const int i = m0 + rows + g + 8 * ((e % 4) / 2), col = (d + e / 4) * 8 + 2 * t + (e & 1);
             const float value = e < 4 ? c0[e] : c1[e - 4];
-            if (i < p.seq_q && col < p.head_dim) {
+            if (i < at.q_end && col < p.head_dim) {
                 ATTN_COUNT_GLOBAL(dq_accum + (at.stats + i) * p.head_dim + col, 4);
                 atomicAdd(dq_accum + (at.stats + i) * p.head_dim + col, value * p.scale);
             }
@@ -73,14 +73,14 @@ __device__ __forceinline__ void atomic_dq(const Params& p, const HeadView& at, f
 // dim0 + 8d + 2t (+1). Every key row inside the sequence is written, those no query could see
 // included (as 0).
 template <int kDTiles>
-__device__ __forceinline__ void store_dkdv(const Params& p, const BlockInfo& b, float* dk_part, float* dv_part,
+__device__ __forceinline__ void store_dkdv(const Params& p, const HeadView& at, float* dk_part, float* dv_part,
                                            const float (&dk)[kDTiles][4], const float (&dv)[kDTiles][4], int n0,
                                            int key0, int dim0, int g, int t) {
-    const long long key_rows = (static_cast<long long>(b.bidb) * p.heads + b.bidh) * p.seq_k + n0;
+    const long long key_rows = at.key_stats + n0;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
         const int key = key0 + g + 8 * (e / 2);
-        if (n0 + key >= p.seq_k) continue;
+        if (n0 + key >= at.kv_end) continue;
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
             const int col = dim0 + d * 8 + 2 * t + (e & 1);

@@ -45,7 +45,7 @@ __device__ __forceinline__ void store_rows(const Params& p, const HeadView& at, 
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int i = row_lo + 8 * r;
-        if (i >= p.seq_q) continue;
+        if (i >= at.q_end) continue;
         const float inv = softmax[r].inverse_sum();
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
