@@ -1,8 +1,9 @@
-"""cupy_attn for JAX: attention as a jax.custom_vjp function.
+"""cupy_attn for JAX: attention and attention_varlen as jax.custom_vjp functions.
 
     import cupy_attn.jax
     out = cupy_attn.jax.attention(q, k, v, causal=True)
     grads = jax.grad(lambda q: cupy_attn.jax.attention(q, k, v).sum())(q)
+    out = cupy_attn.jax.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k)  # packed sequences
 
 What works:
 - eager calls and jax.grad on CPU and GPU arrays (GPU arrays run the CUDA kernels, exchanged
@@ -10,8 +11,8 @@ What works:
 - jax.jit (and vmap) on the CPU, through jax.pure_callback into the NumPy backend;
 - under jax.jit on a GPU backend the call raises NotImplementedError: a callback would copy
   every input to the host and back, and cupy_attn does not do that silently.
-Array keywords (mask, q_lengths, kv_lengths, alibi_slopes) may be JAX arrays; they get no
-gradient. return_lse is not offered: its gradient would be silently dropped.
+Array keywords (mask, q_lengths, kv_lengths, alibi_slopes, cu_seqlens) may be JAX arrays; they
+get no gradient. return_lse is not offered: its gradient would be silently dropped.
 Importing this module imports jax; importing cupy_attn does not.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 
 from . import api
 
-_ARRAY_KEYWORDS = ("mask", "q_lengths", "kv_lengths", "alibi_slopes")
+_ARRAY_KEYWORDS = ("mask", "q_lengths", "kv_lengths", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k")
 
 
 def _traced(*arrays) -> bool:
@@ -32,11 +33,21 @@ def _traced(*arrays) -> bool:
 
 
 def _result_shapes(q, v, layout: str):
+    """out and lse of `attention` (layout "bhsd"/"bshd") or `attention_varlen` (None)."""
+    lse_dtype = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+    out = jax.ShapeDtypeStruct(q.shape[:-1] + (v.shape[-1],), q.dtype)
+    if layout is None:  # packed: q (total_q, H, D), lse (H, total_q)
+        return out, jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), lse_dtype)
     b, x, y, _ = q.shape
     heads, sq = (x, y) if layout == "bhsd" else (y, x)
-    out = jax.ShapeDtypeStruct(q.shape[:3] + (v.shape[3],), q.dtype)
-    lse_dtype = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
     return out, jax.ShapeDtypeStruct((b, heads, sq), lse_dtype)
+
+
+# The functions an adapter wraps: forward, backward, and the layout their results take.
+_FUNCTIONS = {
+    "attention": (api.attention, api.attention_backward),
+    "attention_varlen": (api.attention_varlen, api.attention_varlen_backward),
+}
 
 
 def _run(fn, result_shapes, *arrays):
@@ -53,14 +64,15 @@ def _run(fn, result_shapes, *arrays):
 
 
 @lru_cache(maxsize=128)
-def _build(names: tuple, static: tuple, deterministic: bool):
-    """A custom_vjp attention for one set of static keywords and array-keyword names."""
+def _build(function: str, names: tuple, static: tuple, deterministic: bool):
+    """A custom_vjp of one of _FUNCTIONS for one set of static keywords and array-keyword names."""
     keywords = dict(static)
-    layout = keywords.get("layout", "bhsd")
+    layout = keywords.get("layout", "bhsd") if function == "attention" else None
+    api_forward, api_backward = _FUNCTIONS[function]
 
     def forward(q, k, v, *extras):
         def fn(q, k, v, *extras):
-            return api.attention(q, k, v, return_lse=True, **keywords, **dict(zip(names, extras)))
+            return api_forward(q, k, v, return_lse=True, **keywords, **dict(zip(names, extras)))
 
         return _run(fn, _result_shapes(q, v, layout), q, k, v, *extras)
 
@@ -76,8 +88,8 @@ def _build(names: tuple, static: tuple, deterministic: bool):
         q, k, v, extras, out, lse = residuals
 
         def fn(dout, q, k, v, out, lse, *extras):
-            return api.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **keywords,
-                                          **dict(zip(names, extras)))
+            return api_backward(dout, q, k, v, out, lse, deterministic=deterministic, **keywords,
+                                **dict(zip(names, extras)))
 
         shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
         dq, dk, dv = _run(fn, shapes, dout, q, k, v, out, lse, *extras)
@@ -90,13 +102,27 @@ def _build(names: tuple, static: tuple, deterministic: bool):
     return attention
 
 
-def attention(q, k, v, *, deterministic=False, **keywords):
-    """Differentiable `cupy_attn.attention` on JAX arrays (see the module docstring)."""
+def _call(function: str, q, k, v, deterministic, keywords):
     if "return_lse" in keywords:
-        raise TypeError("cupy_attn.jax.attention does not take return_lse; use cupy_attn.attention for lse")
+        raise TypeError(f"cupy_attn.jax.{function} does not take return_lse; use cupy_attn.{function} for lse")
     names = tuple(n for n in _ARRAY_KEYWORDS if keywords.get(n) is not None)
     extras = [jnp.asarray(keywords.pop(n)) for n in names]
     for n in _ARRAY_KEYWORDS:
         keywords.pop(n, None)
     static = tuple(sorted((n, tuple(v) if isinstance(v, list) else v) for n, v in keywords.items()))
-    return _build(names, static, bool(deterministic))(q, k, v, *extras)
+    return _build(function, names, static, bool(deterministic))(q, k, v, *extras)
+
+
+def attention(q, k, v, *, deterministic=False, **keywords):
+    """Differentiable `cupy_attn.attention` on JAX arrays (see the module docstring)."""
+    return _call("attention", q, k, v, deterministic, keywords)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, deterministic=False,
+                     **keywords):
+    """Differentiable `cupy_attn.attention_varlen` on JAX arrays: packed q (total_q, H, D), k, v
+    (total_k, Hkv, ·); cu_seqlens_q, cu_seqlens_k int32 (B + 1,) arrays (no gradient);
+    max_seqlen_q, max_seqlen_k Python ints (static under jax.jit)."""
+    keywords.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(max_seqlen_q),
+                    max_seqlen_k=int(max_seqlen_k))
+    return _call("attention_varlen", q, k, v, deterministic, keywords)

@@ -1,8 +1,9 @@
-"""cupy_attn for PyTorch: attention as a torch.autograd.Function.
+"""cupy_attn for PyTorch: attention and attention_varlen as torch.autograd.Functions.
 
     import cupy_attn.torch
     out = cupy_attn.torch.attention(q, k, v, causal=True)   # q, k, v torch tensors
     out.sum().backward()                                     # q.grad, k.grad, v.grad
+    out = cupy_attn.torch.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k)  # packed sequences
 
 CPU tensors run on the NumPy backend (float64 included, so torch.autograd.gradcheck works), CUDA
 tensors on the CUDA kernels, on PyTorch's current stream. Every keyword of
@@ -17,19 +18,24 @@ from . import api
 
 
 class _Attention(torch.autograd.Function):
+    """One autograd node for a (forward, backward) pair of the functional API; ``args`` are the
+    positional arguments after q, k, v (cu_seqlens and max_seqlen of the varlen pair)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, keywords, deterministic):
-        out, lse = api.attention(q, k, v, return_lse=True, **keywords)
+    def forward(ctx, q, k, v, functions, args, keywords, deterministic):
+        api_forward, ctx.api_backward = functions
+        out, lse = api_forward(q, k, v, *args, return_lse=True, **keywords)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.keywords, ctx.deterministic = keywords, deterministic
+        ctx.args, ctx.keywords, ctx.deterministic = args, keywords, deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = api.attention_backward(dout, q, k, v, out, lse, deterministic=ctx.deterministic, **ctx.keywords)
-        return dq, dk, dv, None, None
+        dq, dk, dv = ctx.api_backward(dout, q, k, v, out, lse, *ctx.args, deterministic=ctx.deterministic,
+                                      **ctx.keywords)
+        return dq, dk, dv, None, None, None, None
 
 
 def attention(q, k, v, *, return_lse=False, deterministic=False, **keywords):
@@ -37,5 +43,19 @@ def attention(q, k, v, *, return_lse=False, deterministic=False, **keywords):
 
     Returns out, or (out, lse) with return_lse=True (lse is not differentiable).
     """
-    out, lse = _Attention.apply(q, k, v, keywords, deterministic)
+    functions = (api.attention, api.attention_backward)
+    out, lse = _Attention.apply(q, k, v, functions, (), keywords, deterministic)
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, return_lse=False,
+                     deterministic=False, **keywords):
+    """Differentiable `cupy_attn.attention_varlen` on packed torch tensors (FlashAttention's
+    flash_attn_varlen_func); gradients flow to q, k and v. cu_seqlens are int32 tensors.
+
+    Returns out, or (out, lse) with return_lse=True (lse is not differentiable).
+    """
+    functions = (api.attention_varlen, api.attention_varlen_backward)
+    args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out, lse = _Attention.apply(q, k, v, functions, args, keywords, deterministic)
     return (out, lse) if return_lse else out
