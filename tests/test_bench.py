@@ -1,4 +1,5 @@
 """The benchmark script runs without a GPU and writes what it promises."""
+import importlib.util
 import json
 import subprocess
 import sys
@@ -23,3 +24,19 @@ def test_quick_cpu_benchmark_writes_json_and_plots(tmp_path):
     assert all(r["ms_median"] > 0 and r["tflops"] > 0 for r in records)
     assert (tmp_path / "fwd.png").stat().st_size > 1000 and (tmp_path / "bwd.png").exists()
     assert "relative to the best other implementation" in result.stdout
+
+
+def test_inference_benchmark_cpu_mode(tmp_path):
+    """bench/bench_inference.py's CPU mode: decode over contiguous and paged caches and packed
+    prefill, each record with its measure (bandwidth, TFLOP/s) and the SDPA comparison."""
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_inference.py"), "--device", "cpu",
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    records = json.loads((tmp_path / "results.json").read_text())
+    decode = [r for r in records if r["kind"] == "decode"]
+    prefill = [r for r in records if r["kind"] == "prefill"]
+    assert {r["cache"] for r in decode} == {"contiguous", "paged16"} and {r["B"] for r in decode} == {1, 4}
+    assert all(r["ms"] > 0 and r["bandwidth"] > 0 for r in decode)
+    assert prefill and all(r["ms"] > 0 and r["tflops"] > 0 and r["sequences"] > 1 for r in prefill)
+    if importlib.util.find_spec("torch"):
+        assert all(r["sdpa_ms"] > 0 for r in prefill)
