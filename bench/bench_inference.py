@@ -101,12 +101,24 @@ def sequence_lengths(rng, total: int, low: int, high: int) -> np.ndarray:
 
 # ---- decode ----
 
+def random_array(xp, shape, dtype, rng):
+    """Standard normal values in ``dtype``, drawn in slices of the first axis of at most 2**26
+    elements, so a cache of tens of GB needs no float32 twin of itself."""
+    x = xp.empty(shape, dtype=dtype)
+    per_row = int(np.prod(shape[1:], dtype=np.int64))
+    step = max(1, 2**26 // max(per_row, 1))
+    for i in range(0, shape[0], step):
+        rows = x[i:i + step]
+        rows[...] = xp.asarray(rng.standard_normal(rows.shape, dtype=np.float32)).astype(dtype)
+    return x
+
+
 def decode_inputs(case: DecodeCase, xp, rng):
     """q (B, 1, H, D), caches holding `context` tokens per entry, a block table (None if contiguous)."""
     dtype = _dtype(case.dtype)
 
     def random(*shape):
-        return xp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
+        return random_array(xp, shape, dtype, rng)
 
     q = random(case.B, 1, case.H, case.D)
     if not case.page_size:
@@ -152,8 +164,7 @@ def prefill_inputs(case: PrefillCase, xp, rng):
     dtype = _dtype(case.dtype)
     lengths = sequence_lengths(rng, case.total, case.min_len, case.max_len)
     cu = xp.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-    q, k, v = (xp.asarray(rng.standard_normal((case.total, h, case.D), dtype=np.float32).astype(dtype))
-               for h in (case.H, case.Hkv, case.Hkv))
+    q, k, v = (random_array(xp, (case.total, h, case.D), dtype, rng) for h in (case.H, case.Hkv, case.Hkv))
     return lengths, cu, q, k, v
 
 

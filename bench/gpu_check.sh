@@ -2,7 +2,7 @@
 # One command for a lent GPU: GPU tests, compute-sanitizer, benchmark and Nsight Compute. Installs
 # nothing; runs from the source tree with the machine's python3, CuPy, PyTorch and JAX.
 #
-#   bash bench/gpu_check.sh OUTDIR [--only tests,sanitize,bench,sweep] [--bench-budget S] [--full] [--dry-run]
+#   bash bench/gpu_check.sh OUTDIR [--only tests,sanitize,bench,sweep,inference] [--bench-budget S] [--full] [--dry-run]
 #
 # Every run first compiles all kernel variants in parallel into CuPy's disk cache (precompile.py),
 # so no timed step compiles. Steps:
@@ -14,6 +14,8 @@
 #   sweep     (only when named) bench/tile_sweep.py: candidate tiles of the default kernels, each
 #             checked against the reference, then timed (stops starting candidates after
 #             --bench-budget seconds)
+#   inference (only when named) bench/bench_inference.py: decode over contiguous and paged KV caches
+#             (achieved bandwidth) and packed prefill, against SDPA (stops after --bench-budget s)
 # Each step has its own time limit, so a device call of "--only tests,sanitize" stays under about
 # 5 minutes and "--only bench" under --bench-budget + 2 minutes. Writes logs, results.json, PNGs and
 # the ncu report to OUTDIR and prints a one-screen summary last. Exits non-zero when a GPU test or
@@ -39,7 +41,7 @@ while [ $# -gt 0 ]; do
     shift
 done
 for step in ${steps//,/ }; do
-    case "$step" in tests|sanitize|bench|sweep) ;; *) echo "unknown step: $step (tests, sanitize, bench, sweep)" >&2; exit 2 ;; esac
+    case "$step" in tests|sanitize|bench|sweep|inference) ;; *) echo "unknown step: $step (tests, sanitize, bench, sweep, inference)" >&2; exit 2 ;; esac
 done
 run() { case ",$steps," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 cd "$(dirname "$0")/.."
@@ -142,6 +144,17 @@ if run sweep; then
         grep -E "^REJECTED|^budget" "$out/sweep.log" | tee -a "$out/summary.txt"
         sed -n '/best tile per case/,$p' "$out/sweep.log" | tee -a "$out/summary.txt"
     fi
+fi
+if run inference; then
+    note "== inference benchmark (budget ${budget} s)"
+    if [ -n "$dry" ]; then
+        inference_args=(--device cpu)
+    else
+        inference_args=(--budget-s "$budget")
+    fi
+    timeout $((budget + 120)) $py bench/bench_inference.py "${inference_args[@]}" --out "$out/inference" \
+        > "$out/inference.log" 2>&1 || note "inference benchmark exit $?"
+    grep -E "^(decode|prefill|budget)" "$out/inference.log" | tee -a "$out/summary.txt"
 fi
 if [ -n "$dry" ]; then
     [ $status -eq 0 ] && note "GPU CHECK DRY RUN PASSED" || note "GPU CHECK DRY RUN FAILED (see $out/*.log)"
