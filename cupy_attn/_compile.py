@@ -25,26 +25,28 @@ NVRTC_OPTIONS = ("-std=c++17",)
 CUPY_ADDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
 
 
-def feature_options(features: int) -> tuple:
-    """The -D that builds a module for a set of score features (kernels/mask.cuh)."""
+def feature_options(features: int, packed: bool = False) -> tuple:
+    """The -D that build a module for a set of score features (kernels/mask.cuh) and a batch
+    layout (kernels/block_info.cuh: padded, or packed for attention_varlen)."""
     if features not in _config.FEATURE_LEVELS:
         raise ValueError(f"features must be _config.PLAIN_FEATURES or _config.ALL_FEATURES, got {features!r}")
-    return (f"-DATTN_SCORE_FEATURES={features}",)
+    return (f"-DATTN_SCORE_FEATURES={features}",) + (("-DATTN_PACKED=1",) if packed else ())
 
 
-def nvrtc_options(filename: str, features: int = _config.ALL_FEATURES) -> tuple:
-    """NVRTC options cupy.RawModule is given for kernels/filename: the score features, and for
-    files bound to one architecture (the wgmma kernels, sm_90a) that architecture; CuPy's own
-    -arch for the device is added after ours, and NVRTC builds for sm_90a when both are given."""
+def nvrtc_options(filename: str, features: int = _config.ALL_FEATURES, packed: bool = False) -> tuple:
+    """NVRTC options cupy.RawModule is given for kernels/filename: the score features and batch
+    layout, and for files bound to one architecture (the wgmma kernels, sm_90a) that
+    architecture; CuPy's own -arch for the device is added after ours, and NVRTC builds for
+    sm_90a when both are given."""
     arch = _config.FILE_ARCH.get(filename)
-    return NVRTC_OPTIONS + ((f"-arch={arch}",) if arch else ()) + feature_options(features)
+    return NVRTC_OPTIONS + ((f"-arch={arch}",) if arch else ()) + feature_options(features, packed)
 
 
-def gpu_build_options(filename: str, features: int = _config.ALL_FEATURES) -> tuple:
+def gpu_build_options(filename: str, features: int = _config.ALL_FEATURES, packed: bool = False) -> tuple:
     """Every code-changing NVRTC option a GPU build of kernels/filename gets: ours and CuPy's. The
     compile report, the precompile check and the compile-time benchmark build with these, so their
     registers and spills are those of the code that runs."""
-    return nvrtc_options(filename, features) + CUPY_ADDED_OPTIONS
+    return nvrtc_options(filename, features, packed) + CUPY_ADDED_OPTIONS
 
 
 @lru_cache(maxsize=None)
@@ -60,24 +62,28 @@ def _device_id() -> int:
 
 
 @lru_cache(maxsize=None)
-def _function(target: str, filename: str, name_expression: str, features: int, device: int):
+def _function(target: str, filename: str, name_expression: str, features: int, packed: bool, device: int):
     code = kernel_source(filename)
     start = time.perf_counter()
     if target == "cuda":
         import cupy
 
-        module = cupy.RawModule(code=code, options=nvrtc_options(filename, features), name_expressions=[name_expression])
+        module = cupy.RawModule(code=code, options=nvrtc_options(filename, features, packed),
+                                name_expressions=[name_expression])
     else:
         from .emulator import RawModule
 
-        module = RawModule(code=code, options=feature_options(features), name_expressions=[name_expression])
+        module = RawModule(code=code, options=feature_options(features, packed), name_expressions=[name_expression])
     function = module.get_function(name_expression)
-    log.info("compiled %s (score features %d) for %s in %.2f s", name_expression, features,
+    log.info("compiled %s (score features %d%s) for %s in %.2f s", name_expression, features, ", packed" if packed else "",
              target if target == "emulator" else f"GPU {device}", time.perf_counter() - start)
     return function
 
 
-def function(target: str, filename: str, name_expression: str, features: int = _config.ALL_FEATURES):
+def function(target: str, filename: str, name_expression: str, features: int = _config.ALL_FEATURES,
+             packed: bool = False):
     """The kernel ``name_expression`` of ``kernels/filename`` for "cuda" or "emulator", built for
-    ``features`` (_config.PLAIN_FEATURES: no softcap, ALiBi or mask; ALL_FEATURES: any)."""
-    return _function(target, filename, name_expression, features, _device_id() if target == "cuda" else -1)
+    ``features`` (_config.PLAIN_FEATURES: no softcap, ALiBi or mask; ALL_FEATURES: any) and a
+    padded or, with ``packed``, a packed (varlen) batch."""
+    return _function(target, filename, name_expression, features, bool(packed),
+                     _device_id() if target == "cuda" else -1)

@@ -46,11 +46,12 @@ def _last_dim_contiguous(xp, x):
 
 
 def _bhs_strides(problem: Problem, x) -> list:
-    """(batch, head, row) strides in elements, whatever the layout; a packed (total, H, D) tensor
-    has batch stride 0 (each sequence's first row comes from cu_seqlens)."""
+    """(batch, head, row) strides in elements, whatever the layout. A packed (total, H, D) tensor
+    passes its row stride as the batch stride: the kernels multiply it by each sequence's first
+    row (kernels/block_info.cuh)."""
     s = [st // x.itemsize for st in x.strides]
     if problem.packing is not None:
-        return [I64(0), I64(s[1]), I64(s[0])]
+        return [I64(s[0]), I64(s[1]), I64(s[0])]
     return [I64(s[0]), I64(s[1]), I64(s[2])] if problem.layout == "bhsd" else [I64(s[0]), I64(s[2]), I64(s[1])]
 
 
@@ -92,11 +93,17 @@ def score_features(problem: Problem) -> int:
     return _config.ALL_FEATURES if used else _config.PLAIN_FEATURES
 
 
+def _module(problem: Problem) -> dict:
+    """How the kernels a call launches are built: its score features, and its batch layout
+    (padded, or packed for attention_varlen; kernels/block_info.cuh)."""
+    return dict(features=score_features(problem), packed=problem.packing is not None)
+
+
 def _launch(target: str, filename: str, name: str, grid, args, shared_bytes: int = 0, *,
-            features: int = _config.ALL_FEATURES):
+            features: int = _config.ALL_FEATURES, packed: bool = False):
     if 0 in grid:
         return  # nothing to compute (an empty batch, head or sequence axis)
-    fn = _compile.function(target, filename, name, features=features)
+    fn = _compile.function(target, filename, name, features=features, packed=packed)
     if shared_bytes > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_bytes:
         fn.max_dynamic_shared_size_bytes = shared_bytes
     block = (_config.THREADS,)
@@ -178,7 +185,7 @@ def forward(problem: Problem, q, k, v, *, target: str):
     flags = () if isinstance(tile, _config.ForwardTile) else (_vector_flags(q, k, v),)
     args = (q, k, v, out, lse, *flags, *_common_args(p, q, k, v, out))
     _launch(target, tile.filename, tile.name_expression(p.dtype), grid, args, tile.shared_bytes,
-            features=score_features(p))
+            **_module(p))
     return out, lse
 
 
@@ -189,10 +196,10 @@ def _vector_flags(*arrays):
 
 
 def _copies_in_16_bytes(x) -> bool:
-    """Whether every row of x starts 16-byte aligned, so the tensor-core kernel may copy 8-element
-    chunks with cp.async (else it copies element by element)."""
+    """Whether every row of x starts 16-byte aligned, so a kernel may copy 16-byte chunks (8
+    elements of 16 bits, 4 of fp32) with cp.async (else it copies element by element)."""
     pointer = x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
-    return pointer % 16 == 0 and all((st // x.itemsize) % 8 == 0 for st in x.strides[:-1])
+    return pointer % 16 == 0 and all(st % 16 == 0 for st in x.strides[:-1])
 
 
 def _per_head(problem: Problem, rows: int, dims: int, zeroed: bool = False):
@@ -238,23 +245,23 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     dk = _per_head(p, rows_k, p.head_dim)
     dv = _per_head(p, rows_k, p.head_dim_v)
     common = _common_args(p, q, k, v, dout)
-    features = score_features(p)
+    module = _module(p)
     dkdv_grid = (_blocks(sk, tile.block_n), h, b)
     if not isinstance(tile, _config.BackwardTile):  # tensor cores: mma.sync or wgmma
         vectorised = _vector_flags(q, k, v, dout)
         _launch(target, tile.filename, tile.name_expression(p.dtype), dkdv_grid,
                 (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), vectorised, *common), tile.shared_bytes,
-                features=features)
+                **module)
         if deterministic:
             dq_tile = _config.tensor_core_dq_tile(p.head_dim, p.head_dim_v)
             _launch(target, "attention_bwd_tc.cu", dq_tile.dq_name(p.dtype), (_blocks(sq, dq_tile.block_m), h, b),
-                    (q, k, v, dout, lse, delta, dq, vectorised, *common), dq_tile.dq_shared_bytes, features=features)
+                    (q, k, v, dout, lse, delta, dq, vectorised, *common), dq_tile.dq_shared_bytes, **module)
     else:
         _launch(target, "attention_bwd.cu", tile.dkdv_name(p.dtype), dkdv_grid,
                 (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), *common), tile.dkdv_shared_bytes,
-                features=features)
+                **module)
         if deterministic:
             _launch(target, "attention_bwd.cu", tile.dq_name(p.dtype), (_blocks(sq, tile.dq_block_m), h, b),
-                    (q, k, v, dout, lse, delta, dq, *common), tile.dq_shared_bytes, features=features)
+                    (q, k, v, dout, lse, delta, dq, *common), tile.dq_shared_bytes, **module)
     return (_from_per_head(p, dq, p.dtype), _from_per_head(p, dk, p.dtype, sum_groups=True),
             _from_per_head(p, dv, p.dtype, sum_groups=True))

@@ -81,8 +81,8 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
     const int dim_slice = warp % kDimWarps;              // and its dims [dim0, dim0 + kWarpDims)
     const int dim0 = dim_slice * kWarpDims;
     const bool vq = vectorised & 1, vk = vectorised & 2, vv = vectorised & 4, vdo = vectorised & 8;
-    stage_async<kBlockN, kHeadDim>(sK, k + at.k, at.k_row, n0, at.kv_end, p.head_dim, vk);
-    stage_async<kBlockN, kHeadDim>(sV, v + at.v, at.v_row, n0, at.kv_end, p.head_dim_v, vv);
+    stage_async<kBlockN, kHeadDim>(sK, k + at.k, at.k_row, n0, b.kv_len, p.head_dim, vk);
+    stage_async<kBlockN, kHeadDim>(sV, v + at.v, at.v_row, n0, b.kv_len, p.head_dim_v, vv);
 
     float dk[kDTiles][4], dv[kDTiles][4];
     #pragma unroll
@@ -95,9 +95,9 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
     // With two stages the next query tile loads while this one is worked on.
     auto stage_queries = [&](int m_block) {
         const int stage = (m_block - m_begin) % kStages, m0 = m_block * kBlockM;
-        stage_async<kBlockM, kHeadDim>(sQ(stage), q + at.q, at.q_row, m0, at.q_end, p.head_dim, vq);
-        stage_async<kBlockM, kHeadDim>(sDO(stage), dout + at.o, at.o_row, m0, at.q_end, p.head_dim_v, vdo);
-        stage_row_stats(sLse2(stage), sDelta(stage), lse, delta, at.stats, m0, kBlockM, at.q_end);
+        stage_async<kBlockM, kHeadDim>(sQ(stage), q + at.q, at.q_row, m0, b.q_len, p.head_dim, vq);
+        stage_async<kBlockM, kHeadDim>(sDO(stage), dout + at.o, at.o_row, m0, b.q_len, p.head_dim_v, vdo);
+        stage_row_stats(sLse2(stage), sDelta(stage), lse, delta, at.stats, m0, kBlockM, b.q_len);
         ptx::cp_async_commit();
     };
     if (kStages == 2 && m_begin < m_end) stage_queries(m_begin);
@@ -162,11 +162,11 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
 
         if (accumulate_dq) {
             __syncthreads();  // every warp's dS is in shared memory
-            atomic_dq<T, kHeadDim, kBlockM, kBlockN, kSStride>(p, at, dq_accum, sDS, sK, m0, warp, lane);
+            atomic_dq<T, kHeadDim, kBlockM, kBlockN, kSStride>(p, b, at, dq_accum, sDS, sK, m0, warp, lane);
         }
     }
 
-    store_dkdv(p, at, dk_part, dv_part, dk, dv, n0, key0, dim0, g, t);
+    store_dkdv(p, b, dk_part, dv_part, dk, dv, n0, key0, dim0, g, t);
 }
 
 template <class T, int kHeadDim, int kBlockN>
@@ -189,9 +189,9 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
     const int m0 = blockIdx.x * kTcBlockM;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const bool vq = vectorised & 1, vk = vectorised & 2, vv = vectorised & 4, vdo = vectorised & 8;
-    stage_async<kTcBlockM, kHeadDim>(sQ, q + at.q, at.q_row, m0, at.q_end, p.head_dim, vq);
-    stage_async<kTcBlockM, kHeadDim>(sDO, dout + at.o, at.o_row, m0, at.q_end, p.head_dim_v, vdo);
-    stage_row_stats(sLse2, sDelta, lse, delta, at.stats, m0, kTcBlockM, at.q_end);
+    stage_async<kTcBlockM, kHeadDim>(sQ, q + at.q, at.q_row, m0, b.q_len, p.head_dim, vq);
+    stage_async<kTcBlockM, kHeadDim>(sDO, dout + at.o, at.o_row, m0, b.q_len, p.head_dim_v, vdo);
+    stage_row_stats(sLse2, sDelta, lse, delta, at.stats, m0, kTcBlockM, b.q_len);
 
     float dq[kDTiles][4];
 #pragma unroll
@@ -201,8 +201,8 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         const int n0 = n_block * kBlockN;
         __syncthreads();  // every warp is done with the previous K and V tiles
-        stage_async<kBlockN, kHeadDim>(sK, k + at.k, at.k_row, n0, at.kv_end, p.head_dim, vk);
-        stage_async<kBlockN, kHeadDim>(sV, v + at.v, at.v_row, n0, at.kv_end, p.head_dim_v, vv);
+        stage_async<kBlockN, kHeadDim>(sK, k + at.k, at.k_row, n0, b.kv_len, p.head_dim, vk);
+        stage_async<kBlockN, kHeadDim>(sV, v + at.v, at.v_row, n0, b.kv_len, p.head_dim_v, vv);
         ptx::cp_async_commit();
         ptx::cp_async_wait<0>();
         __syncthreads();  // Q, dO, the row statistics (first pass), K and V are in place
@@ -235,14 +235,15 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
     }
 
     // Every row inside the sequence is written, rows that attended nothing included (as 0).
+    // (b.stats(p), not at.stats: recomputed rather than held across the loop; see attention_bwd.cu.)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
         const int i = m0 + warp * 16 + g + 8 * (e / 2);
-        if (i >= at.q_end) continue;
+        if (i >= b.q_rows(p)) continue;
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
             const int col = d * 8 + 2 * t + (e & 1);
-            if (col < p.head_dim) dq_accum[(at.stats + i) * p.head_dim + col] = dq[d][e] * p.scale;
+            if (col < p.head_dim) dq_accum[(b.stats(p) + i) * p.head_dim + col] = dq[d][e] * p.scale;
         }
     }
 }

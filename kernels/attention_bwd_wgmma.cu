@@ -64,9 +64,9 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const T* q, co
     const int n0 = blockIdx.x * kKeys;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const bool vq = vectorised & 1, vk = vectorised & 2, vv = vectorised & 4, vdo = vectorised & 8;
-    stage_async<kKeys, kHeadDim, Rows>(sK, k + at.k, at.k_row, n0, at.kv_end, p.head_dim, vk);
-    stage_async<kKeys, kHeadDim, Rows>(sV, v + at.v, at.v_row, n0, at.kv_end, p.head_dim_v, vv);
-    if (accumulate_dq) stage_async<kKeys, kHeadDim>(sKRows, k + at.k, at.k_row, n0, at.kv_end, p.head_dim, vk);
+    stage_async<kKeys, kHeadDim, Rows>(sK, k + at.k, at.k_row, n0, b.kv_len, p.head_dim, vk);
+    stage_async<kKeys, kHeadDim, Rows>(sV, v + at.v, at.v_row, n0, b.kv_len, p.head_dim_v, vv);
+    if (accumulate_dq) stage_async<kKeys, kHeadDim>(sKRows, k + at.k, at.k_row, n0, b.kv_len, p.head_dim, vk);
 
     float dk[kDTiles][4], dv[kDTiles][4];
 #pragma unroll
@@ -80,9 +80,9 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const T* q, co
     b.row_tiles(p, n0, kKeys, kBlockM, &m_begin, &m_end);
     auto stage_queries = [&](int m_block) {
         const int stage = (m_block - m_begin) % 2, m0 = m_block * kBlockM;
-        stage_async<kBlockM, kHeadDim, Rows>(sQ(stage), q + at.q, at.q_row, m0, at.q_end, p.head_dim, vq);
-        stage_async<kBlockM, kHeadDim, Rows>(sDO(stage), dout + at.o, at.o_row, m0, at.q_end, p.head_dim_v, vdo);
-        stage_row_stats(sLse2(stage), sDelta(stage), lse, delta, at.stats, m0, kBlockM, at.q_end);
+        stage_async<kBlockM, kHeadDim, Rows>(sQ(stage), q + at.q, at.q_row, m0, b.q_len, p.head_dim, vq);
+        stage_async<kBlockM, kHeadDim, Rows>(sDO(stage), dout + at.o, at.o_row, m0, b.q_len, p.head_dim_v, vdo);
+        stage_row_stats(sLse2(stage), sDelta(stage), lse, delta, at.stats, m0, kBlockM, b.q_len);
         ptx::cp_async_commit();
     };
     if (m_begin < m_end) stage_queries(m_begin);
@@ -157,7 +157,7 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const T* q, co
 
         if (accumulate_dq) {
             __syncthreads();  // every warp's dS is in shared memory
-            atomic_dq<T, kHeadDim, kBlockM, kKeys, kSStride>(p, at, dq_accum, sDS, sKRows, m0, warp, lane);
+            atomic_dq<T, kHeadDim, kBlockM, kKeys, kSStride>(p, b, at, dq_accum, sDS, sKRows, m0, warp, lane);
         }
         ptx::wgmma_wait<0>();  // dK and dV are in registers; Pᵀ, dSᵀ, Qᵀ and dOᵀ are free
         ptx::fence_operands(dk_flat);
@@ -166,7 +166,7 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const T* q, co
         ptx::fence_operands(da_flat);
     }
 
-    store_dkdv(p, at, dk_part, dv_part, dk, dv, n0, warp * 16, 0, g, t);
+    store_dkdv(p, b, dk_part, dv_part, dk, dv, n0, warp * 16, 0, g, t);
 }
 
 }  // namespace attn

@@ -9,11 +9,21 @@ namespace attn {
 //
 // Two ways to lay out a batch. Padded (packed = 0): entry b starts at b · batch stride and owns
 // seq_q query and seq_k key rows; rows past its lengths are padding, and outputs are written
-// for them (0). Packed (packed = 1, variable-length): the batch stride is 0, entry b owns the
-// rows [q_starts[b], q_starts[b] + q_lengths[b]) of a (total_q, H, D) tensor (keys likewise),
-// and rows past its lengths belong to the next sequence: they are never read nor written.
-// seq_q, seq_k are then the longest lengths (they size the grid); row statistics (lse, delta,
-// dQ) are (H, total_q) and the per-query-head dK, dV are (H, total_k).
+// for them (0). Packed (packed = 1, variable-length): entry b owns the rows [q_starts[b],
+// q_starts[b] + q_lengths[b]) of a (total_q, H, D) tensor (keys likewise), and rows past its
+// lengths belong to the next sequence: they are never read nor written. The launcher then
+// passes the row stride as the batch stride, so an entry starts at q_starts[b] · batch stride
+// in both layouts (one product per tensor, as padded). seq_q, seq_k are the longest lengths
+// (they size the grid); row statistics (lse, delta, dQ) are (H, total_q) and the per-query-head
+// dK, dV are (H, total_k).
+// Which layout a module is built for (-DATTN_PACKED, chosen per call by the launcher): the
+// padded build carries no trace of the packed one (its offsets come from blockIdx and
+// parameters alone, which ptxas rematerialises instead of holding them across the hot loop).
+#ifndef ATTN_PACKED
+#define ATTN_PACKED 0
+#endif
+constexpr bool kPacked = ATTN_PACKED;
+
 struct Params {
     const int* q_lengths;        // (B,)
     const int* kv_lengths;       // (B,)
@@ -45,16 +55,38 @@ __device__ __forceinline__ int right_reach(const Params& p) {
 struct BlockInfo {
     int bidh, bidb, bidh_kv;
     int q_len, kv_len;
-    int q_start, kv_start;  // first row of the entry along S (packed batches; 0 when padded)
-    int diag_offset;        // query i lines up with key i + diag_offset
+    int diag_offset;  // query i lines up with key i + diag_offset
 
     __device__ __forceinline__ BlockInfo(const Params& p, int bidh_, int bidb_)
         : bidh(bidh_), bidb(bidb_), bidh_kv(bidh_ / p.kv_group) {
+        if (p.packed != kPacked) __trap();  // a module built for the other batch layout
         q_len = p.q_lengths[bidb];
         kv_len = p.kv_lengths[bidb];
-        q_start = p.packed ? p.q_starts[bidb] : 0;
-        kv_start = p.packed ? p.kv_starts[bidb] : 0;
         diag_offset = p.causal == kCausalTopLeft ? 0 : kv_len - q_len;
+    }
+
+    // What the batch stride multiplies: the entry (padded) or its first row (packed).
+    __device__ __forceinline__ int q_origin(const Params& p) const { return kPacked ? p.q_starts[bidb] : bidb; }
+    __device__ __forceinline__ int kv_origin(const Params& p) const { return kPacked ? p.kv_starts[bidb] : bidb; }
+
+    // First row of this (entry, head) in the row statistics (lse, delta, dQ): (B, H, Sq) padded,
+    // (H, total_q) packed.
+    __device__ __forceinline__ long long stats(const Params& p) const {
+        return kPacked ? static_cast<long long>(bidh) * p.total_q + q_origin(p)
+                       : (static_cast<long long>(bidb) * p.heads + bidh) * p.seq_q;
+    }
+
+    // Rows of the entry that are in memory and must be written: padding rows included (as 0)
+    // in a padded batch; in a packed one the rows past a length are the next sequence's. Tiles
+    // are read only below q_len / kv_len (zero-filled past them) in both layouts.
+    __device__ __forceinline__ int q_rows(const Params& p) const { return kPacked ? q_len : p.seq_q; }
+    __device__ __forceinline__ int kv_rows(const Params& p) const { return kPacked ? kv_len : p.seq_k; }
+
+    // First row of this (entry, head) in the per-query-head dK, dV: (B, H, Sk) padded, (H,
+    // total_k) packed.
+    __device__ __forceinline__ long long key_stats(const Params& p) const {
+        return kPacked ? static_cast<long long>(bidh) * p.total_k + kv_origin(p)
+                       : (static_cast<long long>(bidb) * p.heads + bidh) * p.seq_k;
     }
 
     // Keys [*begin, *end) that any of the rows [m0, m0 + block_m) may attend.
@@ -106,24 +138,19 @@ struct BlockInfo {
 };
 
 // Where one (batch entry, head) starts in q, k, v and the fourth tensor (out or dout), in
-// elements, with their row strides; its first row in the row statistics (lse, delta, dQ: (B, H,
-// Sq) padded, (H, total_q) packed) and in the per-query-head dK, dV ((B, H, Sk) or (H, total_k));
-// and how many of its query and key rows are in memory: read only below these, write every one.
+// elements, with their row strides; and its first row in the row statistics (BlockInfo::stats).
 struct HeadView {
     long long q, k, v, o;
     long long q_row, k_row, v_row, o_row;
-    long long stats, key_stats;
-    int q_end, kv_end;
+    long long stats;
 };
 
 __device__ __forceinline__ HeadView head_view(const Params& p, const BlockInfo& b, const long long (&s)[12]) {
-    const long long bh = static_cast<long long>(b.bidb) * p.heads + b.bidh;
-    return HeadView{b.bidb * s[0] + b.bidh * s[1] + b.q_start * s[2], b.bidb * s[3] + b.bidh_kv * s[4] + b.kv_start * s[5],
-                    b.bidb * s[6] + b.bidh_kv * s[7] + b.kv_start * s[8], b.bidb * s[9] + b.bidh * s[10] + b.q_start * s[11],
+    const int q_origin = b.q_origin(p), kv_origin = b.kv_origin(p);
+    return HeadView{q_origin * s[0] + b.bidh * s[1], kv_origin * s[3] + b.bidh_kv * s[4],
+                    kv_origin * s[6] + b.bidh_kv * s[7], q_origin * s[9] + b.bidh * s[10],
                     s[2], s[5], s[8], s[11],
-                    p.packed ? static_cast<long long>(b.bidh) * p.total_q + b.q_start : bh * p.seq_q,
-                    p.packed ? static_cast<long long>(b.bidh) * p.total_k + b.kv_start : bh * p.seq_k,
-                    p.packed ? b.q_len : p.seq_q, p.packed ? b.kv_len : p.seq_k};
+                    b.stats(p)};
 }
 
 }  // namespace attn

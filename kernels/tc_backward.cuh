@@ -39,8 +39,8 @@ __device__ __forceinline__ void probabilities_and_ds(float (&st)[kQTiles][4], fl
 // kSStride apart) and K (kBlockN x kHeadDim, padded rows) in shared memory: warp w takes 16 rows
 // and every few pairs of 8-dim tiles.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kSStride>
-__device__ __forceinline__ void atomic_dq(const Params& p, const HeadView& at, float* dq_accum, const T* ds_tile,
-                                          const T* k_tile, int m0, int warp, int lane) {
+__device__ __forceinline__ void atomic_dq(const Params& p, const BlockInfo& b, const HeadView& at, float* dq_accum,
+                                          const T* ds_tile, const T* k_tile, int m0, int warp, int lane) {
     constexpr int kStride = TcLayout<kHeadDim>::kStride;
     constexpr int kRowGroups = kBlockM / 16;    // 16-row groups of the dQ tile
     constexpr int kDimGroups = 4 / kRowGroups;  // warps sharing one row group's dimensions
@@ -61,7 +61,7 @@ __device__ __forceinline__ void atomic_dq(const Params& p, const HeadView& at, f
         for (int e = 0; e < 8; ++e) {
             const int i = m0 + rows + g + 8 * ((e % 4) / 2), col = (d + e / 4) * 8 + 2 * t + (e & 1);
             const float value = e < 4 ? c0[e] : c1[e - 4];
-            if (i < at.q_end && col < p.head_dim) {
+            if (i < b.q_len && col < p.head_dim) {
                 ATTN_COUNT_GLOBAL(dq_accum + (at.stats + i) * p.head_dim + col, 4);
                 atomicAdd(dq_accum + (at.stats + i) * p.head_dim + col, value * p.scale);
             }
@@ -73,14 +73,14 @@ __device__ __forceinline__ void atomic_dq(const Params& p, const HeadView& at, f
 // dim0 + 8d + 2t (+1). Every key row inside the sequence is written, those no query could see
 // included (as 0).
 template <int kDTiles>
-__device__ __forceinline__ void store_dkdv(const Params& p, const HeadView& at, float* dk_part, float* dv_part,
+__device__ __forceinline__ void store_dkdv(const Params& p, const BlockInfo& b, float* dk_part, float* dv_part,
                                            const float (&dk)[kDTiles][4], const float (&dv)[kDTiles][4], int n0,
                                            int key0, int dim0, int g, int t) {
-    const long long key_rows = at.key_stats + n0;
+    const long long key_rows = b.key_stats(p) + n0;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
         const int key = key0 + g + 8 * (e / 2);
-        if (n0 + key >= at.kv_end) continue;
+        if (n0 + key >= b.kv_rows(p)) continue;
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
             const int col = dim0 + d * 8 + 2 * t + (e & 1);

@@ -39,13 +39,13 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNTiles][4], float (&o)[
 // rows that attended nothing (row_sum 0) give 0, not 0/0. Every row inside the sequence is
 // written.
 template <class T, int kDTiles>
-__device__ __forceinline__ void store_rows(const Params& p, const HeadView& at, T* out, float* lse,
-                                           const float (&o)[kDTiles][4], const OnlineSoftmax<4> (&softmax)[2], int row_lo,
-                                           int t) {
+__device__ __forceinline__ void store_rows(const Params& p, const BlockInfo& b, const HeadView& at, T* out,
+                                           float* lse, const float (&o)[kDTiles][4],
+                                           const OnlineSoftmax<4> (&softmax)[2], int row_lo, int t) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int i = row_lo + 8 * r;
-        if (i >= at.q_end) continue;
+        if (i >= b.q_rows(p)) continue;
         const float inv = softmax[r].inverse_sum();
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {

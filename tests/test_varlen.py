@@ -187,3 +187,31 @@ def test_backward_checks_saved_results(rng):
         cupy_attn.attention_varlen_backward(out, q, k, v, out, lse.T, *args)
     with pytest.raises(ValueError, match="dout must have the forward output's shape"):
         cupy_attn.attention_varlen_backward(out[:5], q, k, v, out, lse, *args)
+
+
+@pytest.mark.parametrize("packed_call", [True, False], ids=["varlen_on_padded_build", "padded_on_packed_build"])
+def test_a_build_refuses_the_other_layout(rng, packed_call):
+    """Launched by hand with the other batch layout's module, a kernel traps instead of reading
+    rows at the wrong offsets."""
+    from cupy_attn import _compile, _config, _problem, emulator
+
+    tile = _config.forward_tile(16, 16, np.float16)
+    wrong = _compile.function("emulator", tile.filename, tile.name_expression(np.float16),
+                              features=_config.PLAIN_FEATURES, packed=not packed_call)
+    if packed_call:
+        q, k, v = packed_inputs(rng, [5, 9], [5, 9], dtype=np.float16)
+        problem = _problem.make_varlen_problem(q, k, v, cu([5, 9]), cu([5, 9]), 9, 9, backend="emulator")
+    else:
+        q, k, v = (x.reshape(2, 7, *x.shape[1:]) for x in packed_inputs(rng, [7, 7], [7, 7], dtype=np.float16))
+        problem = _problem.make_problem(q, k, v, layout="bshd", backend="emulator")
+    built = []
+
+    def build(target, filename, name, **kw):
+        built.append(kw["packed"])
+        return wrong
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_compile, "function", build)
+        with pytest.raises(emulator.EmulatorError, match="__trap"):
+            _kernel_backend.forward(problem, q, k, v, target="emulator")
+    assert built == [packed_call]  # what the launcher asked for
