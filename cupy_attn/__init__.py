@@ -7,8 +7,10 @@ deep-learning framework.
 """
 from . import masks, reference
 from ._backends import BackendUnavailableError
-from .api import attention, attention_backward
+from ._merge import merge_attention
+from .api import attention, attention_backward, attention_varlen, attention_varlen_backward
 from .heads import merge_heads, multi_head_attention, split_heads
+from .kvcache import attention_with_kvcache
 
 __version__ = "0.1.0"
 
@@ -16,7 +18,11 @@ __all__ = [
     "BackendUnavailableError",
     "attention",
     "attention_backward",
+    "attention_varlen",
+    "attention_varlen_backward",
+    "attention_with_kvcache",
     "masks",
+    "merge_attention",
     "merge_heads",
     "multi_head_attention",
     "reference",

@@ -68,21 +68,28 @@ def available() -> dict[str, tuple[bool, str]]:
     }
 
 
-def select(problem) -> str:
-    """The backend name that will run ``problem``; raises if it cannot run here."""
-    name = problem.backend
+def resolve(backend: str, xp) -> str:
+    """The backend name that runs ``backend`` ("auto" or a name) on arrays of ``xp`` (numpy or
+    cupy); raises if it cannot run here or on such arrays."""
+    name = backend
     if name == "auto":
-        name = "numpy" if problem.xp is np else "cuda"
+        name = "numpy" if xp is np else "cuda"
     usable, why = available()[name]
     if not usable:
-        where = "NumPy" if problem.xp is np else "CuPy"
+        where = "NumPy" if xp is np else "CuPy"
         raise BackendUnavailableError(f"backend {name!r} cannot run {where} inputs here: {why}")
-    if name in ("numpy", "emulator") and problem.xp is not np:
+    if name in ("numpy", "emulator") and xp is not np:
         raise BackendUnavailableError(
             f"backend {name!r} needs NumPy arrays; move CuPy inputs to the host with .get() first"
         )
-    if name == "cuda" and problem.xp is np:
+    if name == "cuda" and xp is np:
         raise BackendUnavailableError("backend 'cuda' needs CuPy arrays; move NumPy inputs with cupy.asarray() first")
+    return name
+
+
+def select(problem) -> str:
+    """The backend name that will run ``problem``; raises if it cannot run here."""
+    name = resolve(problem.backend, problem.xp)
     if name != "numpy":
         _kernel_backend.check_supported(problem, name)
     return name

@@ -275,6 +275,96 @@ def preprocess_name(dtype) -> str:
     return f"attention_bwd_preprocess<{CTYPES[np.dtype(dtype)]}>"
 
 
+# The merge of partial results (cupy_attn._merge): one warp per row, so that a warp reads 32
+# consecutive elements of a part's row at a time; memory-bound, nothing to tile.
+COMBINE_FILE = "attention_combine.cu"
+COMBINE_ROWS_PER_BLOCK = THREADS // 32
+
+
+def combine_name(part_dtype, out_dtype) -> str:
+    """The merge kernel for parts stored as ``part_dtype`` (float32, or the output's dtype)."""
+    return f"attention_combine<{CTYPES[np.dtype(part_dtype)]}, {CTYPES[np.dtype(out_dtype)]}>"
+
+
+@dataclass(frozen=True)
+class DecodeTile:
+    """The split-KV decoding kernel (kernels/attention_decode.cu, `attention_with_kvcache`), for
+    every storage type, in float32 on CUDA cores: block_m rows (query, query head of one GQA
+    group) per block, block_n keys per tile, one per lane, K and V staged in the storage type."""
+
+    filename: ClassVar[str] = "attention_decode.cu"
+
+    head_dim: int  # D and Dv are zero-padded up to this
+    block_m: int   # rows per block, kThreads / 32 = 4 warps of block_m / 4 rows each
+    reason: str
+    block_n: int = 32  # one key per lane of a warp
+
+    def stages(self, dtype) -> int:
+        """K/V tiles held at once: two (the next loads while this one is worked on) where they
+        fit sm_86's 99 KB, else one."""
+        return 2 if self._shared_bytes(dtype, 2) <= 99 * 1024 else 1
+
+    def shared_bytes(self, dtype) -> int:
+        return self._shared_bytes(dtype, self.stages(dtype))
+
+    def _shared_bytes(self, dtype, stages: int) -> int:
+        """Q (block_m, D) and P (block_m, block_n) as float32; per stage K and V (block_n, D) in
+        the storage type, rows padded by 16 bytes. kernels/attention_decode.cu's DecodeSmem."""
+        size = np.dtype(dtype).itemsize
+        return 4 * self.block_m * (self.head_dim + self.block_n) + stages * 2 * self.block_n * (self.head_dim * size + 16)
+
+    def name_expression(self, dtype) -> str:
+        return (f"attention_decode<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_m}, {self.block_n}, "
+                f"{self.stages(dtype)}>")
+
+
+# Per lane: block_m / 4 rows' scores (one key each), their running max and sum, and block_m / 4
+# rows x D / 32 output accumulators (<= 32). Decoding has G·Sq rows per kv head (G = H / Hkv: 4-8
+# in today's GQA models, Sq = 1 or a few speculative tokens); 16 rows hold a group of 8 with two
+# queries in one block. A block's rows beyond G·Sq skip their Q·Kᵀ and P·V (a uniform branch per
+# warp) but not the softmax's shuffles (10 per row and tile; a branch around them costs a slow
+# shuffle call), which is why block_m is not larger; more rows (MQA, prefill over a cache) take
+# more blocks, each re-reading K/V. Not yet measured on a GPU.
+DECODE_TILES = (
+    DecodeTile(32, 16, "4 scores + 4 accumulators per lane; 14 KB shared (16-bit), 22 KB (fp32)"),
+    DecodeTile(64, 16, "4 scores + 8 accumulators per lane; 24 KB shared (16-bit), 40 KB (fp32)"),
+    DecodeTile(128, 16, "4 scores + 16 accumulators per lane; 44 KB shared (16-bit), 76 KB (fp32)"),
+    DecodeTile(256, 16, "4 scores + 32 accumulators per lane; 84 KB shared (16-bit), 83 KB with one stage (fp32)"),
+)
+
+
+def decode_tile(head_dim: int, head_dim_v: int) -> DecodeTile:
+    return _pick(DECODE_TILES, head_dim, head_dim_v)
+
+
+# Split-KV (attention_with_kvcache, num_splits=0). Decoding reads each K/V byte once, so its speed
+# is the bandwidth of the memory reads in flight: every SM needs blocks streaming K/V. Without
+# splitting there is one block per (row tile, kv head, batch entry), 8 for B = 1 with Hkv = 8,
+# against 132 SMs on an H100/H200. Splitting each entry's key tiles into contiguous ranges, one
+# block each, fills the GPU; the price is a float32 partial (out, lse) per split and row and the
+# combine kernel that merges them. The rule:
+#   - enough blocks for SPLIT_WAVES blocks per SM (each keeps up to two K/V tiles in flight: at
+#     D = 128, 16-bit, two blocks per SM hold ~70 KB in flight, above the ~26 KB that an H200's
+#     4.8 TB/s over ~0.7 µs of latency asks of each of its 132 SMs);
+#   - but at least MIN_TILES_PER_SPLIT key tiles per split (128 keys: at G = 8 rows per kv head,
+#     the partials written and read back are then under 7 % of the K/V bytes read), and at most
+#     MAX_SPLITS (as FlashAttention's heuristic);
+#   - no splitting when the grid already has SPLIT_WAVES blocks per SM (large batches, prefill).
+# Explicit num_splits are clamped to the longest entry's key tiles. The emulator stands in for an
+# H200 (EMULATOR_SM_COUNT), so it chooses what that GPU would.
+SPLIT_WAVES = 2
+MIN_TILES_PER_SPLIT = 4
+MAX_SPLITS = 128
+EMULATOR_SM_COUNT = 132
+
+
+def decode_splits(blocks: int, key_tiles: int, sm_count: int) -> int:
+    """The number of splits for num_splits=0: ``blocks`` without splitting (row tiles x kv heads
+    x batch), ``key_tiles`` of the longest entry, ``sm_count`` SMs."""
+    wanted = -(-SPLIT_WAVES * sm_count // max(blocks, 1))
+    return max(1, min(wanted, key_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+
+
 # The fp32 backward (exact, on CUDA cores; fp16/bf16 take the tensor-core kernels above).
 # dK/dV: 128 threads hold a (block_n, D) dK and dV, D·block_n/128 <= 32 floats each per thread;
 # every entry fits sm_86's 99 KB of shared memory.
@@ -341,4 +431,6 @@ def kernel_variants(arch: str = "sm_80"):
         else:
             variants += [("attention_bwd.cu", t.dkdv_name(dtype), dtype) for t in BACKWARD_TILES]
             variants += [("attention_bwd.cu", t.dq_name(dtype), dtype) for t in BACKWARD_TILES]
+        variants += [(COMBINE_FILE, combine_name(part, dtype), dtype) for part in dict.fromkeys((np.dtype(np.float32), dtype))]
+        variants += [(DecodeTile.filename, t.name_expression(dtype), dtype) for t in DECODE_TILES]
     return variants

@@ -216,19 +216,20 @@ def _tensors(q, k, v):
     return xp, dtype
 
 
-def _check_heads_and_dims(rows_name: str, q_shape, k_shape, v_shape) -> None:
-    """(heads, rows, head dim) of q, k, v: k and v agree, heads group evenly, dims match."""
-    (h, _, d), (hkv, sk, dk), (hv, sv, dv) = q_shape, k_shape, v_shape
+def _check_heads_and_dims(rows_name: str, q_shape, k_shape, v_shape, names=("k", "v")) -> None:
+    """(heads, rows, head dim) of q, k, v (named ``names``: k_cache, v_cache for a KV cache): k
+    and v agree, heads group evenly, dims match."""
+    (h, _, d), (hkv, sk, dk), (hv, sv, dv), (k, v) = q_shape, k_shape, v_shape, names
     if hkv != hv:
-        raise ValueError(f"k has {hkv} heads but v has {hv}; they must match")
+        raise ValueError(f"{k} has {hkv} heads but {v} has {hv}; they must match")
     if sk != sv:
-        raise ValueError(f"k has {rows_name} {sk} but v has {sv}; they must match")
+        raise ValueError(f"{k} has {rows_name} {sk} but {v} has {sv}; they must match")
     if d != dk:
-        raise ValueError(f"q has head dim {d} but k has {dk}; they must match")
+        raise ValueError(f"q has head dim {d} but {k} has {dk}; they must match")
     if d == 0 or dv == 0:
         raise ValueError(f"head dims must be at least 1, got D = {d}, Dv = {dv}")
     if hkv == 0 or h % hkv:
-        raise ValueError(f"q's {h} heads must be a multiple of k/v's {hkv} heads (GQA/MQA)")
+        raise ValueError(f"q's {h} heads must be a multiple of {k}/{v}'s {hkv} heads (GQA/MQA)")
 
 
 def _features(problem_fields: dict, xp, batch: int, heads: int, dtype, head_dim: int, *, causal, window, scale,

@@ -195,8 +195,9 @@ def main(argv=None) -> int:
                    help="score-feature builds to compile: plain (no softcap, ALiBi or mask: what a plain call runs) "
                         "and all (decided at run time)")
     k.add_argument("--memory", action="store_true",
-                   help="run the tensor-core kernels (fp16, D = 64 and 128, both families) on the emulator and report "
-                        "shared-memory wavefronts and global sectors against their minimum, per kernel and access site")
+                   help="run the tensor-core kernels (fp16, D = 64 and 128, both families) and the decoding kernel on the "
+                        "emulator and report shared-memory wavefronts and global sectors against their minimum, per kernel "
+                        "and access site")
     k.add_argument("--sass", action="store_true",
                    help="disassemble each cubin (nvdisasm) and report its hot loop: instruction mix and issue_per_tensor")
     k.set_defaults(run=kernels)

@@ -49,8 +49,8 @@ __device__ __forceinline__ void dkdv_block(const Params& p, const T* q, const T*
     const ScoreTransform score(p, b);
     const int n0 = blockIdx.x * kBlockN;
     const HeadView at = head_view(p, b, strides);  // .o is dout; .stats indexes lse, delta and dq rows
-    stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sK, k + at.k, at.k_row, n0, b.kv_len, p.head_dim);
-    stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sV, v + at.v, at.v_row, n0, b.kv_len, p.head_dim_v);
+    stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sK, k + at.k, at.k_row, n0, b.kv_rows(p), p.head_dim);
+    stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sV, v + at.v, at.v_row, n0, b.kv_rows(p), p.head_dim_v);
 
     const int key = threadIdx.x / kPerKey, key_part = threadIdx.x % kPerKey;  // this thread's dK/dV row
     const int qrow = threadIdx.x / kPerRow, row_part = threadIdx.x % kPerRow;  // this thread's dQ row
@@ -62,9 +62,9 @@ __device__ __forceinline__ void dkdv_block(const Params& p, const T* q, const T*
     for (int m_block = m_begin; m_block < m_end; ++m_block) {
         const int m0 = m_block * kBlockM;
         __syncthreads();  // the previous query tile's Q, dO, P and dS are no longer read
-        stage_tile<kBlockM, kHeadDim, kHeadDim>(sQ, q + at.q, at.q_row, m0, b.q_len, p.head_dim);
-        stage_tile<kBlockM, kHeadDim, kHeadDim>(sDO, dout + at.o, at.o_row, m0, b.q_len, p.head_dim_v);
-        stage_row_stats(sLse2, sDelta, lse, delta, at.stats, m0, kBlockM, b.q_len);
+        stage_tile<kBlockM, kHeadDim, kHeadDim>(sQ, q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim);
+        stage_tile<kBlockM, kHeadDim, kHeadDim>(sDO, dout + at.o, at.o_row, m0, b.q_rows(p), p.head_dim_v);
+        stage_row_stats(sLse2, sDelta, lse, delta, at.stats, m0, kBlockM, b.q_rows(p));
         __syncthreads();  // K, V (first pass), Q, dO and the row statistics are staged
 
         const bool boundary = !b.tile_is_interior(p, m0, kBlockM, n0, kBlockN);
@@ -89,7 +89,7 @@ __device__ __forceinline__ void dkdv_block(const Params& p, const T* q, const T*
                 dk[e] = fmaf(dsr, sQ[r * kHeadDim + d], dk[e]);
             }
         }
-        if (accumulate_dq && m0 + qrow < b.q_len) {
+        if (accumulate_dq && m0 + qrow < b.q_rows(p)) {
             for (int e = 0; e < kRowDims; ++e) {
                 const int d = row_part + kPerRow * e;
                 if (d >= p.head_dim) break;
@@ -143,9 +143,9 @@ __device__ __forceinline__ void dq_block(const Params& p, const T* q, const T* k
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row = warp * kRowsPerWarp + lane / kLanesPerRow, part = lane % kLanesPerRow;
     const HeadView at = head_view(p, b, strides);
-    stage_tile<kBlockM, kHeadDim, kHeadDim>(sQ, q + at.q, at.q_row, m0, b.q_len, p.head_dim);
-    stage_tile<kBlockM, kHeadDim, kHeadDim>(sDO, dout + at.o, at.o_row, m0, b.q_len, p.head_dim_v);
-    stage_row_stats(sLse2, sDelta, lse, delta, at.stats, m0, kBlockM, b.q_len);
+    stage_tile<kBlockM, kHeadDim, kHeadDim>(sQ, q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim);
+    stage_tile<kBlockM, kHeadDim, kHeadDim>(sDO, dout + at.o, at.o_row, m0, b.q_rows(p), p.head_dim_v);
+    stage_row_stats(sLse2, sDelta, lse, delta, at.stats, m0, kBlockM, b.q_rows(p));
 
     float acc[kDims];
     for (int e = 0; e < kDims; ++e) acc[e] = 0.f;
@@ -154,8 +154,8 @@ __device__ __forceinline__ void dq_block(const Params& p, const T* q, const T* k
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         const int n0 = n_block * kBlockN;
         __syncthreads();  // the previous K and V tiles are no longer read
-        stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sK, k + at.k, at.k_row, n0, b.kv_len, p.head_dim);
-        stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sV, v + at.v, at.v_row, n0, b.kv_len, p.head_dim_v);
+        stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sK, k + at.k, at.k_row, n0, b.kv_rows(p), p.head_dim);
+        stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sV, v + at.v, at.v_row, n0, b.kv_rows(p), p.head_dim_v);
         __syncthreads();  // Q, dO, row statistics (first pass), K and V staged
 
         const bool boundary = !b.tile_is_interior(p, m0, kBlockM, n0, kBlockN);

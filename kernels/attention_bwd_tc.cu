@@ -81,8 +81,8 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
     const int dim_slice = warp % kDimWarps;              // and its dims [dim0, dim0 + kWarpDims)
     const int dim0 = dim_slice * kWarpDims;
     const bool vq = vectorised & 1, vk = vectorised & 2, vv = vectorised & 4, vdo = vectorised & 8;
-    stage_async<kBlockN, kHeadDim>(sK, k + at.k, at.k_row, n0, b.kv_len, p.head_dim, vk);
-    stage_async<kBlockN, kHeadDim>(sV, v + at.v, at.v_row, n0, b.kv_len, p.head_dim_v, vv);
+    stage_async<kBlockN, kHeadDim>(sK, k + at.k, at.k_row, n0, b.kv_rows(p), p.head_dim, vk);
+    stage_async<kBlockN, kHeadDim>(sV, v + at.v, at.v_row, n0, b.kv_rows(p), p.head_dim_v, vv);
 
     float dk[kDTiles][4], dv[kDTiles][4];
     #pragma unroll
@@ -95,9 +95,9 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
     // With two stages the next query tile loads while this one is worked on.
     auto stage_queries = [&](int m_block) {
         const int stage = (m_block - m_begin) % kStages, m0 = m_block * kBlockM;
-        stage_async<kBlockM, kHeadDim>(sQ(stage), q + at.q, at.q_row, m0, b.q_len, p.head_dim, vq);
-        stage_async<kBlockM, kHeadDim>(sDO(stage), dout + at.o, at.o_row, m0, b.q_len, p.head_dim_v, vdo);
-        stage_row_stats(sLse2(stage), sDelta(stage), lse, delta, at.stats, m0, kBlockM, b.q_len);
+        stage_async<kBlockM, kHeadDim>(sQ(stage), q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim, vq);
+        stage_async<kBlockM, kHeadDim>(sDO(stage), dout + at.o, at.o_row, m0, b.q_rows(p), p.head_dim_v, vdo);
+        stage_row_stats(sLse2(stage), sDelta(stage), lse, delta, at.stats, m0, kBlockM, b.q_rows(p));
         ptx::cp_async_commit();
     };
     if (kStages == 2 && m_begin < m_end) stage_queries(m_begin);
@@ -189,9 +189,9 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
     const int m0 = blockIdx.x * kTcBlockM;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const bool vq = vectorised & 1, vk = vectorised & 2, vv = vectorised & 4, vdo = vectorised & 8;
-    stage_async<kTcBlockM, kHeadDim>(sQ, q + at.q, at.q_row, m0, b.q_len, p.head_dim, vq);
-    stage_async<kTcBlockM, kHeadDim>(sDO, dout + at.o, at.o_row, m0, b.q_len, p.head_dim_v, vdo);
-    stage_row_stats(sLse2, sDelta, lse, delta, at.stats, m0, kTcBlockM, b.q_len);
+    stage_async<kTcBlockM, kHeadDim>(sQ, q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim, vq);
+    stage_async<kTcBlockM, kHeadDim>(sDO, dout + at.o, at.o_row, m0, b.q_rows(p), p.head_dim_v, vdo);
+    stage_row_stats(sLse2, sDelta, lse, delta, at.stats, m0, kTcBlockM, b.q_rows(p));
 
     float dq[kDTiles][4];
 #pragma unroll
@@ -201,8 +201,8 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         const int n0 = n_block * kBlockN;
         __syncthreads();  // every warp is done with the previous K and V tiles
-        stage_async<kBlockN, kHeadDim>(sK, k + at.k, at.k_row, n0, b.kv_len, p.head_dim, vk);
-        stage_async<kBlockN, kHeadDim>(sV, v + at.v, at.v_row, n0, b.kv_len, p.head_dim_v, vv);
+        stage_async<kBlockN, kHeadDim>(sK, k + at.k, at.k_row, n0, b.kv_rows(p), p.head_dim, vk);
+        stage_async<kBlockN, kHeadDim>(sV, v + at.v, at.v_row, n0, b.kv_rows(p), p.head_dim_v, vv);
         ptx::cp_async_commit();
         ptx::cp_async_wait<0>();
         __syncthreads();  // Q, dO, the row statistics (first pass), K and V are in place

@@ -64,9 +64,9 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const T* q, co
     const int n0 = blockIdx.x * kKeys;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const bool vq = vectorised & 1, vk = vectorised & 2, vv = vectorised & 4, vdo = vectorised & 8;
-    stage_async<kKeys, kHeadDim, Rows>(sK, k + at.k, at.k_row, n0, b.kv_len, p.head_dim, vk);
-    stage_async<kKeys, kHeadDim, Rows>(sV, v + at.v, at.v_row, n0, b.kv_len, p.head_dim_v, vv);
-    if (accumulate_dq) stage_async<kKeys, kHeadDim>(sKRows, k + at.k, at.k_row, n0, b.kv_len, p.head_dim, vk);
+    stage_async<kKeys, kHeadDim, Rows>(sK, k + at.k, at.k_row, n0, b.kv_rows(p), p.head_dim, vk);
+    stage_async<kKeys, kHeadDim, Rows>(sV, v + at.v, at.v_row, n0, b.kv_rows(p), p.head_dim_v, vv);
+    if (accumulate_dq) stage_async<kKeys, kHeadDim>(sKRows, k + at.k, at.k_row, n0, b.kv_rows(p), p.head_dim, vk);
 
     float dk[kDTiles][4], dv[kDTiles][4];
 #pragma unroll
@@ -80,9 +80,9 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const T* q, co
     b.row_tiles(p, n0, kKeys, kBlockM, &m_begin, &m_end);
     auto stage_queries = [&](int m_block) {
         const int stage = (m_block - m_begin) % 2, m0 = m_block * kBlockM;
-        stage_async<kBlockM, kHeadDim, Rows>(sQ(stage), q + at.q, at.q_row, m0, b.q_len, p.head_dim, vq);
-        stage_async<kBlockM, kHeadDim, Rows>(sDO(stage), dout + at.o, at.o_row, m0, b.q_len, p.head_dim_v, vdo);
-        stage_row_stats(sLse2(stage), sDelta(stage), lse, delta, at.stats, m0, kBlockM, b.q_len);
+        stage_async<kBlockM, kHeadDim, Rows>(sQ(stage), q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim, vq);
+        stage_async<kBlockM, kHeadDim, Rows>(sDO(stage), dout + at.o, at.o_row, m0, b.q_rows(p), p.head_dim_v, vdo);
+        stage_row_stats(sLse2(stage), sDelta(stage), lse, delta, at.stats, m0, kBlockM, b.q_rows(p));
         ptx::cp_async_commit();
     };
     if (m_begin < m_end) stage_queries(m_begin);

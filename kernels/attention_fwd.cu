@@ -51,7 +51,7 @@ __device__ __forceinline__ void forward_block(const Params& p, const T* q, const
     const int i = m0 + row;                                   // global query index
 
     const HeadView at = head_view(p, b, strides);
-    stage_tile<kBlockM, kHeadDim, kHeadDim>(sQ, q + at.q, at.q_row, m0, b.q_len, p.head_dim);
+    stage_tile<kBlockM, kHeadDim, kHeadDim>(sQ, q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim);
 
     OnlineSoftmax<kLanesPerRow> softmax;
     float acc[kDims];  // output row, dimensions part + kLanesPerRow · e
@@ -62,8 +62,8 @@ __device__ __forceinline__ void forward_block(const Params& p, const T* q, const
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         const int n0 = n_block * kBlockN;
         __syncthreads();  // everyone is done reading the previous K, V (and P) tiles
-        stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sK, k + at.k, at.k_row, n0, b.kv_len, p.head_dim);
-        stage_tile<kBlockN, kHeadDim, kHeadDim>(sV, v + at.v, at.v_row, n0, b.kv_len, p.head_dim_v);
+        stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sK, k + at.k, at.k_row, n0, b.kv_rows(p), p.head_dim);
+        stage_tile<kBlockN, kHeadDim, kHeadDim>(sV, v + at.v, at.v_row, n0, b.kv_rows(p), p.head_dim_v);
         __syncthreads();  // Q (first pass), K and V staged
 
         float s[kCols];  // scores of keys n0 + part + kLanesPerRow · c

@@ -40,7 +40,7 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     const int row_lo = m0 + warp * 16 + g;          // this lane's two rows: row_lo and row_lo + 8
     const bool vq = vectorised & 1, vk = vectorised & 2, vv = vectorised & 4;
 
-    stage_async<kTcBlockM, kHeadDim>(sQ, q + at.q, at.q_row, m0, b.q_len, p.head_dim, vq);
+    stage_async<kTcBlockM, kHeadDim>(sQ, q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim, vq);
 
     float o[kDTiles][4];
     #pragma unroll
@@ -51,8 +51,8 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     b.key_tiles(p, m0, kTcBlockM, kBlockN, &n_begin, &n_end);
     auto stage_keys = [&](int n_block) {
         const int stage = (n_block - n_begin) % 2;
-        stage_async<kBlockN, kHeadDim>(stage_k(stage), k + at.k, at.k_row, n_block * kBlockN, b.kv_len, p.head_dim, vk);
-        stage_async<kBlockN, kHeadDim>(stage_v(stage), v + at.v, at.v_row, n_block * kBlockN, b.kv_len, p.head_dim_v, vv);
+        stage_async<kBlockN, kHeadDim>(stage_k(stage), k + at.k, at.k_row, n_block * kBlockN, b.kv_rows(p), p.head_dim, vk);
+        stage_async<kBlockN, kHeadDim>(stage_v(stage), v + at.v, at.v_row, n_block * kBlockN, b.kv_rows(p), p.head_dim_v, vv);
         ptx::cp_async_commit();
     };
     if (n_begin < n_end) stage_keys(n_begin);

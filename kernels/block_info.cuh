@@ -76,9 +76,9 @@ struct BlockInfo {
                        : (static_cast<long long>(bidb) * p.heads + bidh) * p.seq_q;
     }
 
-    // Rows of the entry that are in memory and must be written: padding rows included (as 0)
-    // in a padded batch; in a packed one the rows past a length are the next sequence's. Tiles
-    // are read only below q_len / kv_len (zero-filled past them) in both layouts.
+    // Rows of the entry that are in memory, read (tiles zero-filled past them) and written:
+    // padding rows included (written as 0) in a padded batch; in a packed one the rows past a
+    // length are the next sequence's, never touched.
     __device__ __forceinline__ int q_rows(const Params& p) const { return kPacked ? q_len : p.seq_q; }
     __device__ __forceinline__ int kv_rows(const Params& p) const { return kPacked ? kv_len : p.seq_k; }
 

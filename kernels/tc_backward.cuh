@@ -61,7 +61,7 @@ __device__ __forceinline__ void atomic_dq(const Params& p, const BlockInfo& b, c
         for (int e = 0; e < 8; ++e) {
             const int i = m0 + rows + g + 8 * ((e % 4) / 2), col = (d + e / 4) * 8 + 2 * t + (e & 1);
             const float value = e < 4 ? c0[e] : c1[e - 4];
-            if (i < b.q_len && col < p.head_dim) {
+            if (i < b.q_rows(p) && col < p.head_dim) {
                 ATTN_COUNT_GLOBAL(dq_accum + (at.stats + i) * p.head_dim + col, 4);
                 atomicAdd(dq_accum + (at.stats + i) * p.head_dim + col, value * p.scale);
             }

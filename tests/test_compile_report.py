@@ -50,6 +50,7 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
                 "attention_bwd_dq": 0 if tensor_cores else len(_config.BACKWARD_TILES),
                 "attention_bwd_dkdv_tc": len(_config.TENSOR_CORE_BACKWARD_TILES) if tensor_cores else 0,
                 "attention_bwd_dq_tc": len(_config.TENSOR_CORE_TILES) if tensor_cores else 0,
+                "attention_decode": len(_config.DECODE_TILES),
             }
             for kernel, count in expected.items():
                 files = [f for f in tmp_path.glob(f"{kernel}_*_{dtype}_{arch}_plain.ptx")
@@ -58,8 +59,11 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
                 assert len(files) == count, (kernel, dtype, arch)
                 assert all(".entry" in f.read_text() for f in files)
                 # Every fp16/bf16 kernel with a matrix product runs it on tensor cores (the
-                # preprocess kernel is a row-wise dot product, dO·O).
-                if tensor_cores and kernel != "attention_bwd_preprocess":
+                # preprocess kernel is a row-wise dot product, dO·O; decoding, memory-bound, runs
+                # in float32 on CUDA cores, its K/V tiles staged by cp.async).
+                if kernel == "attention_decode":
+                    assert all("cp.async.cg.shared.global" in f.read_text() for f in files), (kernel, dtype, arch)
+                elif tensor_cores and kernel != "attention_bwd_preprocess":
                     assert all("mma.sync.aligned.m16n8k16" in f.read_text() and "ldmatrix" in f.read_text()
                                and "cp.async" in f.read_text() for f in files), (kernel, dtype, arch)
 
@@ -125,3 +129,25 @@ def check_sass_budgets(rows):
             general = next(x for x in rows if (x["name"], x["arch"], x["features"]) == (r["name"], r["arch"], "all"))
             assert r["path_instructions"] < general["path_instructions"], r["name"]
             assert r["loop_instructions"] < general["loop_instructions"], r["name"]
+
+
+def _packed_build(variant):
+    filename, name, arch, features = variant
+    c = _nvrtc.compile_kernel(_compile.kernel_source(filename), name, arch,
+                              _compile.gpu_build_options(filename, features, packed=True))
+    return variant, c.registers, c.spill_stores + c.spill_loads
+
+
+def test_packed_builds_compile_without_spills():
+    """The attention kernels' packed (attention_varlen) builds, -DATTN_PACKED=1, for every tile
+    and feature level: they compile under NVRTC and hold no spills either."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    variants = [(filename, name, _config.FILE_ARCH.get(filename, arch), features)
+                for arch in ("sm_80", "sm_90") for filename, name, _ in _config.kernel_variants(arch)
+                if filename.startswith(("attention_fwd", "attention_bwd")) and "preprocess" not in name
+                for features in _config.FEATURE_LEVELS]
+    assert len(variants) > 100
+    with ProcessPoolExecutor(2) as pool:
+        for variant, registers, spills in pool.map(_packed_build, variants):
+            assert 0 < registers <= 255 and spills == 0, variant

@@ -14,7 +14,7 @@ from helpers import random_qkv
 
 BARRIERS = ("__syncthreads();", "__syncwarp();", "ptx::cp_async_wait<0>();", "ptx::wgmma_wait<0>();")
 KERNEL_FILES = ("attention_fwd.cu", "attention_fwd_tc.cu", "attention_fwd_wgmma.cu", "attention_bwd.cu",
-                "attention_bwd_tc.cu", "attention_bwd_wgmma.cu")
+                "attention_bwd_tc.cu", "attention_bwd_wgmma.cu", "attention_decode.cu")
 
 
 def barrier_sites(filename):
@@ -28,6 +28,8 @@ SITES = [site for f in KERNEL_FILES for site in barrier_sites(f)]
 def results(filename):
     """What the kernels of ``filename`` compute on cases with several query and key tiles."""
     rng = np.random.default_rng(13)
+    if filename == "attention_decode.cu":
+        return decode_results(rng)
     dtype = np.float32 if filename in ("attention_fwd.cu", "attention_bwd.cu") else np.float16  # fp16: tensor cores
     if filename.startswith("attention_fwd"):
         q, k, v = random_qkv(rng, b=1, h=2, sq=150, sk=200, d=32, dtype=dtype)
@@ -45,6 +47,21 @@ def results(filename):
     return grads
 
 
+def decode_results(rng):
+    """attention_with_kvcache over a paged cache of several key tiles, 8 query heads on one kv head
+    and 2 queries (every row of a block): fp16 in two K/V stages, with one split and with three;
+    fp32 at D = 256, whose one stage is reloaded behind a barrier."""
+    outs = []
+    for dtype, d, splits in ((np.float16, 32, 1), (np.float16, 32, 3), (np.float32, 256, 1)):
+        k_cache, v_cache = (rng.standard_normal((12, 16, 1, d)).astype(dtype) for _ in range(2))
+        table = rng.permutation(12).reshape(2, 6).astype(np.int32)
+        q = rng.standard_normal((2, 2, 8, d)).astype(dtype)
+        outs.append(cupy_attn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=np.array([90, 41], np.int32),
+                                                     block_table=table, causal=True, num_splits=splits,
+                                                     backend="emulator"))
+    return outs
+
+
 def test_every_kernel_has_barriers():
     assert {f for f, _, _ in SITES} == set(KERNEL_FILES)
 
@@ -58,10 +75,10 @@ def test_removing_a_barrier_breaks_a_kernel(monkeypatch, filename, at, barrier):
     mutated = source[:at] + source[at + len(barrier):]
     real_function = _compile.function
 
-    def function(target, name, name_expression, features=_config.ALL_FEATURES):
+    def function(target, name, name_expression, features=_config.ALL_FEATURES, packed=False):
         if name != filename:
-            return real_function(target, name, name_expression, features=features)
-        return RawModule(mutated, options=_compile.feature_options(features),
+            return real_function(target, name, name_expression, features=features, packed=packed)
+        return RawModule(mutated, options=_compile.feature_options(features, packed),
                          name_expressions=[name_expression]).get_function(name_expression)
 
     monkeypatch.setattr(_compile, "function", function)

@@ -97,7 +97,8 @@ def test_counting_a_global_address_outside_the_arrays_fails(counters_module):
 
 def test_tensor_core_kernels_stay_within_their_memory_budgets():
     """Shared-memory wavefronts and global sectors over their minimum, per kernel (D = 64, both
-    families): a change may lower a ratio; raising one means raising its budget on purpose."""
+    tensor-core families and the decoding kernel): a change may lower a ratio; raising one means
+    raising its budget on purpose."""
     budgets = json.loads(BUDGETS.read_text())
     rows = memory_report(head_dims=(64,))
     seen = set()
