@@ -143,15 +143,21 @@ def _positive_real(name: str, value) -> float:
     return value
 
 
+def _integer_array(name: str, x, xp, list_dtype, expected: str):
+    """x as an array of ``xp``: a list or tuple of ints becomes one (of ``list_dtype``); anything
+    else that is not an array of ``xp`` is a TypeError saying what was ``expected``."""
+    if module_of(x) is None:
+        if isinstance(x, (list, tuple)) and all(is_integer(v) for v in x):
+            return xp.asarray(np.asarray(x, dtype=list_dtype))
+        raise TypeError(f"{name} must be {expected}, got {describe(x)}")
+    require_array(name, x, xp)
+    return x
+
+
 def _lengths(name: str, lengths, xp, batch: int, max_len: int, seq_name: str):
     if lengths is None:
         return None
-    if module_of(lengths) is None:
-        if isinstance(lengths, (list, tuple)) and all(is_integer(v) for v in lengths):
-            lengths = xp.asarray(np.asarray(lengths, dtype=np.int64))
-        else:
-            raise TypeError(f"{name} must be an integer array of shape ({batch},), got {describe(lengths)}")
-    require_array(name, lengths, xp)
+    lengths = _integer_array(name, lengths, xp, np.int64, f"an integer array of shape ({batch},)")
     if lengths.dtype.kind not in "iu":
         raise TypeError(f"{name} must hold integers, got dtype {lengths.dtype}")
     if lengths.shape != (batch,):
@@ -253,12 +259,7 @@ def _packed(name: str, x, heads_name: str) -> tuple[int, int, int]:
 
 def _cu_seqlens(name: str, cu, xp, total: int, total_name: str):
     """Validated cumulative sequence starts, (B + 1,) int32, and the lengths they imply."""
-    if module_of(cu) is None:
-        if isinstance(cu, (list, tuple)) and all(is_integer(c) for c in cu):
-            cu = xp.asarray(np.asarray(cu, dtype=np.int32))
-        else:
-            raise TypeError(f"{name} must be an int32 array of shape (B + 1,), got {describe(cu)}")
-    require_array(name, cu, xp)
+    cu = _integer_array(name, cu, xp, np.int32, "an int32 array of shape (B + 1,)")
     if cu.dtype != np.int32:
         raise TypeError(f"{name} must have dtype int32 (as FlashAttention's cu_seqlens), got {cu.dtype}")
     if cu.ndim != 1 or cu.shape[0] < 1:
