@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from . import _compile, _config
+from . import _compile, _config, _numpy_backend
 from ._problem import Problem
 
 I32, I64, F32 = np.int32, np.int64, np.float32
@@ -124,14 +124,15 @@ def _common_args(problem: Problem, q, k, v, fourth) -> tuple:
     p = problem
     mask, mask_strides, mask_kind = _mask_arguments(p)
     slopes = p.xp.zeros(1, np.float32) if p.alibi_slopes is None else p.xp.ascontiguousarray(p.alibi_slopes, dtype=np.float32)
+    sinks = p.xp.zeros(1, np.float32) if p.sinks is None else p.xp.ascontiguousarray(p.sinks, dtype=np.float32)
     left, right = p.window if p.window is not None else (None, None)
     return (
-        _lengths(p, p.q_lengths, p.seq_q), _lengths(p, p.kv_lengths, p.seq_k), *_packing_args(p), slopes, mask,
+        _lengths(p, p.q_lengths, p.seq_q), _lengths(p, p.kv_lengths, p.seq_k), *_packing_args(p), slopes, sinks, mask,
         I32(p.heads), I32(p.groups), I32(p.seq_q), I32(p.seq_k), I32(p.head_dim), I32(p.head_dim_v),
         *_bhs_strides(p, q), *_bhs_strides(p, k), *_bhs_strides(p, v), *_bhs_strides(p, fourth),
         *mask_strides, mask_kind,
         I32(_CAUSAL[p.causal]), I32(-1 if left is None else left), I32(-1 if right is None else right),
-        I32(p.alibi_slopes is not None), F32(p.scale), F32(p.softcap or 0.0),
+        I32(p.alibi_slopes is not None), I32(p.sinks is not None), F32(p.scale), F32(p.softcap or 0.0),
     )
 
 
@@ -263,5 +264,8 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
         if deterministic:
             _launch(target, "attention_bwd.cu", tile.dq_name(p.dtype), (_blocks(sq, tile.dq_block_m), h, b),
                     (q, k, v, dout, lse, delta, dq, *common), tile.dq_shared_bytes, **module)
-    return (_from_per_head(p, dq, p.dtype), _from_per_head(p, dk, p.dtype, sum_groups=True),
-            _from_per_head(p, dv, p.dtype, sum_groups=True))
+    grads = (_from_per_head(p, dq, p.dtype), _from_per_head(p, dk, p.dtype, sum_groups=True),
+             _from_per_head(p, dv, p.dtype, sum_groups=True))
+    if p.sinks is None:
+        return grads
+    return grads + (_numpy_backend.sink_gradient(xp, p.sinks.astype(np.float32), lse, delta),)

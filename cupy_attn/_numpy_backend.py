@@ -188,6 +188,10 @@ def forward(problem: Problem, q, k, v):
         rows = q_rows.shape[:3]
         row_max = np.full(rows + (1,), -np.inf, dtype=p.compute_dtype)
         row_sum = np.zeros(rows + (1,), dtype=p.compute_dtype)
+        if p.sinks is not None:  # each row starts with its head's sink: max = sink, sum = exp(0)
+            heads = p.sinks.reshape(1, p.kv_heads, p.groups, 1)
+            row_max[...] = np.broadcast_to(heads, (p.batch, p.kv_heads, p.groups, i1 - i0)).reshape(rows + (1,))
+            row_sum[...] = 1
         acc = np.zeros(rows + (p.head_dim_v,), dtype=p.compute_dtype)
         for j0, j1, s, _ in t.key_tiles(q_rows, i0, i1):
             new_max = np.maximum(row_max, s.max(axis=-1, keepdims=True))
@@ -247,4 +251,15 @@ def backward(problem: Problem, dout, q, k, v, out, lse):
         dq[:, :, :, i0:i1] = dq_rows.reshape(p.batch, p.kv_heads, p.groups, i1 - i0, p.head_dim)
     dq *= ct.type(p.scale)
     bhsd = (p.batch, p.heads, p.seq_q, p.head_dim)
-    return _from_bhsd(p, dq.reshape(bhsd), p.dtype), _from_bhsd(p, dk, p.dtype), _from_bhsd(p, dv, p.dtype)
+    grads = _from_bhsd(p, dq.reshape(bhsd), p.dtype), _from_bhsd(p, dk, p.dtype), _from_bhsd(p, dv, p.dtype)
+    if p.sinks is None:
+        return grads
+    return grads + (sink_gradient(np, p.sinks, lse.reshape(p.batch, p.heads, p.seq_q), delta.reshape(p.batch, p.heads, p.seq_q)),)
+
+
+def sink_gradient(xp, sinks, lse, delta):
+    """dL/dsinks (H,) from the forward's lse and delta = rowsum(dO ∘ O), both (B, H, Sq): a sink
+    takes the share P_sink = exp(sink − lse) of its row and carries no value, so
+    dL/dsink_h = −Σ_{b,i} P_sink · delta (as for any score: dS = P·(dP − delta), with dP = 0).
+    Both backends use it; lse is finite wherever a sink is (lse >= sink)."""
+    return -(xp.exp(sinks[None, :, None] - lse) * delta).sum(axis=(0, 2))

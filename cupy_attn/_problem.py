@@ -63,6 +63,7 @@ class Problem:
     # A packed batch (layout "thd"): seq_q, seq_k are then the longest lengths, q_lengths and
     # kv_lengths the lengths of every sequence.
     packing: Packing | None = None
+    sinks: object | None = None  # (H,) logits in the compute dtype joining each row's denominator
 
     @property
     def groups(self) -> int:
@@ -171,24 +172,37 @@ def _lengths(name: str, lengths, xp, batch: int, max_len: int, seq_name: str):
     return lengths.astype(np.int64)
 
 
+def _per_head(name: str, values, xp, heads: int, dtype: np.dtype, *, batch: int | None, kinds: str, kind_name: str):
+    """Finite per-head values in the compute dtype: shape (H,), or with ``batch`` (H,) or (B, H),
+    returned as (B, H); lists are accepted; array dtypes must be of ``kinds``."""
+    shapes = f"({heads},)" if batch is None else f"({heads},) or ({batch}, {heads})"
+    if module_of(values) is None:
+        if not isinstance(values, (list, tuple)):
+            raise TypeError(f"{name} must be a float array of shape {shapes}, got {describe(values)}")
+        values = xp.asarray(np.asarray(values, dtype=np.float64))
+    require_array(name, values, xp)
+    if values.dtype.kind not in kinds:
+        raise TypeError(f"{name} must hold {kind_name}, got dtype {values.dtype}")
+    if batch is not None and values.shape == (heads,):
+        values = xp.broadcast_to(values[None, :], (batch, heads))
+    elif values.shape != ((heads,) if batch is None else (batch, heads)):
+        raise ValueError(f"{name} must have shape {shapes}, got {tuple(values.shape)}")
+    values = values.astype(compute_dtype(dtype))
+    if values.size and not bool(xp.isfinite(values).all()):
+        raise ValueError(f"{name} must be finite")
+    return values
+
+
 def _alibi(slopes, xp, batch: int, heads: int, dtype: np.dtype):
     if slopes is None:
         return None
-    if module_of(slopes) is None:
-        if not isinstance(slopes, (list, tuple)):
-            raise TypeError(f"alibi_slopes must be a float array of shape ({heads},) or ({batch}, {heads}), got {describe(slopes)}")
-        slopes = xp.asarray(np.asarray(slopes, dtype=np.float64))
-    require_array("alibi_slopes", slopes, xp)
-    if slopes.dtype.kind not in "fiu" or slopes.dtype.kind == "b":
-        raise TypeError(f"alibi_slopes must hold real numbers, got dtype {slopes.dtype}")
-    if slopes.shape == (heads,):
-        slopes = xp.broadcast_to(slopes[None, :], (batch, heads))
-    elif slopes.shape != (batch, heads):
-        raise ValueError(f"alibi_slopes must have shape ({heads},) or ({batch}, {heads}), got {tuple(slopes.shape)}")
-    slopes = slopes.astype(compute_dtype(dtype))
-    if slopes.size and not bool(xp.isfinite(slopes).all()):
-        raise ValueError("alibi_slopes must be finite")
-    return slopes
+    return _per_head("alibi_slopes", slopes, xp, heads, dtype, batch=batch, kinds="fiu", kind_name="real numbers")
+
+
+def _sinks(sinks, xp, heads: int, dtype: np.dtype):
+    if sinks is None:
+        return None
+    return _per_head("sinks", sinks, xp, heads, dtype, batch=None, kinds="f", kind_name="floats (one logit per query head)")
 
 
 def _mask(mask, xp, target: tuple[int, int, int, int]):
@@ -311,7 +325,7 @@ def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 
 
 def make_problem(q, k, v, *, mask=None, causal=False, window=None, q_lengths=None, kv_lengths=None,
-                 scale=None, softcap=None, alibi_slopes=None, layout="bhsd", backend="auto") -> Problem:
+                 scale=None, softcap=None, alibi_slopes=None, sinks=None, layout="bhsd", backend="auto") -> Problem:
     layout = check_choice("layout", layout, LAYOUTS)
     backend = check_choice("backend", backend, BACKENDS)
     xp, dtype = _tensors(q, k, v)
@@ -326,7 +340,7 @@ def make_problem(q, k, v, *, mask=None, causal=False, window=None, q_lengths=Non
         dtype=dtype,
         q_lengths=_lengths("q_lengths", q_lengths, xp, b, sq, "Sq"),
         kv_lengths=_lengths("kv_lengths", kv_lengths, xp, b, sk, "Sk"),
-        mask=_mask(mask, xp, (b, h, sq, sk)), backend=backend,
+        mask=_mask(mask, xp, (b, h, sq, sk)), backend=backend, sinks=_sinks(sinks, xp, h, dtype),
     )
     return Problem(**_features(fields, xp, b, h, dtype, d, causal=causal, window=window, scale=scale,
                                softcap=softcap, alibi_slopes=alibi_slopes))

@@ -13,7 +13,8 @@ _SEMANTICS = """
 
     Scores, in this order: s = q·kᵀ·scale (scale defaults to 1/√D); softcap c: s = c·tanh(s/c);
     ALiBi: s -= slope[b, h]·|i + off − j|; a float mask is added; a bool mask (True = may
-    attend), causal, window and lengths remove keys. Then out = softmax(s)·v.
+    attend), causal, window and lengths remove keys. Then out = softmax(s)·v; with sinks, each
+    row's denominator also holds exp(sinks[h]) (attention sinks, as gpt-oss: no value attached).
 
     Alignment: query i lines up with key i + off, off = kv_len − q_len on each batch entry's
     valid lengths (bottom-right, as FlashAttention), or off = 0 with causal="top_left"
@@ -31,6 +32,8 @@ _SEMANTICS = """
             never attended; padded query rows give output 0.
         scale: finite positive float. softcap: finite positive float or None.
         alibi_slopes: (H,) or (B, H) floats.
+        sinks: (H,) float logits (natural-log units, not scaled), one per query head, or None.
+            lse includes the sink; a row with nothing to attend gives out 0 and lse = sinks[h].
         backend: "auto" (by where the inputs live), "numpy", "cuda" or "emulator".
 
     A row that can attend to nothing gives output 0 and lse −inf (never NaN), and zero gradients.
@@ -42,15 +45,15 @@ _SEMANTICS = """
 
 
 def attention(q, k, v, *, mask=None, causal=False, window=None, q_lengths=None, kv_lengths=None,
-              scale=None, softcap=None, alibi_slopes=None, layout="bhsd", return_lse=False,
+              scale=None, softcap=None, alibi_slopes=None, sinks=None, layout="bhsd", return_lse=False,
               backend="auto"):
     framework, lead = _interop.lead(q, k, v)
     with _interop.caller_stream(framework, lead):
-        q, k, v, mask, q_lengths, kv_lengths, alibi_slopes = map(
-            _interop.to_backend, (q, k, v, mask, q_lengths, kv_lengths, alibi_slopes))
+        q, k, v, mask, q_lengths, kv_lengths, alibi_slopes, sinks = map(
+            _interop.to_backend, (q, k, v, mask, q_lengths, kv_lengths, alibi_slopes, sinks))
         problem = make_problem(q, k, v, mask=mask, causal=causal, window=window, q_lengths=q_lengths,
                                kv_lengths=kv_lengths, scale=scale, softcap=softcap,
-                               alibi_slopes=alibi_slopes, layout=layout, backend=backend)
+                               alibi_slopes=alibi_slopes, sinks=sinks, layout=layout, backend=backend)
         out, lse = _backends.forward(_backends.select(problem), problem, q, k, v)
         out, lse = (_interop.to_framework(framework, x) for x in (out, lse))
     return (out, lse) if return_lse else out
@@ -58,16 +61,16 @@ def attention(q, k, v, *, mask=None, causal=False, window=None, q_lengths=None, 
 
 def attention_backward(dout, q, k, v, out, lse, *, mask=None, causal=False, window=None,
                        q_lengths=None, kv_lengths=None, scale=None, softcap=None,
-                       alibi_slopes=None, layout="bhsd", backend="auto", deterministic=False):
+                       alibi_slopes=None, sinks=None, layout="bhsd", backend="auto", deterministic=False):
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     framework, lead = _interop.lead(q, k, v)
     with _interop.caller_stream(framework, lead):
-        dout, q, k, v, out, lse, mask, q_lengths, kv_lengths, alibi_slopes = map(
-            _interop.to_backend, (dout, q, k, v, out, lse, mask, q_lengths, kv_lengths, alibi_slopes))
+        dout, q, k, v, out, lse, mask, q_lengths, kv_lengths, alibi_slopes, sinks = map(
+            _interop.to_backend, (dout, q, k, v, out, lse, mask, q_lengths, kv_lengths, alibi_slopes, sinks))
         problem = make_problem(q, k, v, mask=mask, causal=causal, window=window, q_lengths=q_lengths,
                                kv_lengths=kv_lengths, scale=scale, softcap=softcap,
-                               alibi_slopes=alibi_slopes, layout=layout, backend=backend)
+                               alibi_slopes=alibi_slopes, sinks=sinks, layout=layout, backend=backend)
         check_backward_inputs(problem, dout, out, lse)
         grads = _backends.backward(_backends.select(problem), problem, dout, q, k, v, out, lse, deterministic)
         return tuple(_interop.to_framework(framework, g) for g in grads)
@@ -78,7 +81,8 @@ attention.__doc__ = """Scaled dot-product attention, softmax(q·kᵀ·scale + ma
     Returns out, or (out, lse) when return_lse is true.
 """ + _SEMANTICS
 
-attention_backward.__doc__ = """Gradients (dq, dk, dv) of attention, from the forward's out and lse.
+attention_backward.__doc__ = """Gradients (dq, dk, dv) of attention, from the forward's out and lse;
+    (dq, dk, dv, dsinks) when sinks are given, dsinks (H,) float32 (float64 for float64 inputs).
 
     dout has out's shape and dtype; the keywords must be those of the forward call. dk and dv
     are summed over the query heads that share a kv head. Gradients come in the input dtype

@@ -11,8 +11,8 @@ What works:
 - jax.jit (and vmap) on the CPU, through jax.pure_callback into the NumPy backend;
 - under jax.jit on a GPU backend the call raises NotImplementedError: a callback would copy
   every input to the host and back, and cupy_attn does not do that silently.
-Array keywords (mask, q_lengths, kv_lengths, alibi_slopes, cu_seqlens) may be JAX arrays; they
-get no gradient. return_lse is not offered: its gradient would be silently dropped.
+Array keywords (mask, q_lengths, kv_lengths, alibi_slopes, sinks, cu_seqlens) may be JAX arrays;
+sinks get their gradient, the others none. return_lse is not offered: its gradient would be silently dropped.
 Importing this module imports jax; importing cupy_attn does not.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 
 from . import api
 
-_ARRAY_KEYWORDS = ("mask", "q_lengths", "kv_lengths", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k")
+_ARRAY_KEYWORDS = ("mask", "q_lengths", "kv_lengths", "alibi_slopes", "sinks", "cu_seqlens_q", "cu_seqlens_k")
 
 
 def _traced(*arrays) -> bool:
@@ -92,11 +92,14 @@ def _build(function: str, names: tuple, static: tuple, deterministic: bool):
                                 **dict(zip(names, extras)))
 
         shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-        dq, dk, dv = _run(fn, shapes, dout, q, k, v, out, lse, *extras)
-        # Masks, lengths and slopes get no gradient (float0 for the integer ones).
-        zeros = tuple(np.zeros(e.shape, jax.dtypes.float0) if not jnp.issubdtype(e.dtype, jnp.floating)
-                      else jnp.zeros_like(e) for e in extras)
-        return (dq, dk, dv) + zeros
+        if "sinks" in names:  # the backward returns dsinks (H,) after dq, dk, dv
+            shapes += (jax.ShapeDtypeStruct(extras[names.index("sinks")].shape, lse.dtype),)
+        grads = _run(fn, shapes, dout, q, k, v, out, lse, *extras)
+        # Sinks get their gradient; masks, lengths and slopes none (float0 for the integer ones).
+        rest = tuple(jnp.asarray(grads[3], e.dtype) if name == "sinks"
+                     else np.zeros(e.shape, jax.dtypes.float0) if not jnp.issubdtype(e.dtype, jnp.floating)
+                     else jnp.zeros_like(e) for name, e in zip(names, extras))
+        return tuple(grads[:3]) + rest
 
     attention.defvjp(attention_fwd, attention_bwd)
     return attention

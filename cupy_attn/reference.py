@@ -63,9 +63,14 @@ def _probabilities(p, q64, k64):
     allowed, bias = _allowed_and_bias(p)
     s = np.where(allowed, capped + bias, -np.inf)
     row_max = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    sink = None if p.sinks is None else np.asarray(p.sinks, np.float64)[None, :, None, None]
+    if sink is not None:  # a sink joins the denominator only: exp(sink) with no value
+        row_max = np.maximum(row_max, sink)
     alive = np.isfinite(row_max)
     e = np.where(alive, np.exp(s - np.where(alive, row_max, 0)), 0.0)
     total = e.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        total = total + np.exp(sink - row_max)
     prob = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
     with np.errstate(divide="ignore"):
         lse = np.where(total[..., 0] > 0, row_max[..., 0] + np.log(np.where(total > 0, total, 1)[..., 0]), -np.inf)
@@ -87,9 +92,10 @@ def attention(q, k, v, **kwargs):
 
 
 def attention_gradients(dout, q, k, v, **kwargs):
-    """Analytic float64 gradients (dq, dk, dv) of sum(out · dout), in the inputs' layout."""
+    """Analytic float64 gradients (dq, dk, dv) of sum(out · dout), in the inputs' layout, and
+    dsinks (H,) after them when sinks are given."""
     p, q64, k64, v64, bhsd = _problem_and_inputs(q, k, v, kwargs)
-    prob, _, slope = _probabilities(p, q64, k64)
+    prob, lse, slope = _probabilities(p, q64, k64)
     do = bhsd(dout)
     dv = np.einsum("bhij,bhid->bhjd", prob, do)
     dp = np.einsum("bhid,bhjd->bhij", do, v64)
@@ -100,4 +106,11 @@ def attention_gradients(dout, q, k, v, **kwargs):
     def group_sum(x):  # (B, H, Sk, D) -> (B, Hkv, Sk, D): a kv head serves G query heads
         return x.reshape(p.batch, p.kv_heads, p.groups, *x.shape[2:]).sum(axis=2)
 
-    return _to_layout(p, dq), _to_layout(p, group_sum(dk)), _to_layout(p, group_sum(dv))
+    grads = _to_layout(p, dq), _to_layout(p, group_sum(dk)), _to_layout(p, group_sum(dv))
+    if p.sinks is None:
+        return grads
+    # d lse_i / d sink = P_sink,i = exp(sink − lse_i), and out_i = Σ_j P_ij v_j loses that share:
+    # dL/dsink = −Σ_i P_sink,i · Σ_j P_ij dP_ij = −Σ_i P_sink,i · rowsum(dO ∘ O)_i.
+    delta = (dp * prob).sum(axis=-1)
+    p_sink = np.exp(np.asarray(p.sinks, np.float64)[None, :, None] - lse)
+    return grads + (-(p_sink * delta).sum(axis=(0, 2)),)

@@ -22,8 +22,10 @@ class _Attention(torch.autograd.Function):
     positional arguments after q, k, v (cu_seqlens and max_seqlen of the varlen pair)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, functions, args, keywords, deterministic):
+    def forward(ctx, q, k, v, sinks, functions, args, keywords, deterministic):
         api_forward, ctx.api_backward = functions
+        if sinks is not None:  # an input of the node, so that it gets a gradient
+            keywords = dict(keywords, sinks=sinks)
         out, lse = api_forward(q, k, v, *args, return_lse=True, **keywords)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args, ctx.keywords, ctx.deterministic = args, keywords, deterministic
@@ -33,18 +35,20 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.api_backward(dout, q, k, v, out, lse, *ctx.args, deterministic=ctx.deterministic,
-                                      **ctx.keywords)
-        return dq, dk, dv, None, None, None, None
+        grads = ctx.api_backward(dout, q, k, v, out, lse, *ctx.args, deterministic=ctx.deterministic, **ctx.keywords)
+        dsinks = grads[3] if len(grads) == 4 else None
+        return grads[0], grads[1], grads[2], dsinks, None, None, None, None
 
 
 def attention(q, k, v, *, return_lse=False, deterministic=False, **keywords):
-    """Differentiable `cupy_attn.attention` on torch tensors; gradients flow to q, k and v.
+    """Differentiable `cupy_attn.attention` on torch tensors; gradients flow to q, k and v (and to
+    ``sinks``, an (H,) tensor, when given).
 
     Returns out, or (out, lse) with return_lse=True (lse is not differentiable).
     """
     functions = (api.attention, api.attention_backward)
-    out, lse = _Attention.apply(q, k, v, functions, (), keywords, deterministic)
+    sinks = keywords.pop("sinks", None)
+    out, lse = _Attention.apply(q, k, v, sinks, functions, (), keywords, deterministic)
     return (out, lse) if return_lse else out
 
 
@@ -57,5 +61,5 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """
     functions = (api.attention_varlen, api.attention_varlen_backward)
     args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    out, lse = _Attention.apply(q, k, v, functions, args, keywords, deterministic)
+    out, lse = _Attention.apply(q, k, v, None, functions, args, keywords, deterministic)
     return (out, lse) if return_lse else out

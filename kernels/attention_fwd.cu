@@ -54,6 +54,7 @@ __device__ __forceinline__ void forward_block(const Params& p, const T* q, const
     stage_tile<kBlockM, kHeadDim, kHeadDim>(sQ, q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim);
 
     OnlineSoftmax<kLanesPerRow> softmax;
+    softmax.start_with_sink(score.sink_log2);
     float acc[kDims];  // output row, dimensions part + kLanesPerRow · e
     for (int e = 0; e < kDims; ++e) acc[e] = 0.f;
 

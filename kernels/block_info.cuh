@@ -31,13 +31,14 @@ struct Params {
     const int* kv_starts;        // (B,)
     int packed, total_q, total_k;
     const float* alibi_slopes;   // (B, H), contiguous
+    const float* sinks;          // (H,) natural-log logits; read only when has_sinks
     const void* mask;            // bool (uint8) or float32, read through mask strides
     int heads, kv_group, seq_q, seq_k, head_dim, head_dim_v;
     long long mask_stride_b, mask_stride_h, mask_stride_q, mask_stride_k;
     int mask_kind;               // 0 none, 1 bool (True = may attend), 2 additive float
     int causal;                  // 0 none, 1 bottom-right, 2 top-left
     int window_left, window_right;  // -1: unbounded
-    int has_alibi;
+    int has_alibi, has_sinks;
     float scale, softcap;        // softcap 0: off
 };
 
@@ -160,15 +161,16 @@ __device__ __forceinline__ HeadView head_view(const Params& p, const BlockInfo& 
 // backward; batch, head, row strides each, in elements). One list, so the launcher builds it once.
 #define ATTN_PARAMS                                                                                              \
     const int *q_lengths, const int *kv_lengths, const int *q_starts, const int *kv_starts, int packed,         \
-        int total_q, int total_k, const float *alibi_slopes, const void *mask, int heads,                          \
+        int total_q, int total_k, const float *alibi_slopes, const float *sinks, const void *mask, int heads,   \
         int kv_group, int seq_q, int seq_k, int head_dim, int head_dim_v, long long q_sb, long long q_sh,        \
         long long q_sr, long long k_sb, long long k_sh, long long k_sr, long long v_sb, long long v_sh,          \
         long long v_sr, long long o_sb, long long o_sh, long long o_sr, long long mask_sb, long long mask_sh,    \
         long long mask_sq, long long mask_sk, int mask_kind, int causal, int window_left, int window_right,      \
-        int has_alibi, float scale, float softcap
+        int has_alibi, int has_sinks, float scale, float softcap
 #define ATTN_UNPACK_PARAMS                                                                                       \
     const attn::Params p{q_lengths, kv_lengths, q_starts, kv_starts, packed, total_q, total_k, alibi_slopes,     \
-                         mask, heads, kv_group, seq_q, seq_k, head_dim, head_dim_v, mask_sb, mask_sh, mask_sq, mask_sk, mask_kind, causal, window_left,         \
-                         window_right, has_alibi, scale, softcap};                                              \
+                         sinks, mask, heads, kv_group, seq_q, seq_k, head_dim, head_dim_v, mask_sb, mask_sh,    \
+                         mask_sq, mask_sk, mask_kind, causal, window_left, window_right, has_alibi, has_sinks,  \
+                         scale, softcap};                                                                        \
     const long long strides[12] = {q_sb, q_sh, q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, o_sb, o_sh, o_sr}
 

@@ -24,6 +24,7 @@ struct ScoreTransform {
     float scale_over_cap;  // scale / c
     float cap_log2;        // c · log2 e
     float slope_log2;      // ALiBi slope of this (batch, head) · log2 e
+    float sink_log2;       // this head's attention sink · log2 e, or -inf (none)
     bool softcap;
 
     __device__ __forceinline__ ScoreTransform(const Params& p, const BlockInfo& b) {
@@ -34,6 +35,7 @@ struct ScoreTransform {
         scale_over_cap = softcap ? p.scale / p.softcap : 0.f;
         cap_log2 = p.softcap * kLog2e;
         slope_log2 = kAlibiBuilt && p.has_alibi ? p.alibi_slopes[b.bidb * p.heads + b.bidh] * kLog2e : 0.f;
+        sink_log2 = p.has_sinks ? p.sinks[b.bidh] * kLog2e : -infinity();
     }
 
     // d(natural-log score)/d(q·k·scale): 1, or 1 - tanh² through the softcap.

@@ -22,6 +22,14 @@ struct OnlineSoftmax {
     float row_max = -infinity();  // running max of the base-2 scores seen so far
     float row_sum = 0.f;          // running sum of exp2(score - row_max)
 
+    // Start the row with an attention sink: a base-2 logit that joins the denominator with no
+    // value attached (gpt-oss). Its share is exp2(sink - row_max), so the row starts at max = sink
+    // and sum = 1: a row that then attends nothing gives out 0 and lse = sink. -inf: no sink.
+    __device__ __forceinline__ void start_with_sink(float sink2) {
+        row_max = sink2;
+        row_sum = sink2 == -infinity() ? 0.f : 1.f;
+    }
+
     // Turn this lane's kCols scores of the current tile into probabilities (in place) relative
     // to the new running max; return the factor by which earlier accumulators must be scaled.
     template <int kCols>

@@ -108,3 +108,19 @@ def test_varlen_grad_eager_and_jit_agree_with_reference():
     for e, j, w in zip(eager, jitted, want):
         np.testing.assert_array_equal(np.asarray(e), np.asarray(j))
         assert_close(np.asarray(e), w, np.dtype(np.float32), grad=True)
+
+
+def test_sinks_get_their_gradient_eager_and_jit():
+    (q, k, v), (jq, jk, jv) = arrays()
+    sinks = np.array([0.5, -1.0, 0.0, 2.0], np.float32)
+
+    def loss(q, sinks):
+        return (cupy_attn.jax.attention(q, jk, jv, causal=True, sinks=sinks) ** 2).sum()
+
+    eager = jax.grad(loss, argnums=(0, 1))(jq, jnp.asarray(sinks))
+    jitted = jax.jit(jax.grad(loss, argnums=(0, 1)))(jq, jnp.asarray(sinks))
+    out, _ = reference.attention(q, k, v, causal=True, sinks=sinks)
+    want = reference.attention_gradients(2 * out, q, k, v, causal=True, sinks=sinks)
+    for e, j, w in zip(eager, jitted, (want[0], want[3])):
+        np.testing.assert_array_equal(np.asarray(e), np.asarray(j))
+        assert_close(np.asarray(e), w, np.dtype(np.float32), grad=True)

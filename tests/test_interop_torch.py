@@ -139,3 +139,10 @@ def test_varlen_gradcheck_and_emulator_agree():
                                                backend="emulator", **kw)
     for x, w in zip((q16, k16, v16), want):
         assert torch.equal(x.grad, w)
+
+
+def test_sinks_get_their_gradient():
+    q, k, v = (t[:1, :, :6, :4].detach().clone().double().requires_grad_() for t in tensors())
+    sinks = torch.tensor([0.5, -1.0, 0.0, 2.0], dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, s: cupy_attn.torch.attention(q, k, v, sinks=s, causal=True), (q, k, v, sinks))
