@@ -148,3 +148,41 @@ def test_cupy_compiles_with_the_options_the_report_uses(monkeypatch, tmp_path):
     assert set(expected) <= set(options)
     no_code_change = ("-I", "-arch=sm_", "-arch=compute_", "--pch", "--std=", "-DCUPY_USE_JITIFY")
     assert [o for o in options if o not in expected and not o.startswith(no_code_change)] == []
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16), BF16], ids=str)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_varlen(tensor_core_kernels, dtype, deterministic):
+    """attention_varlen's packed builds on the GPU, forward and backward, against the padded
+    reference (the helpers of tests/test_varlen.py); empty and tile-crossing sequences."""
+    from test_varlen import cu, packed_inputs, reference_varlen
+
+    rng = np.random.default_rng(7)
+    lens_q, lens_k = [130, 0, 1, 517, 64], [200, 9, 0, 600, 64]
+    q, k, v = packed_inputs(rng, lens_q, lens_k, h=8, hkv=2, d=128, dtype=dtype)
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    args = (cupy.asarray(cu_q), cupy.asarray(cu_k), max(lens_q), max(lens_k))
+    out, lse = cupy_attn.attention_varlen(*on_gpu(q, k, v), *args, causal=True, return_lse=True)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    want = reference_varlen(q, k, v, cu_q, cu_k, dout, causal=True)
+    assert_close(out.get(), want[0], dtype, what="out")
+    assert_close(lse.get(), want[1], dtype, what="lse")
+    grads = cupy_attn.attention_varlen_backward(cupy.asarray(dout), *on_gpu(q, k, v), out, lse, *args, causal=True,
+                                                deterministic=deterministic)
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want[2:]):
+        assert_close(g.get(), w, dtype, grad=True, what=name)
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
+def test_sinks(tensor_core_kernels, dtype):
+    rng = np.random.default_rng(8)
+    q, k, v = random_qkv(rng, b=2, h=4, hkv=2, sq=300, sk=517, d=128, dtype=dtype)
+    sinks = (rng.standard_normal(4) * 2).astype(np.float32)
+    kw = dict(causal=True, q_lengths=np.array([300, 120]), sinks=sinks)
+    check(q, k, v, dtype, **kw)
+    gpu_kw = {n: cupy.asarray(x) for n, x in kw.items() if n != "causal"}
+    out, lse = cupy_attn.attention(*on_gpu(q, k, v), causal=True, return_lse=True, **gpu_kw)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    grads = cupy_attn.attention_backward(cupy.asarray(dout), *on_gpu(q, k, v), out, lse, causal=True, **gpu_kw)
+    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), grads, reference.attention_gradients(dout, q, k, v, **kw)):
+        assert_close(g.get(), w, dtype, grad=True, what=name)
