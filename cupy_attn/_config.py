@@ -251,11 +251,11 @@ HOPPER_BACKWARD_TILES = (
     HopperBackwardTile(128, 32, "128 + 32 accumulators per thread; 102 KB shared"),
 )
 # Score features a module is built for (-DATTN_SCORE_FEATURES, kernels/mask.cuh): a call with no
-# softcap, ALiBi or mask runs the PLAIN module, whose loops carry no trace of them (the SASS audit's
+# softcap, ALiBi, mask or attention sinks runs the PLAIN module, whose loops carry no trace of them (the SASS audit's
 # fastest path at D = 128 on sm_90: 815 instructions per key tile instead of 1037); any of them
 # selects the module that decides each at run time. Two builds per kernel at most, not one per
 # combination: each build costs a compile (and on the emulator a g++ run).
-PLAIN_FEATURES, ALL_FEATURES = 0, 7
+PLAIN_FEATURES, ALL_FEATURES = 0, 15
 FEATURE_LEVELS = (PLAIN_FEATURES, ALL_FEATURES)
 
 

@@ -87,9 +87,10 @@ def _lengths(problem: Problem, lengths, full: int):
 
 
 def score_features(problem: Problem) -> int:
-    """The module a call needs: PLAIN without softcap, ALiBi and mask, else ALL (kernels/mask.cuh)."""
+    """The module a call needs: PLAIN without softcap, ALiBi, mask and sinks, else ALL
+    (kernels/mask.cuh)."""
     p = problem
-    used = p.softcap is not None or p.alibi_slopes is not None or p.mask is not None
+    used = p.softcap is not None or p.alibi_slopes is not None or p.mask is not None or p.sinks is not None
     return _config.ALL_FEATURES if used else _config.PLAIN_FEATURES
 
 

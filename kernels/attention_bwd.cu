@@ -154,8 +154,11 @@ __device__ __forceinline__ void dq_block(const Params& p, const T* q, const T* k
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         const int n0 = n_block * kBlockN;
         __syncthreads();  // the previous K and V tiles are no longer read
-        stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sK, k + at.k, at.k_row, n0, b.kv_rows(p), p.head_dim);
-        stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sV, v + at.v, at.v_row, n0, b.kv_rows(p), p.head_dim_v);
+        // K and V's offsets recomputed per tile, not held across the loop: a packed build reads
+        // them from memory, and held they made ptxas spill (a padded build recomputes them anyway).
+        const HeadView kv = head_view(p, b, strides);
+        stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sK, k + kv.k, kv.k_row, n0, b.kv_rows(p), p.head_dim);
+        stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sV, v + kv.v, kv.v_row, n0, b.kv_rows(p), p.head_dim_v);
         __syncthreads();  // Q, dO, row statistics (first pass), K and V staged
 
         const bool boundary = !b.tile_is_interior(p, m0, kBlockM, n0, kBlockN);

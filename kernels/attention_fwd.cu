@@ -54,7 +54,6 @@ __device__ __forceinline__ void forward_block(const Params& p, const T* q, const
     stage_tile<kBlockM, kHeadDim, kHeadDim>(sQ, q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim);
 
     OnlineSoftmax<kLanesPerRow> softmax;
-    softmax.start_with_sink(score.sink_log2);
     float acc[kDims];  // output row, dimensions part + kLanesPerRow · e
     for (int e = 0; e < kDims; ++e) acc[e] = 0.f;
 
@@ -89,7 +88,8 @@ __device__ __forceinline__ void forward_block(const Params& p, const T* q, const
     // Every row of the tile inside the sequence is written, padding rows and fully masked rows
     // included (as 0), so no output element is left unwritten.
     if (i < b.q_rows(p)) {
-        const float inv = softmax.inverse_sum();
+        const float sink_rescale = softmax.add_sink(sink_log2(p, b));  // before inverse_sum and lse
+        const float inv = sink_rescale * softmax.inverse_sum();
         for (int e = 0; e < kDims; ++e) {
             const int d = part + kLanesPerRow * e;
             if (d < p.head_dim_v) out[at.o + i * at.o_row + d] = from_float<T>(acc[e] * inv);

@@ -46,8 +46,6 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     #pragma unroll
     for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
     OnlineSoftmax<4> softmax[2];  // rows row_lo and row_lo + 8
-    softmax[0].start_with_sink(score.sink_log2);
-    softmax[1].start_with_sink(score.sink_log2);
 
     int n_begin, n_end;
     b.key_tiles(p, m0, kTcBlockM, kBlockN, &n_begin, &n_end);

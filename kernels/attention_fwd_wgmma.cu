@@ -57,8 +57,6 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q,
     for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
     float(&o_flat)[4 * kDTiles] = reinterpret_cast<float(&)[4 * kDTiles]>(o);
     OnlineSoftmax<4> softmax[2];
-    softmax[0].start_with_sink(score.sink_log2);
-    softmax[1].start_with_sink(score.sink_log2);
 
     int n_begin, n_end;
     b.key_tiles(p, m0, kTcBlockM, kWgmmaKeys, &n_begin, &n_end);

@@ -8,34 +8,40 @@
 namespace attn {
 
 // The score features a module is compiled with (-DATTN_SCORE_FEATURES, chosen per call by the
-// launcher): a call without softcap, ALiBi or a mask runs a module built with 0, whose loops
+// launcher): a call without softcap, ALiBi, a mask or sinks runs a module built with 0, whose loops
 // carry no trace of them; any of them selects the module that decides each at run time. A
 // module asked to compute a feature it was built without traps rather than ignore it.
-enum : int { kFeatureSoftcap = 1, kFeatureAlibi = 2, kFeatureMask = 4, kAllFeatures = 7 };
+enum : int { kFeatureSoftcap = 1, kFeatureAlibi = 2, kFeatureMask = 4, kFeatureSinks = 8, kAllFeatures = 15 };
 #ifndef ATTN_SCORE_FEATURES
-#define ATTN_SCORE_FEATURES 7
+#define ATTN_SCORE_FEATURES 15
 #endif
 constexpr int kScoreFeatures = ATTN_SCORE_FEATURES;
 constexpr bool kSoftcapBuilt = kScoreFeatures & kFeatureSoftcap, kAlibiBuilt = kScoreFeatures & kFeatureAlibi,
-               kMaskBuilt = kScoreFeatures & kFeatureMask;
+               kMaskBuilt = kScoreFeatures & kFeatureMask, kSinksBuilt = kScoreFeatures & kFeatureSinks;
+
+// This head's attention sink in base 2, or -inf (none), which each forward row folds into its
+// softmax after the key loop (OnlineSoftmax::add_sink). Only the forwards read it (the
+// backward's lse already holds the sink).
+__device__ __forceinline__ float sink_log2(const Params& p, const BlockInfo& b) {
+    return kSinksBuilt && p.has_sinks ? p.sinks[b.bidh] * kLog2e : -infinity();
+}
 
 struct ScoreTransform {
     float scale_log2;      // scale · log2 e (no softcap)
     float scale_over_cap;  // scale / c
     float cap_log2;        // c · log2 e
     float slope_log2;      // ALiBi slope of this (batch, head) · log2 e
-    float sink_log2;       // this head's attention sink · log2 e, or -inf (none)
     bool softcap;
 
     __device__ __forceinline__ ScoreTransform(const Params& p, const BlockInfo& b) {
-        if ((!kSoftcapBuilt && p.softcap > 0.f) || (!kAlibiBuilt && p.has_alibi) || (!kMaskBuilt && p.mask_kind != kMaskNone))
+        if ((!kSoftcapBuilt && p.softcap > 0.f) || (!kAlibiBuilt && p.has_alibi) || (!kMaskBuilt && p.mask_kind != kMaskNone) ||
+            (!kSinksBuilt && p.has_sinks))
             __trap();
         softcap = kSoftcapBuilt && p.softcap > 0.f;
         scale_log2 = p.scale * kLog2e;
         scale_over_cap = softcap ? p.scale / p.softcap : 0.f;
         cap_log2 = p.softcap * kLog2e;
         slope_log2 = kAlibiBuilt && p.has_alibi ? p.alibi_slopes[b.bidb * p.heads + b.bidh] * kLog2e : 0.f;
-        sink_log2 = p.has_sinks ? p.sinks[b.bidh] * kLog2e : -infinity();
     }
 
     // d(natural-log score)/d(q·k·scale): 1, or 1 - tanh² through the softcap.

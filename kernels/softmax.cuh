@@ -22,12 +22,18 @@ struct OnlineSoftmax {
     float row_max = -infinity();  // running max of the base-2 scores seen so far
     float row_sum = 0.f;          // running sum of exp2(score - row_max)
 
-    // Start the row with an attention sink: a base-2 logit that joins the denominator with no
-    // value attached (gpt-oss). Its share is exp2(sink - row_max), so the row starts at max = sink
-    // and sum = 1: a row that then attends nothing gives out 0 and lse = sink. -inf: no sink.
-    __device__ __forceinline__ void start_with_sink(float sink2) {
-        row_max = sink2;
-        row_sum = sink2 == -infinity() ? 0.f : 1.f;
+    // Fold an attention sink into the finished row: a base-2 logit that joins the denominator
+    // with no value attached (gpt-oss). After the key loop, so the loop carries no trace of it.
+    // Returns the factor by which the row's accumulator must be scaled to the new max (1 without
+    // a sink, sink2 = -inf). A row that attended nothing (max -inf, sum 0) gets max = sink,
+    // sum = 1: out 0, lse = sink.
+    __device__ __forceinline__ float add_sink(float sink2) {
+        if (sink2 == -infinity()) return 1.f;
+        const float new_max = fmaxf(row_max, sink2);
+        const float rescale = exp2f(row_max - new_max);  // 0 when row_max is -inf
+        row_sum = row_sum * rescale + exp2f(sink2 - new_max);
+        row_max = new_max;
+        return rescale;
     }
 
     // Turn this lane's kCols scores of the current tile into probabilities (in place) relative

@@ -41,12 +41,13 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNTiles][4], float (&o)[
 template <class T, int kDTiles>
 __device__ __forceinline__ void store_rows(const Params& p, const BlockInfo& b, const HeadView& at, T* out,
                                            float* lse, const float (&o)[kDTiles][4],
-                                           const OnlineSoftmax<4> (&softmax)[2], int row_lo, int t) {
+                                           OnlineSoftmax<4> (&softmax)[2], int row_lo, int t) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int i = row_lo + 8 * r;
         if (i >= b.q_rows(p)) continue;
-        const float inv = softmax[r].inverse_sum();
+        const float sink_rescale = softmax[r].add_sink(sink_log2(p, b));  // before inverse_sum and lse
+        const float inv = sink_rescale * softmax[r].inverse_sum();
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
             const int col = d * 8 + 2 * t;
