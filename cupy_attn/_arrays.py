@@ -57,6 +57,12 @@ def require_float_dtype(name: str, x) -> np.dtype:
     return dtype
 
 
+def host_ints(xp, x) -> np.ndarray:
+    """An integer array of ``xp`` (numpy or cupy) as an int64 NumPy array on the host (for
+    validation; a copy from a GPU waits for it)."""
+    return np.asarray(x if xp is np else x.get(), dtype=np.int64)
+
+
 def compute_dtype(dtype: np.dtype) -> np.dtype:
     """fp16/bf16/fp32 accumulate in float32; float64 stays float64."""
     return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)

@@ -9,13 +9,12 @@ page block_table[b, j // page_size], row j % page_size.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import _numpy_backend
-from ._arrays import describe, is_integer, module_of, require_array, require_float_dtype
+from ._arrays import describe, host_ints, is_integer, module_of, require_array, require_float_dtype
 from ._problem import BACKENDS, LAYOUTS, Problem, _bhsd, _check_heads_and_dims, _features, check_choice
 
 
@@ -49,16 +48,12 @@ def _int32_array(name: str, x, xp, shape_words: str):
     return x
 
 
-def _host(xp, x) -> np.ndarray:
-    return np.asarray(x if xp is np else x.get(), dtype=np.int64)
-
-
 def _cache_seqlens(cache_seqlens, xp, batch: int) -> np.ndarray:
     """(B,) int64 on the host, checked non-negative."""
     if is_integer(cache_seqlens):
         seqlens = np.full(batch, int(cache_seqlens), dtype=np.int64)
     else:
-        seqlens = _host(xp, _int32_array("cache_seqlens", cache_seqlens, xp, f"({batch},) or an int"))
+        seqlens = host_ints(xp, _int32_array("cache_seqlens", cache_seqlens, xp, f"({batch},) or an int"))
         if seqlens.shape != (batch,):
             raise ValueError(f"cache_seqlens must have shape ({batch},) (one length per batch entry), got "
                              f"{tuple(seqlens.shape)}")
@@ -130,7 +125,7 @@ def _pages(block_table, cache_batch_idx, xp, batch: int, num_pages: int, page_si
     if index.shape != (batch,):
         raise ValueError(f"cache_batch_idx must have shape ({batch},) (one cache entry per batch entry), got "
                          f"{tuple(index.shape)}")
-    host = _host(xp, index)
+    host = host_ints(xp, index)
     bad = np.flatnonzero((host < 0) | (host >= num_pages))
     if bad.size:
         raise ValueError(f"cache_batch_idx[{bad[0]}] = {host[bad[0]]} is not an entry of k_cache (B_cache = "
@@ -146,7 +141,7 @@ def _check_table(table, xp, kv_lengths: np.ndarray, page_size: int, num_pages: i
     needed = xp.arange(table.shape[1])[None, :] < xp.asarray(-(-kv_lengths // page_size))[:, None]
     missing = needed & ((table < 0) | (table >= num_pages))
     if bool(missing.any()):
-        b, j = (int(x) for x in np.argwhere(_host(xp, missing))[0])
+        b, j = (int(x) for x in np.argwhere(host_ints(xp, missing))[0])
         last = min(kv_lengths[b], (j + 1) * page_size) - 1
         raise ValueError(f"block_table[{b}, {j}] = {int(table[b, j])} is not a page of k_cache (num_blocks = "
                          f"{num_pages}), but entry {b} keeps keys {j * page_size}..{last} there (cache_seqlens + Snew "
@@ -158,7 +153,7 @@ def _append_slots(table, xp, seqlens: np.ndarray, seq_new: int, page_size: int):
     may receive two of them (two entries appending into one page row would race)."""
     positions = seqlens[:, None] + np.arange(seq_new)[None, :]
     columns = positions // page_size
-    pages = _host(xp, table[xp.asarray(np.arange(len(seqlens))[:, None]), xp.asarray(columns)]) if positions.size \
+    pages = host_ints(xp, table[xp.asarray(np.arange(len(seqlens))[:, None]), xp.asarray(columns)]) if positions.size \
         else np.zeros(positions.shape, np.int64)
     rows = positions % page_size
     slots = (pages * page_size + rows).ravel()
@@ -249,8 +244,7 @@ def numpy_forward(kv: KVCache, q, k_cache, v_cache):
         keys, values = (_entry_keys(kv, cache, b)[None] for cache in (k_cache, v_cache))  # (1, n, Hkv, ·)
         if p.layout == "bhsd":
             keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
-        slopes = None if p.alibi_slopes is None else p.alibi_slopes[b:b + 1]
-        one = dataclasses.replace(p, batch=1, seq_k=int(kv.kv_lengths[b]), kv_lengths=None, alibi_slopes=slopes)
+        one = _numpy_backend.entry_problem(p, b, seq_k=int(kv.kv_lengths[b]))
         o, l = _numpy_backend.forward(one, q[b:b + 1], keys, values)
         out[b], lse[b] = o[0], l[0]
     return out, lse

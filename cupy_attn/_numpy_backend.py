@@ -142,16 +142,21 @@ class _Tiles:
                 yield (j0, j1) + tile
 
 
+def entry_problem(problem: Problem, b: int, **fields) -> Problem:
+    """Batch entry b of ``problem`` on its own (B = 1, its ALiBi slopes, no lengths: ``fields``
+    give its sequence lengths and layout), for the paths that attend entry by entry."""
+    slopes = None if problem.alibi_slopes is None else problem.alibi_slopes[b:b + 1]
+    return dataclasses.replace(problem, batch=1, q_lengths=None, kv_lengths=None, alibi_slopes=slopes, **fields)
+
+
 def _sequences(problem: Problem):
     """A packed batch as one single-sequence problem per sequence: (problem, q rows, kv rows)."""
     p = problem
     cu_q, cu_k = (np.asarray(cu, dtype=np.int64) for cu in (p.packing.cu_seqlens_q, p.packing.cu_seqlens_k))
     for b in range(p.batch):
         rows_q, rows_k = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        slopes = None if p.alibi_slopes is None else p.alibi_slopes[b:b + 1]
-        one = dataclasses.replace(p, layout="bshd", batch=1, seq_q=int(cu_q[b + 1] - cu_q[b]),
-                                  seq_k=int(cu_k[b + 1] - cu_k[b]), q_lengths=None, kv_lengths=None,
-                                  alibi_slopes=slopes, packing=None)
+        one = entry_problem(p, b, layout="bshd", seq_q=int(cu_q[b + 1] - cu_q[b]), seq_k=int(cu_k[b + 1] - cu_k[b]),
+                            packing=None)
         yield one, rows_q, rows_k
 
 

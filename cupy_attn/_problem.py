@@ -13,6 +13,7 @@ import numpy as np
 from ._arrays import (
     compute_dtype,
     describe,
+    host_ints,
     is_integer,
     is_real_number,
     module_of,
@@ -278,7 +279,7 @@ def _cu_seqlens(name: str, cu, xp, total: int, total_name: str):
         raise TypeError(f"{name} must have dtype int32 (as FlashAttention's cu_seqlens), got {cu.dtype}")
     if cu.ndim != 1 or cu.shape[0] < 1:
         raise ValueError(f"{name} must have shape (B + 1,) with B >= 0, got {tuple(cu.shape)}")
-    host = np.asarray(cu.get() if xp is not np else cu, dtype=np.int64)
+    host = host_ints(xp, cu)
     if host[0] != 0:
         raise ValueError(f"{name} must start at 0, got {name}[0] = {host[0]}")
     steps = np.diff(host)

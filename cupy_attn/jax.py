@@ -43,7 +43,7 @@ def _result_shapes(q, v, layout: str):
     return out, jax.ShapeDtypeStruct((b, heads, sq), lse_dtype)
 
 
-# The functions an adapter wraps: forward, backward, and the layout their results take.
+# The function pairs an adapter wraps: forward and backward.
 _FUNCTIONS = {
     "attention": (api.attention, api.attention_backward),
     "attention_varlen": (api.attention_varlen, api.attention_varlen_backward),
