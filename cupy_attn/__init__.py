@@ -8,6 +8,7 @@ deep-learning framework.
 from . import masks, reference
 from ._backends import BackendUnavailableError
 from ._merge import merge_attention
+from ._philox import dropout_mask
 from .api import attention, attention_backward, attention_varlen, attention_varlen_backward
 from .heads import merge_heads, multi_head_attention, split_heads
 from .kvcache import attention_with_kvcache
@@ -21,6 +22,7 @@ __all__ = [
     "attention_varlen",
     "attention_varlen_backward",
     "attention_with_kvcache",
+    "dropout_mask",
     "masks",
     "merge_attention",
     "merge_heads",

@@ -29,7 +29,7 @@ def feature_options(features: int, packed: bool = False) -> tuple:
     """The -D that build a module for a set of score features (kernels/mask.cuh) and a batch
     layout (kernels/block_info.cuh: padded, or packed for attention_varlen)."""
     if features not in _config.FEATURE_LEVELS:
-        raise ValueError(f"features must be _config.PLAIN_FEATURES or _config.ALL_FEATURES, got {features!r}")
+        raise ValueError(f"features must be one of _config.FEATURE_LEVELS {_config.FEATURE_LEVELS}, got {features!r}")
     return (f"-DATTN_SCORE_FEATURES={features}",) + (("-DATTN_PACKED=1",) if packed else ())
 
 

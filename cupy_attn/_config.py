@@ -253,10 +253,12 @@ HOPPER_BACKWARD_TILES = (
 # Score features a module is built for (-DATTN_SCORE_FEATURES, kernels/mask.cuh): a call with no
 # softcap, ALiBi, mask or attention sinks runs the PLAIN module, whose loops carry no trace of them (the SASS audit's
 # fastest path at D = 128 on sm_90: 815 instructions per key tile instead of 1037); any of them
-# selects the module that decides each at run time. Two builds per kernel at most, not one per
-# combination: each build costs a compile (and on the emulator a g++ run).
-PLAIN_FEATURES, ALL_FEATURES = 0, 15
-FEATURE_LEVELS = (PLAIN_FEATURES, ALL_FEATURES)
+# selects the module that decides each at run time; dropout the one that also carries Philox (its
+# 10 rounds per 4 keys would otherwise add registers to every general build). Three builds per
+# kernel at most, not one per combination: each build costs a compile (and on the emulator a g++ run).
+PLAIN_FEATURES, ALL_FEATURES, DROPOUT_FEATURES = 0, 15, 31
+FEATURE_LEVELS = (PLAIN_FEATURES, ALL_FEATURES, DROPOUT_FEATURES)
+FEATURE_NAMES = {"plain": PLAIN_FEATURES, "all": ALL_FEATURES, "dropout": DROPOUT_FEATURES}
 
 
 # The compute capability whose kernels a GPU runs when CUPY_ATTN_COMPUTE_CAPABILITY is unset,

@@ -87,9 +87,11 @@ def _lengths(problem: Problem, lengths, full: int):
 
 
 def score_features(problem: Problem) -> int:
-    """The module a call needs: PLAIN without softcap, ALiBi, mask and sinks, else ALL
-    (kernels/mask.cuh)."""
+    """The module a call needs: PLAIN without softcap, ALiBi, mask, sinks and dropout; DROPOUT with
+    dropout; else ALL (kernels/mask.cuh)."""
     p = problem
+    if p.dropout is not None:
+        return _config.DROPOUT_FEATURES
     used = p.softcap is not None or p.alibi_slopes is not None or p.mask is not None or p.sinks is not None
     return _config.ALL_FEATURES if used else _config.PLAIN_FEATURES
 
@@ -127,13 +129,16 @@ def _common_args(problem: Problem, q, k, v, fourth) -> tuple:
     slopes = p.xp.zeros(1, np.float32) if p.alibi_slopes is None else p.xp.ascontiguousarray(p.alibi_slopes, dtype=np.float32)
     sinks = p.xp.zeros(1, np.float32) if p.sinks is None else p.xp.ascontiguousarray(p.sinks, dtype=np.float32)
     left, right = p.window if p.window is not None else (None, None)
+    drop = p.dropout
+    dropout = ((np.uint64(0), np.uint32(0), np.uint32(0), F32(1.0)) if drop is None else
+               (np.uint64(drop.seed), np.uint32(drop.offset), np.uint32(drop.threshold), F32(drop.scale)))
     return (
         _lengths(p, p.q_lengths, p.seq_q), _lengths(p, p.kv_lengths, p.seq_k), *_packing_args(p), slopes, sinks, mask,
         I32(p.heads), I32(p.groups), I32(p.seq_q), I32(p.seq_k), I32(p.head_dim), I32(p.head_dim_v),
         *_bhs_strides(p, q), *_bhs_strides(p, k), *_bhs_strides(p, v), *_bhs_strides(p, fourth),
         *mask_strides, mask_kind,
         I32(_CAUSAL[p.causal]), I32(-1 if left is None else left), I32(-1 if right is None else right),
-        I32(p.alibi_slopes is not None), I32(p.sinks is not None), F32(p.scale), F32(p.softcap or 0.0),
+        I32(p.alibi_slopes is not None), I32(p.sinks is not None), F32(p.scale), F32(p.softcap or 0.0), *dropout,
     )
 
 

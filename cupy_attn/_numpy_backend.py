@@ -133,6 +133,16 @@ class _Tiles:
             np.copyto(s5, -np.inf, where=~keep)
         return s, tanh
 
+    def dropout_factor(self, i0: int, i1: int, j0: int, j1: int):
+        """Z / (1 − p) of the tile as (B, Hkv, G·m, n) in the compute dtype (Z the keep-mask of
+        cupy_attn._philox), or None without dropout."""
+        p = self.p
+        if p.dropout is None:
+            return None
+        keep = p.dropout.keep_tile(p.batch, p.heads, i0, i1, j0, j1)  # (B, H, m, n)
+        factor = np.where(keep, p.compute_dtype.type(p.dropout.scale), p.compute_dtype.type(0))
+        return factor.reshape(p.batch, p.kv_heads, p.groups * (i1 - i0), j1 - j0)
+
     def key_tiles(self, q_rows, i0: int, i1: int):
         """(j0, j1, scores, tanh) for every key tile this query tile may attend."""
         for j0 in range(0, self.p.seq_k, BLOCK_N):
@@ -209,6 +219,9 @@ def forward(problem: Problem, q, k, v):
             row_sum *= rescale
             row_sum += s.sum(axis=-1, keepdims=True)
             acc *= rescale
+            factor = t.dropout_factor(i0, i1, j0, j1)
+            if factor is not None:  # after the row sum: the softmax is that of every key
+                s *= factor
             acc += s @ t.v[:, :, j0:j1]
             row_max = new_max
         # Fully masked rows have row_sum 0 and acc 0 (all their exps were 0): dividing by 1
@@ -245,8 +258,12 @@ def backward(problem: Problem, dout, q, k, v, out, lse):
         for j0, j1, s, tanh in t.key_tiles(q_rows, i0, i1):
             s -= lse_rows
             prob = np.exp(s, out=s)  # P = exp(s - lse), recomputed from the saved lse
-            dv[:, :, j0:j1] += prob.swapaxes(-1, -2) @ do_rows  # also sums over a head group
+            factor = t.dropout_factor(i0, i1, j0, j1)  # out = (P ∘ factor)·V
+            dropped = prob if factor is None else prob * factor
+            dv[:, :, j0:j1] += dropped.swapaxes(-1, -2) @ do_rows  # also sums over a head group
             ds = do_rows @ t.v[:, :, j0:j1].swapaxes(-1, -2)  # dP
+            if factor is not None:
+                ds *= factor
             ds -= delta_rows
             ds *= prob  # dS = P ∘ (dP - delta)
             if tanh is not None:

@@ -20,6 +20,7 @@ from ._arrays import (
     require_array,
     require_float_dtype,
 )
+from ._philox import Dropout, check_dropout
 
 LAYOUTS = ("bhsd", "bshd")
 PACKED_LAYOUT = "thd"  # attention_varlen: (total, H, D), sequences one after another
@@ -65,6 +66,7 @@ class Problem:
     # kv_lengths the lengths of every sequence.
     packing: Packing | None = None
     sinks: object | None = None  # (H,) logits in the compute dtype joining each row's denominator
+    dropout: Dropout | None = None  # None when dropout_p is 0
 
     @property
     def groups(self) -> int:
@@ -326,7 +328,8 @@ def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 
 
 def make_problem(q, k, v, *, mask=None, causal=False, window=None, q_lengths=None, kv_lengths=None,
-                 scale=None, softcap=None, alibi_slopes=None, sinks=None, layout="bhsd", backend="auto") -> Problem:
+                 scale=None, softcap=None, alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=0,
+                 dropout_offset=0, layout="bhsd", backend="auto") -> Problem:
     layout = check_choice("layout", layout, LAYOUTS)
     backend = check_choice("backend", backend, BACKENDS)
     xp, dtype = _tensors(q, k, v)
@@ -342,6 +345,7 @@ def make_problem(q, k, v, *, mask=None, causal=False, window=None, q_lengths=Non
         q_lengths=_lengths("q_lengths", q_lengths, xp, b, sq, "Sq"),
         kv_lengths=_lengths("kv_lengths", kv_lengths, xp, b, sk, "Sk"),
         mask=_mask(mask, xp, (b, h, sq, sk)), backend=backend, sinks=_sinks(sinks, xp, h, dtype),
+        dropout=check_dropout(dropout_p, dropout_seed, dropout_offset, b * h),
     )
     return Problem(**_features(fields, xp, b, h, dtype, d, causal=causal, window=window, scale=scale,
                                softcap=softcap, alibi_slopes=alibi_slopes))

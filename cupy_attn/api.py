@@ -34,6 +34,13 @@ _SEMANTICS = """
         alibi_slopes: (H,) or (B, H) floats.
         sinks: (H,) float logits (natural-log units, not scaled), one per query head, or None.
             lse includes the sink; a row with nothing to attend gives out 0 and lse = sinks[h].
+        dropout_p: float in [0, 1): each probability is dropped (zeroed) with probability
+            dropout_p after the softmax and the kept ones are scaled by 1 / (1 − dropout_p), as in
+            FlashAttention (lse is that of the softmax, before dropout). dropout_seed (int in
+            [0, 2**64)) and dropout_offset (int in [0, 2**32)) choose the mask: element
+            (b, h, i, j) is kept or dropped by a pure function of (seed, offset, b, h, i, j)
+            (Philox4x32-10; `cupy_attn.dropout_mask` returns it), identical on every backend, so
+            the backward must be given the forward's three values. 0 (the default) is no dropout.
         backend: "auto" (by where the inputs live), "numpy", "cuda" or "emulator".
 
     A row that can attend to nothing gives output 0 and lse −inf (never NaN), and zero gradients.
@@ -45,15 +52,17 @@ _SEMANTICS = """
 
 
 def attention(q, k, v, *, mask=None, causal=False, window=None, q_lengths=None, kv_lengths=None,
-              scale=None, softcap=None, alibi_slopes=None, sinks=None, layout="bhsd", return_lse=False,
-              backend="auto"):
+              scale=None, softcap=None, alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=0,
+              dropout_offset=0, layout="bhsd", return_lse=False, backend="auto"):
     framework, lead = _interop.lead(q, k, v)
     with _interop.caller_stream(framework, lead):
         q, k, v, mask, q_lengths, kv_lengths, alibi_slopes, sinks = map(
             _interop.to_backend, (q, k, v, mask, q_lengths, kv_lengths, alibi_slopes, sinks))
         problem = make_problem(q, k, v, mask=mask, causal=causal, window=window, q_lengths=q_lengths,
                                kv_lengths=kv_lengths, scale=scale, softcap=softcap,
-                               alibi_slopes=alibi_slopes, sinks=sinks, layout=layout, backend=backend)
+                               alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
+                               dropout_seed=dropout_seed, dropout_offset=dropout_offset, layout=layout,
+                               backend=backend)
         out, lse = _backends.forward(_backends.select(problem), problem, q, k, v)
         out, lse = (_interop.to_framework(framework, x) for x in (out, lse))
     return (out, lse) if return_lse else out
@@ -61,7 +70,8 @@ def attention(q, k, v, *, mask=None, causal=False, window=None, q_lengths=None, 
 
 def attention_backward(dout, q, k, v, out, lse, *, mask=None, causal=False, window=None,
                        q_lengths=None, kv_lengths=None, scale=None, softcap=None,
-                       alibi_slopes=None, sinks=None, layout="bhsd", backend="auto", deterministic=False):
+                       alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=0, dropout_offset=0,
+                       layout="bhsd", backend="auto", deterministic=False):
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     framework, lead = _interop.lead(q, k, v)
@@ -70,7 +80,9 @@ def attention_backward(dout, q, k, v, out, lse, *, mask=None, causal=False, wind
             _interop.to_backend, (dout, q, k, v, out, lse, mask, q_lengths, kv_lengths, alibi_slopes, sinks))
         problem = make_problem(q, k, v, mask=mask, causal=causal, window=window, q_lengths=q_lengths,
                                kv_lengths=kv_lengths, scale=scale, softcap=softcap,
-                               alibi_slopes=alibi_slopes, sinks=sinks, layout=layout, backend=backend)
+                               alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
+                               dropout_seed=dropout_seed, dropout_offset=dropout_offset, layout=layout,
+                               backend=backend)
         check_backward_inputs(problem, dout, out, lse)
         grads = _backends.backward(_backends.select(problem), problem, dout, q, k, v, out, lse, deterministic)
         return tuple(_interop.to_framework(framework, g) for g in grads)

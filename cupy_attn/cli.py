@@ -137,7 +137,7 @@ def kernels(args) -> int:
     if args.memory:
         return memory(args)
     rows = []
-    levels = {"plain": _config.PLAIN_FEATURES, "all": _config.ALL_FEATURES}
+    levels = _config.FEATURE_NAMES
     for requested in args.arch:
         for (filename, name, dtype), features in itertools.product(_config.kernel_variants(requested), args.features):
             arch = _config.FILE_ARCH.get(filename, requested)
@@ -191,9 +191,9 @@ def main(argv=None) -> int:
     k.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"], choices=("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a"))
     k.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     k.add_argument("--ptx-dir", type=Path, help="write each variant's PTX here")
-    k.add_argument("--features", nargs="+", default=["plain", "all"], choices=("plain", "all"),
-                   help="score-feature builds to compile: plain (no softcap, ALiBi or mask: what a plain call runs) "
-                        "and all (decided at run time)")
+    k.add_argument("--features", nargs="+", default=["plain", "all", "dropout"], choices=("plain", "all", "dropout"),
+                   help="score-feature builds to compile: plain (no softcap, ALiBi, mask, sinks or dropout: what a "
+                        "plain call runs), all (decided at run time) and dropout (all, and Philox dropout)")
     k.add_argument("--memory", action="store_true",
                    help="run the tensor-core kernels (fp16, D = 64 and 128, both families) and the decoding kernel on the "
                         "emulator and report shared-memory wavefronts and global sectors against their minimum, per kernel "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._philox import dropout_mask
 from ._problem import make_problem
 
 
@@ -77,6 +78,15 @@ def _probabilities(p, q64, k64):
     return prob, lse, slope
 
 
+def _dropout_factor(p):
+    """Z / (1 − p) (B, H, Sq, Sk): what each probability is multiplied by after the softmax (1
+    without dropout); the keep-mask Z is `cupy_attn.dropout_mask`'s."""
+    if p.dropout is None:
+        return 1.0
+    keep = dropout_mask((p.batch, p.heads, p.seq_q, p.seq_k), p.dropout.p, p.dropout.seed, p.dropout.offset)
+    return keep / (1.0 - p.dropout.p)
+
+
 def _to_layout(p, x):
     return x if p.layout == "bhsd" else x.transpose(0, 2, 1, 3)
 
@@ -88,7 +98,7 @@ def attention(q, k, v, **kwargs):
     """
     p, q64, k64, v64, _ = _problem_and_inputs(q, k, v, kwargs)
     prob, lse, _ = _probabilities(p, q64, k64)
-    return _to_layout(p, prob @ v64), lse
+    return _to_layout(p, (prob * _dropout_factor(p)) @ v64), lse
 
 
 def attention_gradients(dout, q, k, v, **kwargs):
@@ -97,8 +107,9 @@ def attention_gradients(dout, q, k, v, **kwargs):
     p, q64, k64, v64, bhsd = _problem_and_inputs(q, k, v, kwargs)
     prob, lse, slope = _probabilities(p, q64, k64)
     do = bhsd(dout)
-    dv = np.einsum("bhij,bhid->bhjd", prob, do)
-    dp = np.einsum("bhid,bhjd->bhij", do, v64)
+    factor = _dropout_factor(p)  # out = (P ∘ factor)·v: dv and dP each carry the factor once
+    dv = np.einsum("bhij,bhid->bhjd", prob * factor, do)
+    dp = np.einsum("bhid,bhjd->bhij", do, v64) * factor
     ds = prob * (dp - (dp * prob).sum(axis=-1, keepdims=True)) * slope * p.scale
     dq = np.einsum("bhij,bhjd->bhid", ds, k64)
     dk = np.einsum("bhij,bhid->bhjd", ds, q64)

@@ -11,6 +11,7 @@
 // dK and dV are written per query head (float32, (B, H, Sk, D)); the host sums each GQA group
 // in a fixed order, so the deterministic mode stays bit-identical run to run.
 #include "block_info.cuh"
+#include "dropout.cuh"
 #include "mask.cuh"
 #include "numeric.cuh"
 #include "backward_stats.cuh"
@@ -47,6 +48,7 @@ __device__ __forceinline__ void dkdv_block(const Params& p, const T* q, const T*
 
     const BlockInfo b(p, blockIdx.y, blockIdx.z);
     const ScoreTransform score(p, b);
+    const Dropout dropout(p, b);
     const int n0 = blockIdx.x * kBlockN;
     const HeadView at = head_view(p, b, strides);  // .o is dout; .stats indexes lse, delta and dq rows
     stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sK, k + at.k, at.k_row, n0, b.kv_rows(p), p.head_dim);
@@ -76,8 +78,9 @@ __device__ __forceinline__ void dkdv_block(const Params& p, const T* q, const T*
                 dp = fmaf(sDO[r * kHeadDim + d], sV[c * Smem::kKStride + d], dp);
             }
             const float prob = probability(score(p, b, qk, m0 + r, n0 + c, boundary), sLse2[r]);
-            sP[idx] = prob;
-            sDS[idx] = prob * (dp - sDelta[r]) * score.softcap_grad(qk);  // dS of the pre-softcap score
+            const float z = dropout.factor(m0 + r, n0 + c);  // out = (P ∘ z)·V
+            sP[idx] = prob * z;
+            sDS[idx] = prob * (dp * z - sDelta[r]) * score.softcap_grad(qk);  // dS of the pre-softcap score
         }
         __syncthreads();  // P and dS complete
 
@@ -139,6 +142,7 @@ __device__ __forceinline__ void dq_block(const Params& p, const T* q, const T* k
 
     const BlockInfo b(p, blockIdx.y, blockIdx.z);
     const ScoreTransform score(p, b);
+    const Dropout dropout(p, b);
     const int m0 = blockIdx.x * kBlockM;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row = warp * kRowsPerWarp + lane / kLanesPerRow, part = lane % kLanesPerRow;
@@ -170,7 +174,8 @@ __device__ __forceinline__ void dq_block(const Params& p, const T* q, const T* k
                 dp = fmaf(sDO[row * kHeadDim + d], sV[j * Smem::kKStride + d], dp);
             }
             const float prob = probability(score(p, b, qk, m0 + row, n0 + j, boundary), sLse2[row]);
-            sDS[row * kBlockN + j] = prob * (dp - sDelta[row]) * score.softcap_grad(qk);
+            const float z = dropout.factor(m0 + row, n0 + j);
+            sDS[row * kBlockN + j] = prob * (dp * z - sDelta[row]) * score.softcap_grad(qk);
         }
         __syncwarp();  // the row's dS, written by its lanes (all in this warp), is visible
         for (int j = 0; j < kBlockN; ++j) {

@@ -22,6 +22,7 @@
 // registers in a fixed order (no atomics).
 #include "backward_stats.cuh"
 #include "block_info.cuh"
+#include "dropout.cuh"
 #include "mask.cuh"
 #include "numeric.cuh"
 #include "ptx.cuh"
@@ -74,6 +75,7 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
 
     const BlockInfo b(p, blockIdx.y, blockIdx.z);
     const ScoreTransform score(p, b);
+    const Dropout dropout(p, b);
     const HeadView at = head_view(p, b, strides);  // .o is dout; .stats indexes lse, delta, dq rows
     const int n0 = blockIdx.x * kBlockN;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -153,7 +155,7 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
 
         // Pᵀ and dSᵀ in place of Sᵀ and dPᵀ; dS also to shared memory (queries as rows) for dQ.
         const bool boundary = !b.tile_is_interior(p, m0, kBlockM, n0, kBlockN);
-        probabilities_and_ds<kSStride>(st, dpt, p, b, score, tile_lse2, tile_delta, sDS, accumulate_dq && dim_slice == 0,
+        probabilities_and_ds<kSStride>(st, dpt, p, b, score, dropout, tile_lse2, tile_delta, sDS, accumulate_dq && dim_slice == 0,
                                        m0, n0, key0, g, t, boundary);
 
         // dV += Pᵀ·dO and dK += dSᵀ·Q over this tile's queries, in this warp's dims.
@@ -185,6 +187,7 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
 
     const BlockInfo b(p, blockIdx.y, blockIdx.z);
     const ScoreTransform score(p, b);
+    const Dropout dropout(p, b);
     const HeadView at = head_view(p, b, strides);
     const int m0 = blockIdx.x * kTcBlockM;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -226,7 +229,8 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
                 const float qk = s[j][e];
                 const float s2 = score(p, b, qk, m0 + row, n0 + key, boundary);
                 const float prob = probability(s2, sLse2[row]);
-                s[j][e] = prob * (dp[j][e] - sDelta[row]) * score.softcap_grad(qk);
+                const float z = dropout.factor(m0 + row, n0 + key);
+                s[j][e] = prob * (dp[j][e] * z - sDelta[row]) * score.softcap_grad(qk);
             }
         }
 

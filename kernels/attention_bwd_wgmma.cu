@@ -17,6 +17,7 @@
 // mma.sync kernel, which splits its dims over two warps.
 #include "backward_stats.cuh"
 #include "block_info.cuh"
+#include "dropout.cuh"
 #include "mask.cuh"
 #include "numeric.cuh"
 #include "ptx.cuh"
@@ -60,6 +61,7 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const T* q, co
 
     const BlockInfo b(p, blockIdx.y, blockIdx.z);
     const ScoreTransform score(p, b);
+    const Dropout dropout(p, b);
     const HeadView at = head_view(p, b, strides);  // .o is dout; .stats indexes lse, delta, dq rows
     const int n0 = blockIdx.x * kKeys;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -125,7 +127,7 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const T* q, co
 
         // Pᵀ and dSᵀ in place of Sᵀ and dPᵀ; dS also to shared memory (queries as rows) for dQ.
         const bool boundary = !b.tile_is_interior(p, m0, kBlockM, n0, kKeys);
-        probabilities_and_ds<kSStride>(st, dpt, p, b, score, sLse2(stage), sDelta(stage), sDS, accumulate_dq, m0, n0,
+        probabilities_and_ds<kSStride>(st, dpt, p, b, score, dropout, sLse2(stage), sDelta(stage), sDS, accumulate_dq, m0, n0,
                                        warp * 16, g, t, boundary);
 
         // dV += Pᵀ·dO and dK += dSᵀ·Q: Pᵀ and dSᵀ re-packed as A fragments (16 queries each),

@@ -8,6 +8,7 @@
 // visits only the key tiles the block may attend (causal, window and lengths) and applies the
 // structural mask only on boundary tiles.
 #include "block_info.cuh"
+#include "dropout.cuh"
 #include "mask.cuh"
 #include "numeric.cuh"
 #include "softmax.cuh"
@@ -45,6 +46,7 @@ __device__ __forceinline__ void forward_block(const Params& p, const T* q, const
     const BlockInfo b(p, blockIdx.y, blockIdx.z);
     const int m0 = blockIdx.x * kBlockM;  // first query row of the tile
     const ScoreTransform score(p, b);
+    const Dropout dropout(p, b);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row = warp * kRowsPerWarp + lane / kLanesPerRow;  // this lane's row in the tile
     const int part = lane % kLanesPerRow;                       // which of the row's lanes
@@ -77,7 +79,8 @@ __device__ __forceinline__ void forward_block(const Params& p, const T* q, const
 
         const float rescale = softmax.update(s);
         for (int e = 0; e < kDims; ++e) acc[e] *= rescale;
-        for (int c = 0; c < kCols; ++c) sP[row * kBlockN + part + kLanesPerRow * c] = s[c];
+        for (int c = 0; c < kCols; ++c)  // after the row sum, which takes every probability
+            sP[row * kBlockN + part + kLanesPerRow * c] = s[c] * dropout.factor(i, n0 + part + kLanesPerRow * c);
         __syncwarp();  // the row's probabilities, written by its lanes (all in this warp), are visible
         for (int j = 0; j < kBlockN; ++j) {
             const float pj = sP[row * kBlockN + j];

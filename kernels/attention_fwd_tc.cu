@@ -8,6 +8,7 @@
 // of S is re-packed as the A operand of P·V. Softmax is kernels/softmax.cuh's online softmax, in
 // base 2 with scale·log2 e folded in; masking is done on boundary tiles only.
 #include "block_info.cuh"
+#include "dropout.cuh"
 #include "mask.cuh"
 #include "numeric.cuh"
 #include "ptx.cuh"
@@ -33,6 +34,7 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
 
     const BlockInfo b(p, blockIdx.y, blockIdx.z);
     const ScoreTransform score(p, b);
+    const Dropout dropout(p, b);
     const HeadView at = head_view(p, b, strides);
     const int m0 = blockIdx.x * kTcBlockM;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -73,7 +75,7 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
         mma_rows_by_rows<T, kStride, kHeadDim / 16>(s, sQ, warp * 16, sK, lane);
 
         const bool boundary = !b.tile_is_interior(p, m0, kTcBlockM, n0, kBlockN);
-        softmax_tile(s, o, softmax, p, b, score, row_lo, n0, t, boundary);
+        softmax_tile(s, o, softmax, p, b, score, dropout, row_lo, n0, t, boundary);
 
         // O += P·V: P stays in registers as the A operand (16 keys per k-step).
         mma_registers_by_rows<T, kStride, kBlockN / 16>(o, s, sV, lane);

@@ -12,6 +12,7 @@
 // Shared memory written by the generic proxy (cp.async, stores) is fenced to the async proxy
 // before the barrier that precedes the wgmma reading it.
 #include "block_info.cuh"
+#include "dropout.cuh"
 #include "mask.cuh"
 #include "numeric.cuh"
 #include "ptx.cuh"
@@ -44,6 +45,7 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q,
 
     const BlockInfo b(p, blockIdx.y, blockIdx.z);
     const ScoreTransform score(p, b);
+    const Dropout dropout(p, b);
     const HeadView at = head_view(p, b, strides);
     const int m0 = blockIdx.x * kTcBlockM;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
@@ -100,7 +102,7 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q,
         __syncthreads();       // every thread's part of Vᵀ is in place
 
         const bool boundary = !b.tile_is_interior(p, m0, kTcBlockM, n0, kWgmmaKeys);
-        softmax_tile(s, o, softmax, p, b, score, row_lo, n0, t, boundary);
+        softmax_tile(s, o, softmax, p, b, score, dropout, row_lo, n0, t, boundary);
 
         // O += P·V: P re-packed as A fragments (16 keys each), all of them before the first
         // instruction reads them asynchronously; each instruction covers 64 head dims.

@@ -40,6 +40,9 @@ struct Params {
     int window_left, window_right;  // -1: unbounded
     int has_alibi, has_sinks;
     float scale, softcap;        // softcap 0: off
+    unsigned long long dropout_seed;           // kernels/dropout.cuh
+    unsigned dropout_offset, dropout_threshold;  // threshold 0: no dropout
+    float dropout_scale;                       // 1 / (1 − p)
 };
 
 enum { kMaskNone = 0, kMaskBool = 1, kMaskFloat = 2 };
@@ -166,11 +169,12 @@ __device__ __forceinline__ HeadView head_view(const Params& p, const BlockInfo& 
         long long q_sr, long long k_sb, long long k_sh, long long k_sr, long long v_sb, long long v_sh,          \
         long long v_sr, long long o_sb, long long o_sh, long long o_sr, long long mask_sb, long long mask_sh,    \
         long long mask_sq, long long mask_sk, int mask_kind, int causal, int window_left, int window_right,      \
-        int has_alibi, int has_sinks, float scale, float softcap
+        int has_alibi, int has_sinks, float scale, float softcap, unsigned long long dropout_seed,                \
+        unsigned dropout_offset, unsigned dropout_threshold, float dropout_scale
 #define ATTN_UNPACK_PARAMS                                                                                       \
     const attn::Params p{q_lengths, kv_lengths, q_starts, kv_starts, packed, total_q, total_k, alibi_slopes,     \
                          sinks, mask, heads, kv_group, seq_q, seq_k, head_dim, head_dim_v, mask_sb, mask_sh,    \
                          mask_sq, mask_sk, mask_kind, causal, window_left, window_right, has_alibi, has_sinks,  \
-                         scale, softcap};                                                                        \
+                         scale, softcap, dropout_seed, dropout_offset, dropout_threshold, dropout_scale};      \
     const long long strides[12] = {q_sb, q_sh, q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, o_sb, o_sh, o_sr}
 

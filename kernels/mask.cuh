@@ -9,15 +9,17 @@ namespace attn {
 
 // The score features a module is compiled with (-DATTN_SCORE_FEATURES, chosen per call by the
 // launcher): a call without softcap, ALiBi, a mask or sinks runs a module built with 0, whose loops
-// carry no trace of them; any of them selects the module that decides each at run time. A
-// module asked to compute a feature it was built without traps rather than ignore it.
-enum : int { kFeatureSoftcap = 1, kFeatureAlibi = 2, kFeatureMask = 4, kFeatureSinks = 8, kAllFeatures = 15 };
+// carry no trace of them; any of them selects the module that decides each at run time (15), and
+// dropout the one that also carries Philox (31: kernels/dropout.cuh). A module asked to compute
+// a feature it was built without traps rather than ignore it.
+enum : int { kFeatureSoftcap = 1, kFeatureAlibi = 2, kFeatureMask = 4, kFeatureSinks = 8, kFeatureDropout = 16 };
 #ifndef ATTN_SCORE_FEATURES
-#define ATTN_SCORE_FEATURES 15
+#define ATTN_SCORE_FEATURES 31
 #endif
 constexpr int kScoreFeatures = ATTN_SCORE_FEATURES;
 constexpr bool kSoftcapBuilt = kScoreFeatures & kFeatureSoftcap, kAlibiBuilt = kScoreFeatures & kFeatureAlibi,
-               kMaskBuilt = kScoreFeatures & kFeatureMask, kSinksBuilt = kScoreFeatures & kFeatureSinks;
+               kMaskBuilt = kScoreFeatures & kFeatureMask, kSinksBuilt = kScoreFeatures & kFeatureSinks,
+               kDropoutBuilt = kScoreFeatures & kFeatureDropout;
 
 // This head's attention sink in base 2, or -inf (none), which each forward row folds into its
 // softmax after the key loop (OnlineSoftmax::add_sink). Only the forwards read it (the

@@ -4,6 +4,7 @@
 #pragma once
 #include "backward_stats.cuh"
 #include "block_info.cuh"
+#include "dropout.cuh"
 #include "mask.cuh"
 #include "numeric.cuh"
 #include "ptx.cuh"
@@ -11,13 +12,13 @@
 
 namespace attn {
 
-// Pᵀ and dSᵀ in place of Sᵀ and dPᵀ for query tile m0 and key tile n0; with write_ds, dS also to
-// shared memory (queries as rows, kSStride elements apart) for dQ. lse2 and delta: the tile's
+// Pᵀ (after dropout: what dV needs) and dSᵀ in place of Sᵀ and dPᵀ for query tile m0 and key tile
+// n0; with write_ds, dS also to shared memory (queries as rows, kSStride elements apart) for dQ. lse2 and delta: the tile's
 // rows' statistics in shared memory.
 template <int kSStride, int kQTiles, class T>
 __device__ __forceinline__ void probabilities_and_ds(float (&st)[kQTiles][4], float (&dpt)[kQTiles][4], const Params& p,
                                                      const BlockInfo& b, const ScoreTransform& score,
-                                                     const float* lse2, const float* delta, T* ds_tile, bool write_ds,
+                                                     const Dropout& dropout, const float* lse2, const float* delta, T* ds_tile, bool write_ds,
                                                      int m0, int n0, int key0, int g, int t, bool boundary) {
 #pragma unroll
     for (int j = 0; j < kQTiles; ++j) {
@@ -27,8 +28,9 @@ __device__ __forceinline__ void probabilities_and_ds(float (&st)[kQTiles][4], fl
             const float qk = st[j][e];
             const float s2 = score(p, b, qk, m0 + query, n0 + key, boundary);
             const float prob = probability(s2, lse2[query]);
-            const float ds = prob * (dpt[j][e] - delta[query]) * score.softcap_grad(qk);
-            st[j][e] = prob;
+            const float z = dropout.factor(m0 + query, n0 + key);  // out = (P ∘ z)·V
+            const float ds = prob * (dpt[j][e] * z - delta[query]) * score.softcap_grad(qk);
+            st[j][e] = prob * z;
             dpt[j][e] = ds;
             if (write_ds) ds_tile[query * kSStride + key] = from_float<T>(ds);
         }

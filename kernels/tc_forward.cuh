@@ -4,6 +4,7 @@
 #pragma once
 #include "access_count.cuh"
 #include "block_info.cuh"
+#include "dropout.cuh"
 #include "mask.cuh"
 #include "numeric.cuh"
 #include "softmax.cuh"
@@ -13,11 +14,12 @@ namespace attn {
 // This tile's scores (s: kNTiles 8-key column tiles from key n0) -> base-2 units with every
 // feature applied (-inf where masked), then probabilities by the online softmax of this lane's
 // two rows (row_lo, row_lo + 8), whose columns are spread over the lane's quad; o is rescaled
-// to the new running max.
+// to the new running max. Dropout then zeroes (or scales) the probabilities P·V sees, after the
+// row sums took them all.
 template <int kNTiles, int kDTiles>
 __device__ __forceinline__ void softmax_tile(float (&s)[kNTiles][4], float (&o)[kDTiles][4], OnlineSoftmax<4> (&softmax)[2],
                                              const Params& p, const BlockInfo& b, const ScoreTransform& score,
-                                             int row_lo, int n0, int t, bool boundary) {
+                                             const Dropout& dropout, int row_lo, int n0, int t, bool boundary) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float row[2 * kNTiles];
@@ -26,7 +28,8 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNTiles][4], float (&o)[
             row[c] = score(p, b, s[c / 2][2 * r + c % 2], row_lo + 8 * r, n0 + (c / 2) * 8 + 2 * t + c % 2, boundary);
         const float rescale = softmax[r].update(row);
 #pragma unroll
-        for (int c = 0; c < 2 * kNTiles; ++c) s[c / 2][2 * r + c % 2] = row[c];
+        for (int c = 0; c < 2 * kNTiles; ++c)
+            s[c / 2][2 * r + c % 2] = row[c] * dropout.factor(row_lo + 8 * r, n0 + (c / 2) * 8 + 2 * t + c % 2);
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
             o[d][2 * r] *= rescale;

@@ -140,13 +140,13 @@ def _packed_build(variant):
 
 def test_packed_builds_compile_without_spills():
     """The attention kernels' packed (attention_varlen) builds, -DATTN_PACKED=1, for every tile
-    and feature level: they compile under NVRTC and hold no spills either."""
+    and feature level attention_varlen can select (it takes no dropout): they compile under NVRTC and hold no spills either."""
     from concurrent.futures import ProcessPoolExecutor
 
     variants = [(filename, name, _config.FILE_ARCH.get(filename, arch), features)
                 for arch in ("sm_80", "sm_90") for filename, name, _ in _config.kernel_variants(arch)
                 if filename.startswith(("attention_fwd", "attention_bwd")) and "preprocess" not in name
-                for features in _config.FEATURE_LEVELS]
+                for features in _config.FEATURE_LEVELS if features != _config.DROPOUT_FEATURES]  # no varlen dropout
     assert len(variants) > 100
     with ProcessPoolExecutor(2) as pool:
         for variant, registers, spills in pool.map(_packed_build, variants):
