@@ -59,7 +59,7 @@ def main(argv=None) -> int:
         import cupy
 
         arch, work = f"sm_{cupy.cuda.Device().compute_capability}", compile_on_gpu
-    # Both score-feature builds of every variant (plain calls and calls with softcap, ALiBi or a mask).
+    # Every score-feature build of every variant (plain calls; softcap, ALiBi, masks or sinks; dropout).
     variants = [(filename, name, features) for filename, name, _ in _config.kernel_variants(arch)
                 for features in _config.FEATURE_LEVELS]
     if args.dry_run:

@@ -12,7 +12,8 @@ What works:
 - under jax.jit on a GPU backend the call raises NotImplementedError: a callback would copy
   every input to the host and back, and cupy_attn does not do that silently.
 Array keywords (mask, q_lengths, kv_lengths, alibi_slopes, sinks, cu_seqlens) may be JAX arrays;
-sinks get their gradient, the others none. return_lse is not offered: its gradient would be silently dropped.
+sinks get their gradient, the others none. Dropout takes dropout_p and a jax.random key,
+dropout_key, from which the seed is drawn (traceable, so a new key under jax.jit gives a new mask). return_lse is not offered: its gradient would be silently dropped.
 Importing this module imports jax; importing cupy_attn does not.
 """
 from __future__ import annotations
@@ -25,7 +26,18 @@ import numpy as np
 
 from . import api
 
-_ARRAY_KEYWORDS = ("mask", "q_lengths", "kv_lengths", "alibi_slopes", "sinks", "cu_seqlens_q", "cu_seqlens_k")
+_ARRAY_KEYWORDS = ("mask", "q_lengths", "kv_lengths", "alibi_slopes", "sinks", "cu_seqlens_q", "cu_seqlens_k",
+                   "dropout_seed")
+
+
+def _api_keywords(names: tuple, extras) -> dict:
+    """The array keywords as the functional API takes them: dropout_seed travels as two uint32
+    words (traceable) and becomes the int seed."""
+    keywords = dict(zip(names, extras))
+    if "dropout_seed" in keywords:
+        low, high = (int(w) for w in np.asarray(keywords["dropout_seed"]))
+        keywords["dropout_seed"] = (high << 32) | low
+    return keywords
 
 
 def _traced(*arrays) -> bool:
@@ -72,7 +84,7 @@ def _build(function: str, names: tuple, static: tuple, deterministic: bool):
 
     def forward(q, k, v, *extras):
         def fn(q, k, v, *extras):
-            return api_forward(q, k, v, return_lse=True, **keywords, **dict(zip(names, extras)))
+            return api_forward(q, k, v, return_lse=True, **keywords, **_api_keywords(names, extras))
 
         return _run(fn, _result_shapes(q, v, layout), q, k, v, *extras)
 
@@ -89,7 +101,7 @@ def _build(function: str, names: tuple, static: tuple, deterministic: bool):
 
         def fn(dout, q, k, v, out, lse, *extras):
             return api_backward(dout, q, k, v, out, lse, deterministic=deterministic, **keywords,
-                                **dict(zip(names, extras)))
+                                **_api_keywords(names, extras))
 
         shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
         if "sinks" in names:  # the backward returns dsinks (H,) after dq, dk, dv
@@ -108,6 +120,18 @@ def _build(function: str, names: tuple, static: tuple, deterministic: bool):
 def _call(function: str, q, k, v, deterministic, keywords):
     if "return_lse" in keywords:
         raise TypeError(f"cupy_attn.jax.{function} does not take return_lse; use cupy_attn.{function} for lse")
+    key = keywords.pop("dropout_key", None)
+    if key is not None:
+        if "dropout_seed" in keywords:
+            raise TypeError("give dropout_key or dropout_seed, not both")
+        keywords["dropout_seed"] = jax.random.bits(key, (2,), jnp.uint32)  # the seed's low and high words
+    elif keywords.get("dropout_seed") is not None:
+        seed = keywords["dropout_seed"]
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 64:
+            raise TypeError(f"dropout_seed must be an int in [0, 2**64) (or pass dropout_key), got {seed!r}")
+        keywords["dropout_seed"] = np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)
+    elif keywords.get("dropout_p", 0):
+        raise TypeError("dropout_p > 0 needs dropout_key, a jax.random key (or an int dropout_seed)")
     names = tuple(n for n in _ARRAY_KEYWORDS if keywords.get(n) is not None)
     extras = [jnp.asarray(keywords.pop(n)) for n in names]
     for n in _ARRAY_KEYWORDS:

@@ -40,12 +40,26 @@ class _Attention(torch.autograd.Function):
         return grads[0], grads[1], grads[2], dsinks, None, None, None, None
 
 
-def attention(q, k, v, *, return_lse=False, deterministic=False, **keywords):
+def _dropout_seed(keywords: dict, generator) -> dict:
+    """With dropout_p > 0 and no dropout_seed, a seed drawn from ``generator`` (torch's default
+    CPU generator when None, so torch.manual_seed makes runs reproducible); the backward gets the
+    same keywords, so it regenerates the forward's mask."""
+    if keywords.get("dropout_p", 0) and "dropout_seed" not in keywords:
+        device = "cpu" if generator is None else generator.device
+        seed = torch.randint(0, 2 ** 63 - 1, (), generator=generator, device=device, dtype=torch.int64)
+        keywords = dict(keywords, dropout_seed=int(seed))
+    return keywords
+
+
+def attention(q, k, v, *, return_lse=False, deterministic=False, generator=None, **keywords):
     """Differentiable `cupy_attn.attention` on torch tensors; gradients flow to q, k and v (and to
     ``sinks``, an (H,) tensor, when given).
 
+    Dropout: dropout_p > 0 draws dropout_seed from ``generator`` (a torch.Generator; torch's
+    default CPU generator when None) unless dropout_seed is given; each call gets a fresh mask.
     Returns out, or (out, lse) with return_lse=True (lse is not differentiable).
     """
+    keywords = _dropout_seed(keywords, generator)
     functions = (api.attention, api.attention_backward)
     sinks = keywords.pop("sinks", None)
     out, lse = _Attention.apply(q, k, v, sinks, functions, (), keywords, deterministic)

@@ -39,9 +39,7 @@ struct Dropout {
     __device__ __forceinline__ Dropout(const Params& p, const BlockInfo& b)
         : key0(static_cast<unsigned>(p.dropout_seed)), key1(static_cast<unsigned>(p.dropout_seed >> 32)),
           offset(p.dropout_offset), head(static_cast<unsigned>(b.bidb) * p.heads + b.bidh),
-          threshold(p.dropout_threshold), scale(p.dropout_scale), on(kDropoutBuilt && p.dropout_threshold > 0) {
-        if (!kDropoutBuilt && p.dropout_threshold > 0) __trap();  // asked of a module built without it
-    }
+          threshold(p.dropout_threshold), scale(p.dropout_scale), on(kDropoutBuilt && p.dropout_threshold > 0) {}
 
     // What the probability of query row i and key j is multiplied by: 1 / (1 − p) if kept, 0 if
     // dropped (1 without dropout). Lanes holding keys j and j + 1 of one group of 4 compute the

@@ -37,7 +37,7 @@ struct ScoreTransform {
 
     __device__ __forceinline__ ScoreTransform(const Params& p, const BlockInfo& b) {
         if ((!kSoftcapBuilt && p.softcap > 0.f) || (!kAlibiBuilt && p.has_alibi) || (!kMaskBuilt && p.mask_kind != kMaskNone) ||
-            (!kSinksBuilt && p.has_sinks))
+            (!kSinksBuilt && p.has_sinks) || (!kDropoutBuilt && p.dropout_threshold > 0))
             __trap();
         softcap = kSoftcapBuilt && p.softcap > 0.f;
         scale_log2 = p.scale * kLog2e;

@@ -124,3 +124,32 @@ def test_sinks_get_their_gradient_eager_and_jit():
     for e, j, w in zip(eager, jitted, (want[0], want[3])):
         np.testing.assert_array_equal(np.asarray(e), np.asarray(j))
         assert_close(np.asarray(e), w, np.dtype(np.float32), grad=True)
+
+
+def test_dropout_key_eager_and_jit_agree_with_reference():
+    (q, k, v), (jq, jk, jv) = arrays()
+    key = jax.random.key(3)
+
+    def loss(q, key):
+        return (cupy_attn.jax.attention(q, jk, jv, causal=True, dropout_p=0.2, dropout_key=key) ** 2).sum()
+
+    low, high = (int(w) for w in np.asarray(jax.random.bits(key, (2,), jnp.uint32)))
+    kw = dict(causal=True, dropout_p=0.2, dropout_seed=(high << 32) | low)
+    out, _ = reference.attention(q, k, v, **kw)
+    want = reference.attention_gradients(2 * out, q, k, v, **kw)[0]
+    eager = jax.grad(loss)(jq, key)
+    jitted = jax.jit(jax.grad(loss))(jq, key)
+    np.testing.assert_array_equal(np.asarray(eager), np.asarray(jitted))
+    assert_close(np.asarray(eager), want, np.dtype(np.float32), grad=True)
+    forward = jax.jit(lambda key: cupy_attn.jax.attention(jq, jk, jv, dropout_p=0.2, dropout_key=key))
+    assert not np.allclose(forward(jax.random.key(3)), forward(jax.random.key(4)))
+    np.testing.assert_array_equal(cupy_attn.jax.attention(jq, jk, jv, dropout_p=0.2, dropout_seed=kw["dropout_seed"]),
+                                  forward(key))
+
+
+def test_dropout_needs_a_key():
+    _, (jq, jk, jv) = arrays()
+    with pytest.raises(TypeError, match="dropout_p > 0 needs dropout_key"):
+        cupy_attn.jax.attention(jq, jk, jv, dropout_p=0.1)
+    with pytest.raises(TypeError, match="dropout_key or dropout_seed, not both"):
+        cupy_attn.jax.attention(jq, jk, jv, dropout_p=0.1, dropout_key=jax.random.key(0), dropout_seed=1)

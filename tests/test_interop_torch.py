@@ -146,3 +146,26 @@ def test_sinks_get_their_gradient():
     sinks = torch.tensor([0.5, -1.0, 0.0, 2.0], dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
         lambda q, k, v, s: cupy_attn.torch.attention(q, k, v, sinks=s, causal=True), (q, k, v, sinks))
+
+
+def test_dropout_seed_comes_from_the_generator_and_reaches_the_backward():
+    q, k, v = (t.detach().clone().double().requires_grad_() for t in tensors())
+    fixed = lambda q, k, v: cupy_attn.torch.attention(q, k, v, dropout_p=0.3, dropout_seed=11, causal=True)  # noqa: E731
+    small = tuple(t[:1, :2, :5, :3].detach().clone().requires_grad_() for t in (q, k, v))
+    assert torch.autograd.gradcheck(fixed, small)  # one mask in the forward and the backward
+
+    first = cupy_attn.torch.attention(q, k, v, dropout_p=0.3, generator=torch.Generator().manual_seed(5))
+    again = cupy_attn.torch.attention(q, k, v, dropout_p=0.3, generator=torch.Generator().manual_seed(5))
+    other = cupy_attn.torch.attention(q, k, v, dropout_p=0.3)
+    assert torch.equal(first, again) and not torch.allclose(first, other)
+    torch.manual_seed(7)
+    default = cupy_attn.torch.attention(q, k, v, dropout_p=0.3)
+    torch.manual_seed(7)
+    seed = int(torch.randint(0, 2 ** 63 - 1, (), dtype=torch.int64))
+    want, _ = reference.attention(*(numpy_of(t) for t in (q, k, v)), dropout_p=0.3, dropout_seed=seed)
+    assert_close(default.detach().numpy(), want, np.float64)
+    default.sum().backward()
+    grads = reference.attention_gradients(np.ones(want.shape), *(numpy_of(t) for t in (q, k, v)), dropout_p=0.3,
+                                          dropout_seed=seed)
+    for t, w in zip((q, k, v), grads):
+        assert_close(t.grad.numpy(), w, np.float64, grad=True)
