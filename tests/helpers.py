@@ -53,3 +53,22 @@ def random_qkv(rng, *, b=2, h=2, hkv=None, sq=7, sk=9, d=16, dv=None, dtype=np.f
     k = rng.standard_normal(shape_of(layout, b, hkv, sk, d)).astype(dtype)
     v = rng.standard_normal(shape_of(layout, b, hkv, sk, dv)).astype(dtype)
     return q, k, v
+
+
+def check_forward_and_backward(backend, rng, q, k, v, kw, dtype, *, deterministic=False):
+    """attention and attention_backward on ``backend`` against the float64 reference, with the
+    keywords ``kw``; returns the gradients."""
+    import cupy_attn
+    from cupy_attn import reference
+
+    out, lse = cupy_attn.attention(q, k, v, return_lse=True, backend=backend, **kw)
+    want_out, want_lse = reference.attention(q, k, v, **kw)
+    assert_close(out, want_out, dtype, what="out")
+    assert_close(lse, want_lse, dtype, what="lse")
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    grads = cupy_attn.attention_backward(dout, q, k, v, out, lse, backend=backend, deterministic=deterministic, **kw)
+    want = reference.attention_gradients(dout, q, k, v, **kw)
+    assert len(grads) == len(want)
+    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), grads, want):
+        assert_close(g, w, dtype, grad=True, what=name)
+    return grads

@@ -7,7 +7,7 @@ import pytest
 import cupy_attn
 from cupy_attn import _kernel_backend, _numpy_backend, reference
 from cupy_attn._philox import philox
-from helpers import BF16, DTYPES, assert_close, random_qkv
+from helpers import BF16, DTYPES, assert_close, check_forward_and_backward, random_qkv
 from test_kernel_forward import poisoned_outputs, schedule  # noqa: F401 (fixtures)
 
 # Random123's tests/kat_vectors, "philox4x32 10": counter, key, expected words.
@@ -120,16 +120,7 @@ def check(backend, rng, dtype, feature, *, deterministic=False, p=0.25, **shape)
     if kw == "mask":
         kw = dict(mask=rng.random((2, 1, shape["sq"], shape["sk"])) < 0.7, causal="top_left")
     kw = dict(kw, dropout_p=p, dropout_seed=int(rng.integers(0, 2 ** 63)), dropout_offset=int(rng.integers(0, 2 ** 31)))
-    out, lse = cupy_attn.attention(q, k, v, return_lse=True, backend=backend, **kw)
-    want_out, want_lse = reference.attention(q, k, v, **kw)
-    assert_close(out, want_out, dtype, what="out")
-    assert_close(lse, want_lse, dtype, what="lse")
-    dout = rng.standard_normal(out.shape).astype(dtype)
-    grads = cupy_attn.attention_backward(dout, q, k, v, out, lse, backend=backend, deterministic=deterministic, **kw)
-    want = reference.attention_gradients(dout, q, k, v, **kw)
-    assert len(grads) == len(want)
-    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), grads, want):
-        assert_close(g, w, dtype, grad=True, what=name)
+    check_forward_and_backward(backend, rng, q, k, v, kw, dtype, deterministic=deterministic)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

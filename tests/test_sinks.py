@@ -6,7 +6,7 @@ import pytest
 
 import cupy_attn
 from cupy_attn import _kernel_backend, reference
-from helpers import BF16, DTYPES, assert_close, random_qkv
+from helpers import BF16, DTYPES, check_forward_and_backward, random_qkv
 from test_kernel_forward import poisoned_outputs, schedule  # noqa: F401 (fixtures)
 
 FEATURES = {
@@ -28,18 +28,9 @@ def check(backend, rng, dtype, feature, *, deterministic=False, **shape):
     shape = dict(dict(b=2, h=4, hkv=2, sq=37, sk=50, d=32), **shape)
     q, k, v = random_qkv(rng, dtype=dtype, **shape)
     kw = keywords(rng, feature, shape["h"])
-    out, lse = cupy_attn.attention(q, k, v, return_lse=True, backend=backend, **kw)
-    want_out, want_lse = reference.attention(q, k, v, **kw)
-    assert_close(out, want_out, dtype, what="out")
-    assert_close(lse, want_lse, dtype, what="lse")
-    dout = rng.standard_normal(out.shape).astype(dtype)
-    grads = cupy_attn.attention_backward(dout, q, k, v, out, lse, backend=backend, deterministic=deterministic, **kw)
-    want = reference.attention_gradients(dout, q, k, v, **kw)
+    grads = check_forward_and_backward(backend, rng, q, k, v, kw, dtype, deterministic=deterministic)
     assert len(grads) == 4 and grads[3].shape == (shape["h"],)
     assert grads[3].dtype == (np.float64 if dtype == np.float64 else np.float32)
-    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), grads, want):
-        assert_close(g, w, dtype, grad=True, what=name)
-    return out, lse
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
