@@ -52,8 +52,14 @@ FORWARD_TILES = (
     ForwardTile(64, 64, 64, 2, "32 accumulators + 32 scores per lane; 64 KB shared"),
     ForwardTile(128, 32, 64, 4, "32 accumulators + 16 scores per lane; 88 KB shared"),
     ForwardTile(256, 16, 32, 8, "32 accumulators + 4 scores per lane; 82 KB shared (fits sm_86's 99 KB)"),
+    ForwardTile(576, 8, 16, 16, "36 accumulators + 1 score per lane; 91 KB shared"),
 )
-MAX_HEAD_DIM = FORWARD_TILES[-1].head_dim
+# Head dims above 256 (up to MLA's 576 for D and Dv alike) take the WIDE tiles below, whose shared
+# memory may exceed the 99 KB of sm_86/sm_89/sm_120 but fits the 163 KB of sm_80 and 227 KB of
+# sm_90; the launcher checks the GPU's limit and says so. Everything up to 256 fits 99 KB.
+MAX_HEAD_DIM = 576
+NARROW_HEAD_DIM = 256
+WIDE_SHARED_LIMIT = 163 * 1024
 
 
 @dataclass(frozen=True)
@@ -105,15 +111,23 @@ class TensorCoreTile:
     block_n: int
     reason: str
     block_m: int = 64
+    value_slice: int = 0  # value dims per launch when fewer than head_dim (0: all of them)
+
+    @property
+    def value_dim(self) -> int:
+        """O's dims one launch computes: a wider Dv is computed slice by slice, one launch each
+        (every launch recomputes S; O's accumulators are what registers bound)."""
+        return self.value_slice or self.head_dim
 
     @property
     def shared_bytes(self) -> int:
-        """Q (64, D + 8) + two stages of K, V (block_n, D + 8), 16-bit; rows padded by 16 bytes
-        for ldmatrix."""
-        return 2 * (self.block_m + 4 * self.block_n) * (self.head_dim + 8)
+        """Q (64, D + 8) + two stages of K (block_n, D + 8) and V (block_n, value_dim + 8), 16-bit;
+        rows padded by 16 bytes for ldmatrix."""
+        return 2 * ((self.block_m + 2 * self.block_n) * (self.head_dim + 8) + 2 * self.block_n * (self.value_dim + 8))
 
     def name_expression(self, dtype) -> str:
-        return f"attention_fwd_tc<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_n}>"
+        slice_ = f", {self.value_slice}" if self.value_slice else ""
+        return f"attention_fwd_tc<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_n}{slice_}>"
 
     @property
     def dq_shared_bytes(self) -> int:
@@ -133,6 +147,8 @@ TENSOR_CORE_TILES = (
     TensorCoreTile(64, 64, "32 + 32 accumulators per thread; 45 KB shared"),
     TensorCoreTile(128, 64, "64 + 32 accumulators per thread; 85 KB shared"),
     TensorCoreTile(256, 16, "128 + 8 accumulators per thread; 66 KB shared"),
+    TensorCoreTile(576, 16, "value dims in launches of 256: 128 + 8 accumulators per thread; 126 KB shared (WIDE)",
+                   value_slice=256),
 )
 TENSOR_CORE_DTYPES = (np.dtype(np.float16), BFLOAT16)
 
@@ -214,6 +230,7 @@ TENSOR_CORE_BACKWARD_TILES = (
     TensorCoreBackwardTile(64, 64, 64, 2, "64 + 64 accumulators per thread; 65 KB shared"),
     TensorCoreBackwardTile(128, 32, 64, 2, "128 + 32 accumulators per thread; 73 KB shared"),
     TensorCoreBackwardTile(256, 32, 32, 1, "2 warps per 16 keys: 128 + 32 accumulators per thread; 85 KB shared"),
+    TensorCoreBackwardTile(576, 16, 16, 1, "4 warps per 16 keys: 144 + 16 accumulators per thread; 82 KB shared"),
 )
 
 
@@ -375,6 +392,7 @@ BACKWARD_TILES = (
     BackwardTile(64, 64, 64, 64, 64, 2, "32 + 32 dK/dV accumulators per thread; 97 KB / 81 KB shared"),
     BackwardTile(128, 32, 32, 32, 32, 4, "32 + 32 dK/dV accumulators per thread; 72 KB / 68 KB shared"),
     BackwardTile(256, 16, 16, 16, 16, 8, "32 + 32 dK/dV accumulators per thread; 66 KB / 65 KB shared"),
+    BackwardTile(576, 16, 8, 8, 16, 16, "36 + 36 dK/dV accumulators per thread; 109 KB / 109 KB shared (WIDE)"),
 )
 
 
@@ -384,22 +402,28 @@ def _pick(tiles, head_dim: int, head_dim_v: int):
         if need <= tile.head_dim:
             return tile
     raise ValueError(
-        f"head dims up to {MAX_HEAD_DIM} are supported by the CUDA kernels, got D = {head_dim}, Dv = {head_dim_v}; "
-        "use backend='numpy' for larger ones"
+        f"head dims up to {tiles[-1].head_dim} are supported by these CUDA kernels, got D = {head_dim}, "
+        f"Dv = {head_dim_v}; use backend='numpy' for larger ones"
     )
 
 
 def forward_tile(head_dim: int, head_dim_v: int, dtype=np.float32, compute_capability: int = 80):
-    """The forward configuration: wgmma on compute capability 9.0 and mma.sync elsewhere for
-    fp16/bf16, CUDA cores for fp32."""
+    """The forward configuration: wgmma on compute capability 9.0 (up to its widest tile) and
+    mma.sync otherwise for fp16/bf16, CUDA cores for fp32."""
     if np.dtype(dtype) in TENSOR_CORE_DTYPES:
-        return _pick(HOPPER_TILES if compute_capability == 90 else TENSOR_CORE_TILES, head_dim, head_dim_v)
+        hopper = compute_capability == 90 and max(head_dim, head_dim_v) <= HOPPER_TILES[-1].head_dim
+        return _pick(HOPPER_TILES if hopper else TENSOR_CORE_TILES, head_dim, head_dim_v)
     return _pick(FORWARD_TILES, head_dim, head_dim_v)
 
 
-def tensor_core_dq_tile(head_dim: int, head_dim_v: int) -> TensorCoreTile:
-    """The deterministic tensor-core dQ kernel's configuration: the mma.sync forward's tile."""
-    return _pick(TENSOR_CORE_TILES, head_dim, head_dim_v)
+def tensor_core_dq_tile(head_dim: int, head_dim_v: int):
+    """The deterministic dQ's configuration for fp16/bf16: the mma.sync forward's tile up to
+    NARROW_HEAD_DIM; above, the CUDA-core dQ kernel (a BackwardTile, instantiated for the 16-bit
+    type), since 64 query rows of Q and dO at 576 dims would need 187 KB of shared memory and dQ's
+    576 accumulators per row more registers than a warp has."""
+    if max(head_dim, head_dim_v) <= NARROW_HEAD_DIM:
+        return _pick(TENSOR_CORE_TILES, head_dim, head_dim_v)
+    return _pick(BACKWARD_TILES, head_dim, head_dim_v)
 
 
 def backward_tile(head_dim: int, head_dim_v: int, dtype=np.float32, compute_capability: int = 80):
@@ -429,7 +453,10 @@ def kernel_variants(arch: str = "sm_80"):
         variants.append(("attention_bwd.cu", preprocess_name(dtype), dtype))
         if dtype in TENSOR_CORE_DTYPES:
             variants += [("attention_bwd_tc.cu", t.name_expression(dtype), dtype) for t in TENSOR_CORE_BACKWARD_TILES]
-            variants += [("attention_bwd_tc.cu", t.dq_name(dtype), dtype) for t in TENSOR_CORE_TILES]
+            variants += [("attention_bwd_tc.cu", t.dq_name(dtype), dtype) for t in TENSOR_CORE_TILES
+                         if t.head_dim <= NARROW_HEAD_DIM]
+            variants += [("attention_bwd.cu", t.dq_name(dtype), dtype) for t in BACKWARD_TILES
+                         if t.head_dim > NARROW_HEAD_DIM]
         else:
             variants += [("attention_bwd.cu", t.dkdv_name(dtype), dtype) for t in BACKWARD_TILES]
             variants += [("attention_bwd.cu", t.dq_name(dtype), dtype) for t in BACKWARD_TILES]

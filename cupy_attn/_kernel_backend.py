@@ -6,6 +6,7 @@ explicitly typed scalar arguments (numpy.int32 / int64 / float32: a Python int w
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -35,7 +36,7 @@ _MAX_GRID_YZ = 65535
 def check_supported(problem: Problem, target: str) -> None:
     if problem.dtype == np.float64:
         raise TypeError(f"float64 inputs run on the NumPy backend only; backend {target!r} takes float16, bfloat16 or float32")
-    _config.forward_tile(problem.head_dim, problem.head_dim_v)  # raises for D > 256
+    _config.forward_tile(problem.head_dim, problem.head_dim_v)  # raises for head dims above MAX_HEAD_DIM
     if problem.heads > _MAX_GRID_YZ or problem.batch > _MAX_GRID_YZ:
         raise ValueError(f"at most {_MAX_GRID_YZ} heads and batch entries per call, got H = {problem.heads}, B = {problem.batch}")
 
@@ -106,6 +107,8 @@ def _launch(target: str, filename: str, name: str, grid, args, shared_bytes: int
             features: int = _config.ALL_FEATURES, packed: bool = False):
     if 0 in grid:
         return  # nothing to compute (an empty batch, head or sequence axis)
+    if target == "cuda":
+        _check_shared_memory(shared_bytes, name)
     fn = _compile.function(target, filename, name, features=features, packed=packed)
     if shared_bytes > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_bytes:
         fn.max_dynamic_shared_size_bytes = shared_bytes
@@ -114,6 +117,19 @@ def _launch(target: str, filename: str, name: str, grid, args, shared_bytes: int
         fn(grid, block, args, shared_mem=shared_bytes, schedule=EMULATOR_SCHEDULE)
     else:
         fn(grid, block, args, shared_mem=shared_bytes)
+
+
+def _check_shared_memory(shared_bytes: int, name: str) -> None:
+    """The WIDE tiles (head dims above 256) need more shared memory than some GPUs give a block."""
+    import cupy
+
+    device = cupy.cuda.Device()
+    limit = device.attributes["MaxSharedMemoryPerBlockOptin"]
+    if shared_bytes > limit:
+        raise ValueError(f"{name} needs {shared_bytes // 1024} KB of shared memory per block, but this GPU (compute "
+                         f"capability {device.compute_capability}) offers {limit // 1024} KB: head dims above "
+                         f"{_config.NARROW_HEAD_DIM} need one with at least {_config.WIDE_SHARED_LIMIT // 1024} KB "
+                         "(A100, H100, H200); use backend='numpy' here")
 
 
 def _empty(xp, shape, dtype):
@@ -188,11 +204,18 @@ def forward(problem: Problem, q, k, v, *, target: str):
     out = _empty(xp, p.out_shape, p.dtype)
     lse = _empty(xp, p.lse_shape, np.float32)
     grid = (_blocks(p.seq_q, tile.block_m), p.heads, p.batch)
-    # The tensor-core kernels take a `vectorised` flag after lse; the fp32 kernel does not.
-    flags = () if isinstance(tile, _config.ForwardTile) else (_vector_flags(q, k, v),)
-    args = (q, k, v, out, lse, *flags, *_common_args(p, q, k, v, out))
-    _launch(target, tile.filename, tile.name_expression(p.dtype), grid, args, tile.shared_bytes,
-            **_module(p))
+    # A tile computing fewer value dims per launch than Dv runs once per slice of v and out (views:
+    # same strides, shifted base), each launch writing the same lse.
+    width = getattr(tile, "value_dim", p.head_dim_v)
+    for d0 in range(0, p.head_dim_v, width):
+        d1 = min(d0 + width, p.head_dim_v)
+        part = p if (d0, d1) == (0, p.head_dim_v) else dataclasses.replace(p, head_dim_v=d1 - d0)
+        v_part, out_part = v[..., d0:d1], out[..., d0:d1]
+        # The tensor-core kernels take a `vectorised` flag after lse; the fp32 kernel does not.
+        flags = () if isinstance(tile, _config.ForwardTile) else (_vector_flags(q, k, v_part),)
+        args = (q, k, v_part, out_part, lse, *flags, *_common_args(part, q, k, v_part, out_part))
+        _launch(target, tile.filename, tile.name_expression(p.dtype), grid, args, tile.shared_bytes,
+                **_module(p))
     return out, lse
 
 
@@ -254,22 +277,23 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     common = _common_args(p, q, k, v, dout)
     module = _module(p)
     dkdv_grid = (_blocks(sk, tile.block_n), h, b)
-    if not isinstance(tile, _config.BackwardTile):  # tensor cores: mma.sync or wgmma
-        vectorised = _vector_flags(q, k, v, dout)
-        _launch(target, tile.filename, tile.name_expression(p.dtype), dkdv_grid,
-                (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), vectorised, *common), tile.shared_bytes,
-                **module)
-        if deterministic:
-            dq_tile = _config.tensor_core_dq_tile(p.head_dim, p.head_dim_v)
-            _launch(target, "attention_bwd_tc.cu", dq_tile.dq_name(p.dtype), (_blocks(sq, dq_tile.block_m), h, b),
-                    (q, k, v, dout, lse, delta, dq, vectorised, *common), dq_tile.dq_shared_bytes, **module)
-    else:
+    vectorised = _vector_flags(q, k, v, dout)
+    if isinstance(tile, _config.BackwardTile):  # fp32: CUDA cores
         _launch(target, "attention_bwd.cu", tile.dkdv_name(p.dtype), dkdv_grid,
                 (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), *common), tile.dkdv_shared_bytes,
                 **module)
-        if deterministic:
-            _launch(target, "attention_bwd.cu", tile.dq_name(p.dtype), (_blocks(sq, tile.dq_block_m), h, b),
-                    (q, k, v, dout, lse, delta, dq, *common), tile.dq_shared_bytes, **module)
+    else:  # tensor cores: mma.sync or wgmma
+        _launch(target, tile.filename, tile.name_expression(p.dtype), dkdv_grid,
+                (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), vectorised, *common), tile.shared_bytes,
+                **module)
+    if deterministic:
+        dq_tile = tile if isinstance(tile, _config.BackwardTile) else _config.tensor_core_dq_tile(p.head_dim, p.head_dim_v)
+        if isinstance(dq_tile, _config.BackwardTile):  # fp32, and fp16/bf16 head dims above 256: CUDA cores
+            _launch(target, "attention_bwd.cu", dq_tile.dq_name(p.dtype), (_blocks(sq, dq_tile.dq_block_m), h, b),
+                    (q, k, v, dout, lse, delta, dq, *common), dq_tile.dq_shared_bytes, **module)
+        else:
+            _launch(target, "attention_bwd_tc.cu", dq_tile.dq_name(p.dtype), (_blocks(sq, dq_tile.block_m), h, b),
+                    (q, k, v, dout, lse, delta, dq, vectorised, *common), dq_tile.dq_shared_bytes, **module)
     grads = (_from_per_head(p, dq, p.dtype), _from_per_head(p, dk, p.dtype, sum_groups=True),
              _from_per_head(p, dv, p.dtype, sum_groups=True))
     if p.sinks is None:

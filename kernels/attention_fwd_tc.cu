@@ -18,18 +18,18 @@
 
 namespace attn {
 
-template <class T, int kHeadDim, int kBlockN>
+template <class T, int kHeadDim, int kBlockN, int kHeadDimV>
 __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, const T* k, const T* v, T* out, float* lse,
                                                  const long long (&strides)[12], int vectorised) {
-    constexpr int kStride = TcLayout<kHeadDim>::kStride;
+    constexpr int kStride = TcLayout<kHeadDim>::kStride, kStrideV = TcLayout<kHeadDimV>::kStride;
     constexpr int kNTiles = kBlockN / 8;    // 8-key column tiles of S
-    constexpr int kDTiles = kHeadDim / 8;   // 8-dim column tiles of O
+    constexpr int kDTiles = kHeadDimV / 8;  // 8-dim column tiles of O
     extern __shared__ __align__(16) unsigned char smem_bytes[];
-    // Q (64, kStride), then two stages of K and V (kBlockN, kStride) each: while the warps work
-    // on one key tile, cp.async brings the next into the other stage.
+    // Q (64, kStride), then two stages of K (kBlockN, kStride) and V (kBlockN, kStrideV): while the
+    // warps work on one key tile, cp.async brings the next into the other stage.
     T* sQ = reinterpret_cast<T*>(smem_bytes);
     // (Arithmetic, not an array of stage pointers: a run-time index would put it in local memory.)
-    auto stage_k = [&](int stage) { return sQ + (kTcBlockM + 2 * kBlockN * stage) * kStride; };
+    auto stage_k = [&](int stage) { return sQ + kTcBlockM * kStride + kBlockN * (kStride + kStrideV) * stage; };
     auto stage_v = [&](int stage) { return stage_k(stage) + kBlockN * kStride; };
 
     const BlockInfo b(p, blockIdx.y, blockIdx.z);
@@ -54,7 +54,7 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     auto stage_keys = [&](int n_block) {
         const int stage = (n_block - n_begin) % 2;
         stage_async<kBlockN, kHeadDim>(stage_k(stage), k + at.k, at.k_row, n_block * kBlockN, b.kv_rows(p), p.head_dim, vk);
-        stage_async<kBlockN, kHeadDim>(stage_v(stage), v + at.v, at.v_row, n_block * kBlockN, b.kv_rows(p), p.head_dim_v, vv);
+        stage_async<kBlockN, kHeadDimV>(stage_v(stage), v + at.v, at.v_row, n_block * kBlockN, b.kv_rows(p), p.head_dim_v, vv);
         ptx::cp_async_commit();
     };
     if (n_begin < n_end) stage_keys(n_begin);
@@ -78,7 +78,7 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
         softmax_tile(s, o, softmax, p, b, score, dropout, row_lo, n0, t, boundary);
 
         // O += P·V: P stays in registers as the A operand (16 keys per k-step).
-        mma_registers_by_rows<T, kStride, kBlockN / 16>(o, s, sV, lane);
+        mma_registers_by_rows<T, kStrideV, kBlockN / 16>(o, s, sV, lane);
     }
 
     store_rows<T>(p, b, at, out, lse, o, softmax, row_lo, t);
@@ -86,12 +86,14 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
 
 }  // namespace attn
 
-// grid (ceil(Sq / 64), H, B), block 128 threads, dynamic shared memory (64 + 4 kBlockN) rows of
-// (kHeadDim + 8) 16-bit elements. vectorised: bit 0/1/2 set when q/k/v rows may be copied in
-// 16-byte chunks (16-byte aligned base, strides multiples of 8 elements).
-template <class T, int kHeadDim, int kBlockN>
+// grid (ceil(Sq / 64), H, B), block 128 threads, dynamic shared memory (64 + 2 kBlockN) rows of
+// (kHeadDim + 8) and 2 kBlockN rows of (kHeadDimV + 8) 16-bit elements. vectorised: bit 0/1/2 set
+// when q/k/v rows may be copied in 16-byte chunks (16-byte aligned base, strides multiples of 8
+// elements). kHeadDimV < kHeadDim: v and out are a slice of kHeadDimV dims of the value head dims,
+// one launch per slice (O's accumulators are what registers bound; Q and K only take shared memory).
+template <class T, int kHeadDim, int kBlockN, int kHeadDimV = kHeadDim>
 __global__ void __launch_bounds__(attn::kThreads)
 attention_fwd_tc(const T* q, const T* k, const T* v, T* out, float* lse, int vectorised, ATTN_PARAMS) {
     ATTN_UNPACK_PARAMS;
-    attn::forward_tc_block<T, kHeadDim, kBlockN>(p, q, k, v, out, lse, strides, vectorised);
+    attn::forward_tc_block<T, kHeadDim, kBlockN, kHeadDimV>(p, q, k, v, out, lse, strides, vectorised);
 }

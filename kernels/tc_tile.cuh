@@ -44,13 +44,16 @@ struct CoreMatrixLayout {
 };
 
 // Row-major rows of kHeadDim + 8 elements (the mma.sync kernels' ldmatrix layout). Staging:
-// consecutive threads along a row, contiguous in global and in shared memory.
+// consecutive threads along a row, contiguous in global and in shared memory: a whole row per
+// pass where its chunks divide the block's threads, else the largest power-of-two share of it
+// (576 dims: 72 chunks, passes of 8 chunks x 16 rows, 9 of them across).
 template <int kHeadDim>
 struct PaddedRowLayout {
     static __device__ __forceinline__ int offset(int r, int c) { return r * TcLayout<kHeadDim>::kStride + c; }
-    static constexpr int kChunksPerPass = kHeadDim / 8;
+    static constexpr int kChunks = kHeadDim / 8;
+    static constexpr int kChunksPerPass = kThreads % kChunks == 0 ? kChunks : (kChunks & -kChunks);
     static constexpr int kRowsPerPass = kThreads / kChunksPerPass;
-    static constexpr int kColumnPasses = 1;
+    static constexpr int kColumnPasses = kChunks / kChunksPerPass;
     static __device__ __forceinline__ void first_chunk(int thread, int& r, int& c) {
         r = thread / kChunksPerPass;
         c = (thread % kChunksPerPass) * 8;

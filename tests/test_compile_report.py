@@ -47,9 +47,12 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
                 "attention_fwd_tc": len(_config.TENSOR_CORE_TILES) if tensor_cores else 0,
                 "attention_bwd_preprocess": 1,
                 "attention_bwd_dkdv": 0 if tensor_cores else len(_config.BACKWARD_TILES),
-                "attention_bwd_dq": 0 if tensor_cores else len(_config.BACKWARD_TILES),
+                # fp16/bf16 head dims above 256 take the CUDA-core dQ kernel in deterministic mode
+                "attention_bwd_dq": len([t for t in _config.BACKWARD_TILES
+                                         if not tensor_cores or t.head_dim > _config.NARROW_HEAD_DIM]),
                 "attention_bwd_dkdv_tc": len(_config.TENSOR_CORE_BACKWARD_TILES) if tensor_cores else 0,
-                "attention_bwd_dq_tc": len(_config.TENSOR_CORE_TILES) if tensor_cores else 0,
+                "attention_bwd_dq_tc": len([t for t in _config.TENSOR_CORE_TILES
+                                            if t.head_dim <= _config.NARROW_HEAD_DIM]) if tensor_cores else 0,
                 "attention_decode": len(_config.DECODE_TILES),
             }
             for kernel, count in expected.items():
@@ -60,37 +63,48 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
                 assert all(".entry" in f.read_text() for f in files)
                 # Every fp16/bf16 kernel with a matrix product runs it on tensor cores (the
                 # preprocess kernel is a row-wise dot product, dO·O; decoding, memory-bound, runs
-                # in float32 on CUDA cores, its K/V tiles staged by cp.async).
+                # in float32 on CUDA cores, its K/V tiles staged by cp.async; the deterministic dQ
+                # of head dims above 256 runs on CUDA cores: _config.tensor_core_dq_tile).
                 if kernel == "attention_decode":
                     assert all("cp.async.cg.shared.global" in f.read_text() for f in files), (kernel, dtype, arch)
-                elif tensor_cores and kernel != "attention_bwd_preprocess":
+                elif tensor_cores and kernel not in ("attention_bwd_preprocess", "attention_bwd_dq"):
                     assert all("mma.sync.aligned.m16n8k16" in f.read_text() and "ldmatrix" in f.read_text()
                                and "cp.async" in f.read_text() for f in files), (kernel, dtype, arch)
 
 
 def test_tile_tables_cover_every_head_dim():
     for d in range(1, _config.MAX_HEAD_DIM + 1):
+        # Up to 256 every tile fits sm_86's 99 KB opt-in limit; the wide tiles above fit sm_80's 163 KB.
+        limit = 99 * 1024 if d <= _config.NARROW_HEAD_DIM else _config.WIDE_SHARED_LIMIT
         fwd, bwd = _config.forward_tile(d, d), _config.backward_tile(d, d)
         tc = _config.forward_tile(d, d, np.float16)
-        assert tc.head_dim >= d and tc.head_dim % 16 == 0 and tc.block_n % 16 == 0
-        assert max(tc.shared_bytes, tc.dq_shared_bytes) <= 99 * 1024
+        assert tc.head_dim >= d and tc.head_dim % 16 == 0 and tc.block_n % 16 == 0 and tc.value_dim % 16 == 0
+        assert tc.shared_bytes <= limit and tc.value_dim <= _config.NARROW_HEAD_DIM
+        dq = _config.tensor_core_dq_tile(d, d)
+        if d <= _config.NARROW_HEAD_DIM:
+            assert dq is tc and tc.dq_shared_bytes <= limit
+        else:
+            assert isinstance(dq, _config.BackwardTile) and dq.head_dim >= d and dq.dq_shared_bytes <= limit
         hopper = _config.forward_tile(d, d, BF16, compute_capability=90)
-        assert isinstance(hopper, _config.HopperTile) and hopper.head_dim >= d and hopper.head_dim % 64 == 0
-        assert hopper.shared_bytes <= 227 * 1024  # sm_90's per-block limit
+        if d <= _config.HOPPER_TILES[-1].head_dim:
+            assert isinstance(hopper, _config.HopperTile) and hopper.head_dim >= d and hopper.head_dim % 64 == 0
+            assert hopper.shared_bytes <= 227 * 1024  # sm_90's per-block limit
+        else:
+            assert hopper is tc
         assert isinstance(_config.forward_tile(d, d, np.float32, compute_capability=90), _config.ForwardTile)
         for dtype in (np.float16, BF16):
             tcb = _config.backward_tile(d, d, dtype)
             assert isinstance(tcb, _config.TensorCoreBackwardTile) and tcb.head_dim >= d
-            assert tcb.shared_bytes <= 99 * 1024 and (tcb.head_dim // tcb.dim_warps) % 16 == 0
+            assert tcb.shared_bytes <= limit and (tcb.head_dim // tcb.dim_warps) % 16 == 0
             hopper = _config.backward_tile(d, d, dtype, compute_capability=90)
             assert type(hopper) is (_config.HopperBackwardTile if d <= 128 else _config.TensorCoreBackwardTile)
             assert hopper.head_dim >= d and hopper.shared_bytes <= 227 * 1024
         assert isinstance(bwd, _config.BackwardTile)
         assert fwd.head_dim >= d and bwd.head_dim >= d
-        # 4 warps of 32 / lanes_per_row rows; every shared-memory budget fits sm_86's 99 KB opt-in limit
+        # 4 warps of 32 / lanes_per_row rows
         assert fwd.block_m == _config.THREADS // fwd.lanes_per_row
         assert bwd.dq_block_m == _config.THREADS // bwd.dq_lanes_per_row
-        assert max(fwd.shared_bytes, bwd.dkdv_shared_bytes, bwd.dq_shared_bytes) <= 99 * 1024
+        assert max(fwd.shared_bytes, bwd.dkdv_shared_bytes, bwd.dq_shared_bytes) <= limit
         assert fwd.head_dim % fwd.lanes_per_row == 0 and fwd.block_n % fwd.lanes_per_row == 0
         assert _config.THREADS % bwd.block_n == 0 and _config.THREADS % bwd.block_m == 0
     assert np.dtype(np.float16) in _config.CTYPES

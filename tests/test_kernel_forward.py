@@ -199,12 +199,6 @@ def test_float64_is_refused():
         cupy_attn.attention(q, k, v, backend="emulator")
 
 
-def test_head_dim_above_256_is_refused():
-    q, k, v = random_qkv(np.random.default_rng(0), d=264)
-    with pytest.raises(ValueError, match="head dims up to 256"):
-        cupy_attn.attention(q, k, v, backend="emulator")
-
-
 @pytest.mark.parametrize("feature", [None, "softcap", "alibi", "bool mask", "float mask"])
 def test_a_call_runs_the_build_of_the_features_it_uses(monkeypatch, feature):
     """A plain call runs the module built without softcap, ALiBi and masks; any of them selects
