@@ -141,9 +141,10 @@ def kernels(args) -> int:
     for requested in args.arch:
         for (filename, name, dtype), features in itertools.product(_config.kernel_variants(requested), args.features):
             arch = _config.FILE_ARCH.get(filename, requested)
-            c = _nvrtc.compile_kernel(_compile.kernel_source(filename), name, arch,
-                                      _compile.gpu_build_options(filename, levels[features]))
-            row = {"name": name, "features": features, "dtype": str(dtype), "arch": arch, "registers": c.registers,
+            c, attempts = _nvrtc.compile_kernel_least_spills(_compile.kernel_source(filename), name, arch,
+                                                             _compile.gpu_build_options(filename, levels[features]))
+            row = {"name": name, "features": features, "dtype": str(dtype), "arch": arch, "attempts": attempts,
+                   "registers": c.registers,
                    "spill_stores": c.spill_stores, "spill_loads": c.spill_loads, "stack_frame_bytes": c.stack_frame_bytes,
                    "static_shared_bytes": c.static_shared_bytes, "compile_seconds": round(c.compile_seconds, 3),
                    "advisories": _sass.advisories(c.log)}
