@@ -1,6 +1,8 @@
 """Dropout: Philox4x32-10 against Random123's known answers and the 64-bit form against
 numpy.random.Philox; the keep-mask read back bit for bit from every kernel family; outputs and
 gradients of every backend against the float64 reference, which applies `dropout_mask`."""
+import itertools
+
 import numpy as np
 import pytest
 
@@ -123,22 +125,22 @@ def check(backend, rng, dtype, feature, *, deterministic=False, p=0.25, **shape)
     check_forward_and_backward(backend, rng, q, k, v, kw, dtype, deterministic=deterministic)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("dtype, feature", list(itertools.product(DTYPES, FEATURES)))
 def test_numpy_backend(rng, dtype, feature):
     check("numpy", rng, dtype, feature)
 
 
-@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16), BF16], ids=str)
-@pytest.mark.parametrize("feature", FEATURES)
-def test_kernels(rng, schedule, dtype, feature):
-    check("emulator", rng, dtype, feature, deterministic=feature == "plain")
+# Every feature on the fp32 and mma.sync kernels (compute capability 8.x); the wgmma kernels (9.0)
+# at both of their backward tile sizes.
+KERNEL_CASES = [(80, dtype, feature, 32) for dtype in (np.dtype(np.float32), np.dtype(np.float16), BF16)
+                for feature in FEATURES] + [(90, np.dtype(np.float16), "causal_lengths_gqa", 64),
+                                            (90, BF16, "window_softcap_alibi_sinks", 128)]
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_wgmma_kernels(rng, monkeypatch, d):
-    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
-    check("emulator", rng, np.dtype(np.float16), "causal_lengths_gqa", d=d)
+@pytest.mark.parametrize("capability, dtype, feature, d", KERNEL_CASES)
+def test_kernels(rng, schedule, monkeypatch, capability, dtype, feature, d):
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", capability)
+    check("emulator", rng, dtype, feature, deterministic=feature == "plain", d=d)
 
 
 @pytest.mark.parametrize("d, dv", [(1, 1), (7, 20), (256, 256)])
