@@ -12,11 +12,14 @@ from ._philox import dropout_mask
 from .api import attention, attention_backward, attention_varlen, attention_varlen_backward
 from .heads import merge_heads, multi_head_attention, split_heads
 from .kvcache import attention_with_kvcache
+from .mods import MaskMod, ScoreMod
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailableError",
+    "MaskMod",
+    "ScoreMod",
     "attention",
     "attention_backward",
     "attention_varlen",

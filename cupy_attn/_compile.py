@@ -61,29 +61,42 @@ def _device_id() -> int:
     return cupy.cuda.Device().id
 
 
+class ModCompileError(ValueError):
+    """A score_mod or mask_mod snippet that does not compile: the compiler's message and the
+    snippets with line numbers."""
+
+
 @lru_cache(maxsize=None)
-def _function(target: str, filename: str, name_expression: str, features: int, packed: bool, device: int):
-    code = kernel_source(filename)
+def _function(target: str, filename: str, name_expression: str, features: int, packed: bool, device: int, mods):
+    code = kernel_source(filename) + (mods.code if mods else "")
+    extra = mods.options if mods else ()
     start = time.perf_counter()
-    if target == "cuda":
-        import cupy
+    try:
+        if target == "cuda":
+            import cupy
 
-        module = cupy.RawModule(code=code, options=nvrtc_options(filename, features, packed),
-                                name_expressions=[name_expression])
-    else:
-        from .emulator import RawModule
+            module = cupy.RawModule(code=code, options=nvrtc_options(filename, features, packed) + extra,
+                                    name_expressions=[name_expression])
+        else:
+            from .emulator import RawModule
 
-        module = RawModule(code=code, options=feature_options(features, packed), name_expressions=[name_expression])
-    function = module.get_function(name_expression)
-    log.info("compiled %s (score features %d%s) for %s in %.2f s", name_expression, features, ", packed" if packed else "",
-             target if target == "emulator" else f"GPU {device}", time.perf_counter() - start)
+            module = RawModule(code=code, options=feature_options(features, packed) + extra,
+                               name_expressions=[name_expression])
+        function = module.get_function(name_expression)
+    except Exception as exc:  # CuPy's CompileException, the emulator's build error
+        if mods is None:
+            raise
+        raise ModCompileError(f"a score_mod or mask_mod did not compile into {name_expression}:\n{exc}\n\n"
+                              f"the snippets (lines as the compiler numbers them):\n{mods.listing}") from None
+    log.info("compiled %s (score features %d%s%s) for %s in %.2f s", name_expression, features, ", packed" if packed else "",
+             ", with mods" if mods else "", target if target == "emulator" else f"GPU {device}", time.perf_counter() - start)
     return function
 
 
 def function(target: str, filename: str, name_expression: str, features: int = _config.ALL_FEATURES,
-             packed: bool = False):
+             packed: bool = False, mods=None):
     """The kernel ``name_expression`` of ``kernels/filename`` for "cuda" or "emulator", built for
-    ``features`` (_config.PLAIN_FEATURES: no softcap, ALiBi or mask; ALL_FEATURES: any) and a
-    padded or, with ``packed``, a packed (varlen) batch."""
+    ``features`` (one of _config.FEATURE_LEVELS), a padded or, with ``packed``, a packed (varlen)
+    batch, and with ``mods`` (a _mods_source.ModSource) a call's score_mod and mask_mod."""
     return _function(target, filename, name_expression, features, bool(packed),
-                     _device_id() if target == "cuda" else -1)
+                     _device_id() if target == "cuda" else -1, mods)

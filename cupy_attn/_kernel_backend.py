@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from . import _compile, _config, _numpy_backend
+from . import _compile, _config, _mods_source, _numpy_backend
 from ._problem import Problem
 
 I32, I64, F32 = np.int32, np.int64, np.float32
@@ -98,18 +98,20 @@ def score_features(problem: Problem) -> int:
 
 
 def _module(problem: Problem) -> dict:
-    """How the kernels a call launches are built: its score features, and its batch layout
-    (padded, or packed for attention_varlen; kernels/block_info.cuh)."""
-    return dict(features=score_features(problem), packed=problem.packing is not None)
+    """How the kernels a call launches are built: its score features, its batch layout (padded, or
+    packed for attention_varlen; kernels/block_info.cuh) and its score_mod and mask_mod."""
+    p = problem
+    mods = None if p.score_mod is None and p.mask_mod is None else _mods_source.mod_source(p.score_mod, p.mask_mod)
+    return dict(features=score_features(p), packed=p.packing is not None, mods=mods)
 
 
 def _launch(target: str, filename: str, name: str, grid, args, shared_bytes: int = 0, *,
-            features: int = _config.ALL_FEATURES, packed: bool = False):
+            features: int = _config.ALL_FEATURES, packed: bool = False, mods=None):
     if 0 in grid:
         return  # nothing to compute (an empty batch, head or sequence axis)
     if target == "cuda":
         _check_shared_memory(shared_bytes, name)
-    fn = _compile.function(target, filename, name, features=features, packed=packed)
+    fn = _compile.function(target, filename, name, features=features, packed=packed, mods=mods)
     if shared_bytes > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_bytes:
         fn.max_dynamic_shared_size_bytes = shared_bytes
     block = (_config.THREADS,)
@@ -155,7 +157,7 @@ def _common_args(problem: Problem, q, k, v, fourth) -> tuple:
         *mask_strides, mask_kind,
         I32(_CAUSAL[p.causal]), I32(-1 if left is None else left), I32(-1 if right is None else right),
         I32(p.alibi_slopes is not None), I32(p.sinks is not None), F32(p.scale), F32(p.softcap or 0.0), *dropout,
-    )
+    ) + (() if p.score_mod is None and p.mask_mod is None else (_mods_source.mod_words(p.xp, p.score_mod, p.mask_mod),))
 
 
 def _blocks(n: int, per_block: int) -> int:

@@ -17,6 +17,7 @@ import dataclasses
 
 import numpy as np
 
+from . import mods
 from ._problem import Problem
 
 # Tile sizes, read at call time so tests can shrink them to cross many tiles on small inputs.
@@ -56,8 +57,9 @@ class _Tiles:
     """Everything a (query tile, key tile) pair needs to produce its scores; shared by the
     forward and the backward."""
 
-    def __init__(self, problem: Problem, q, k, v):
+    def __init__(self, problem: Problem, q, k, v, *, backward: bool = False):
         p = self.p = problem
+        self.backward = backward  # the scores' chain-rule factor is then needed
         b, hkv, g, sq = p.batch, p.kv_heads, p.groups, p.seq_q
         # The scale is folded into q once (O(S·D)) instead of into every score (O(S²)).
         self.q = _grouped(p, q, p.scale)  # (B, Hkv, G, Sq, D)
@@ -77,6 +79,13 @@ class _Tiles:
             # A broadcast view: splitting H into (Hkv, G) keeps it a view, nothing is materialised.
             self.mask = np.broadcast_to(full, (b, p.heads, sq, p.seq_k)).reshape(b, hkv, g, sq, p.seq_k)
         self.mask_is_bool = self.mask is not None and self.mask.dtype == np.bool_
+        # (b, query head h) of each (B, Hkv, G) row block, for score_mod and mask_mod.
+        self.b5 = np.arange(b)[:, None, None, None, None]
+        self.h5 = (np.arange(hkv)[:, None] * g + np.arange(g)[None, :])[None, :, :, None, None]
+
+    def mod_indices(self, i0: int, i1: int, j0: int, j1: int):
+        """b, h, q_idx, kv_idx as arrays broadcasting to a tile's (B, Hkv, G, m, n)."""
+        return self.b5, self.h5, np.arange(i0, i1)[:, None], np.arange(j0, j1)
 
     def rows(self, x5, i0: int, i1: int):
         """(B, Hkv, G, Sq, X) -> the query tile's rows (B, Hkv, G·m, X)."""
@@ -108,30 +117,43 @@ class _Tiles:
             keep = keep[:, None, None]
         if self.mask_is_bool:
             keep = both(keep, self.mask[:, :, :, i0:i1, j0:j1])
+        if p.mask_mod is not None:
+            shape = (p.batch, p.kv_heads, p.groups, i1 - i0, j1 - j0)
+            allowed = p.mask_mod.numpy(*self.mod_indices(i0, i1, j0, j1), **p.mask_mod.arguments)
+            keep = both(keep, np.broadcast_to(np.asarray(allowed, dtype=bool), shape))
         return keep
 
     def scores(self, q_rows, i0: int, i1: int, j0: int, j1: int):
-        """Scores of the tile as (B, Hkv, G·m, n) with masked entries -inf, and the softcap's
-        tanh (for the backward's chain rule) or None; None instead of both if nobody may attend."""
+        """Scores of the tile as (B, Hkv, G·m, n) with masked entries -inf, and (in the backward)
+        d score / d(q·k·scale) through the softcap and the score_mod, or None where that is 1;
+        None instead of both if nobody may attend."""
         p = self.p
         keep = self.allowed(i0, i1, j0, j1)
         if keep is not None and not keep.any():
             return None
         s = q_rows @ self.k[:, :, j0:j1].swapaxes(-1, -2)
         s5 = s.reshape(p.batch, p.kv_heads, p.groups, i1 - i0, j1 - j0)  # a view of s
-        tanh = None
+        chain = None
         if p.softcap is not None:
             tanh = np.tanh(s5 / p.softcap)
             np.multiply(tanh, p.softcap, out=s5)
-            tanh = tanh.reshape(s.shape)
+            chain = 1 - tanh * tanh  # d/dx c·tanh(x/c)
         if self.slopes is not None:
             distance = np.abs(self.diag[:, i0:i1] - np.arange(j0, j1)).astype(s.dtype)  # |i + off - j|
             s5 -= self.slopes * distance[:, None, None]
+        if p.score_mod is not None:
+            indices = self.mod_indices(i0, i1, j0, j1)
+            if self.backward and p.score_mod.grad != "additive":
+                slope = mods.derivative(p.score_mod, s5.astype(np.float64), *indices)
+                chain = slope if chain is None else chain * slope
+            s5[...] = p.score_mod.numpy(s5, *indices, **p.score_mod.arguments)
+        if chain is not None:
+            chain = np.broadcast_to(chain, s5.shape).astype(s.dtype).reshape(s.shape)
         if self.mask is not None and not self.mask_is_bool:
             s5 += self.mask[:, :, :, i0:i1, j0:j1]
         if keep is not None:
             np.copyto(s5, -np.inf, where=~keep)
-        return s, tanh
+        return s, chain
 
     def dropout_factor(self, i0: int, i1: int, j0: int, j1: int):
         """Z / (1 − p) of the tile as (B, Hkv, G·m, n) in the compute dtype (Z the keep-mask of
@@ -144,7 +166,7 @@ class _Tiles:
         return factor.reshape(p.batch, p.kv_heads, p.groups * (i1 - i0), j1 - j0)
 
     def key_tiles(self, q_rows, i0: int, i1: int):
-        """(j0, j1, scores, tanh) for every key tile this query tile may attend."""
+        """(j0, j1, scores, chain-rule factor) for every key tile this query tile may attend."""
         for j0 in range(0, self.p.seq_k, BLOCK_N):
             j1 = min(j0 + BLOCK_N, self.p.seq_k)
             tile = self.scores(q_rows, i0, i1, j0, j1)
@@ -241,7 +263,7 @@ def backward(problem: Problem, dout, q, k, v, out, lse):
     if problem.packing is not None:
         return _packed_backward(problem, dout, q, k, v, out, lse)
     p = problem
-    t = _Tiles(p, q, k, v)
+    t = _Tiles(p, q, k, v, backward=True)
     ct = p.compute_dtype
     dout = _grouped(p, dout)  # (B, Hkv, G, Sq, Dv)
     delta = np.einsum("...d,...d->...", dout, _grouped(p, out))[..., None]  # rowsum(dO ∘ O)
@@ -255,7 +277,7 @@ def backward(problem: Problem, dout, q, k, v, out, lse):
         q_rows, do_rows = t.rows(t.q, i0, i1), t.rows(dout, i0, i1)
         lse_rows, delta_rows = t.rows(lse, i0, i1), t.rows(delta, i0, i1)
         dq_rows = np.zeros(q_rows.shape, dtype=ct)
-        for j0, j1, s, tanh in t.key_tiles(q_rows, i0, i1):
+        for j0, j1, s, chain in t.key_tiles(q_rows, i0, i1):
             s -= lse_rows
             prob = np.exp(s, out=s)  # P = exp(s - lse), recomputed from the saved lse
             factor = t.dropout_factor(i0, i1, j0, j1)  # out = (P ∘ factor)·V
@@ -266,8 +288,8 @@ def backward(problem: Problem, dout, q, k, v, out, lse):
                 ds *= factor
             ds -= delta_rows
             ds *= prob  # dS = P ∘ (dP - delta)
-            if tanh is not None:
-                ds *= 1 - tanh * tanh  # d/dx c·tanh(x/c) = 1 - tanh²
+            if chain is not None:
+                ds *= chain  # through the softcap and the score_mod
             dq_rows += ds @ t.k[:, :, j0:j1]
             dk[:, :, j0:j1] += ds.swapaxes(-1, -2) @ q_rows  # q_rows carries the scale
         dq[:, :, :, i0:i1] = dq_rows.reshape(p.batch, p.kv_heads, p.groups, i1 - i0, p.head_dim)

@@ -21,6 +21,7 @@ from ._arrays import (
     require_float_dtype,
 )
 from ._philox import Dropout, check_dropout
+from .mods import MaskMod, ScoreMod
 
 LAYOUTS = ("bhsd", "bshd")
 PACKED_LAYOUT = "thd"  # attention_varlen: (total, H, D), sequences one after another
@@ -67,6 +68,8 @@ class Problem:
     packing: Packing | None = None
     sinks: object | None = None  # (H,) logits in the compute dtype joining each row's denominator
     dropout: Dropout | None = None  # None when dropout_p is 0
+    score_mod: ScoreMod | None = None  # cupy_attn.mods
+    mask_mod: MaskMod | None = None
 
     @property
     def groups(self) -> int:
@@ -208,6 +211,19 @@ def _sinks(sinks, xp, heads: int, dtype: np.dtype):
     return _per_head("sinks", sinks, xp, heads, dtype, batch=None, kinds="f", kind_name="floats (one logit per query head)")
 
 
+def _mod(name: str, mod, cls, xp):
+    """A ScoreMod or MaskMod whose tensors live where the inputs do, or None."""
+    if mod is None:
+        return None
+    if not isinstance(mod, cls):
+        raise TypeError(f"{name} must be a cupy_attn.{cls.__name__}, got {describe(mod)}")
+    for tensor, x in mod.tensors.items():
+        if module_of(x) is not xp:
+            raise TypeError(f"{name}'s tensor {tensor!r} is a {describe(x)}, but q is a {xp.__name__} array; "
+                            "they must live on the same device")
+    return mod
+
+
 def _mask(mask, xp, target: tuple[int, int, int, int]):
     if mask is None:
         return None
@@ -329,7 +345,7 @@ def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 
 def make_problem(q, k, v, *, mask=None, causal=False, window=None, q_lengths=None, kv_lengths=None,
                  scale=None, softcap=None, alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=0,
-                 dropout_offset=0, layout="bhsd", backend="auto") -> Problem:
+                 dropout_offset=0, score_mod=None, mask_mod=None, layout="bhsd", backend="auto") -> Problem:
     layout = check_choice("layout", layout, LAYOUTS)
     backend = check_choice("backend", backend, BACKENDS)
     xp, dtype = _tensors(q, k, v)
@@ -346,14 +362,19 @@ def make_problem(q, k, v, *, mask=None, causal=False, window=None, q_lengths=Non
         kv_lengths=_lengths("kv_lengths", kv_lengths, xp, b, sk, "Sk"),
         mask=_mask(mask, xp, (b, h, sq, sk)), backend=backend, sinks=_sinks(sinks, xp, h, dtype),
         dropout=check_dropout(dropout_p, dropout_seed, dropout_offset, b * h),
+        score_mod=_mod("score_mod", score_mod, ScoreMod, xp), mask_mod=_mod("mask_mod", mask_mod, MaskMod, xp),
     )
     return Problem(**_features(fields, xp, b, h, dtype, d, causal=causal, window=window, scale=scale,
                                softcap=softcap, alibi_slopes=alibi_slopes))
 
 
 def check_backward_inputs(problem: Problem, dout, out, lse) -> None:
-    """The saved forward results and the incoming gradient must match the forward's shapes."""
+    """The saved forward results and the incoming gradient must match the forward's shapes, and a
+    score_mod must say how to differentiate it."""
     xp = problem.xp
+    if problem.score_mod is not None and problem.score_mod.grad is None:
+        raise ValueError("the backward needs the score_mod's derivative: build it with grad='additive' (a bias, "
+                         "d/dscore = 1) or grad='<C expression of d score_mod / d score>'")
     for name, x in (("dout", dout), ("out", out)):
         require_array(name, x, xp)
         if tuple(x.shape) != problem.out_shape:

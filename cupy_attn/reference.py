@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import mods
 from ._philox import dropout_mask
 from ._problem import make_problem
 
@@ -26,10 +27,12 @@ def _problem_and_inputs(q, k, v, kwargs):
     return p, bhsd(q), k64, v64, bhsd
 
 
-def _allowed_and_bias(p):
-    """Bool (B, H, Sq, Sk) of allowed pairs and the additive float64 bias (ALiBi + float mask)."""
+def _allowed_and_biases(p):
+    """Bool (B, H, Sq, Sk) of allowed pairs and the additive float64 biases: ALiBi's and the float
+    mask's (a score_mod comes between them)."""
     allowed = np.ones((p.batch, p.heads, p.seq_q, p.seq_k), dtype=bool)
     bias = np.zeros(allowed.shape)
+    mask_bias = 0.0
     for b in range(p.batch):
         q_len = p.seq_q if p.q_lengths is None else int(p.q_lengths[b])
         kv_len = p.seq_k if p.kv_lengths is None else int(p.kv_lengths[b])
@@ -52,8 +55,16 @@ def _allowed_and_bias(p):
         if p.mask.dtype == bool:
             allowed &= p.mask
         else:
-            bias = bias + np.asarray(p.mask, dtype=np.float64)
-    return allowed, bias
+            mask_bias = np.asarray(p.mask, dtype=np.float64)
+    if p.mask_mod is not None:
+        allowed &= np.asarray(p.mask_mod.numpy(*_indices(p), **p.mask_mod.arguments), dtype=bool)
+    return allowed, bias, mask_bias
+
+
+def _indices(p):
+    """b, h, q_idx, kv_idx broadcasting to (B, H, Sq, Sk)."""
+    return (np.arange(p.batch)[:, None, None, None], np.arange(p.heads)[:, None, None],
+            np.arange(p.seq_q)[:, None], np.arange(p.seq_k))
 
 
 def _probabilities(p, q64, k64):
@@ -61,8 +72,13 @@ def _probabilities(p, q64, k64):
     raw = np.einsum("bhid,bhjd->bhij", q64, k64) * p.scale
     capped = raw if p.softcap is None else p.softcap * np.tanh(raw / p.softcap)
     slope = np.ones_like(raw) if p.softcap is None else 1 - np.tanh(raw / p.softcap) ** 2
-    allowed, bias = _allowed_and_bias(p)
-    s = np.where(allowed, capped + bias, -np.inf)
+    allowed, bias, mask_bias = _allowed_and_biases(p)
+    modified = capped + bias
+    if p.score_mod is not None:
+        if p.score_mod.grad is not None:
+            slope = slope * mods.derivative(p.score_mod, modified, *_indices(p))
+        modified = np.asarray(p.score_mod.numpy(modified, *_indices(p), **p.score_mod.arguments), dtype=np.float64)
+    s = np.where(allowed, modified + mask_bias, -np.inf)
     row_max = s.max(axis=-1, keepdims=True, initial=-np.inf)
     sink = None if p.sinks is None else np.asarray(p.sinks, np.float64)[None, :, None, None]
     if sink is not None:  # a sink joins the denominator only: exp(sink) with no value

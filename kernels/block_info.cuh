@@ -19,6 +19,19 @@ namespace attn {
 // Which layout a module is built for (-DATTN_PACKED, chosen per call by the launcher): the
 // padded build carries no trace of the packed one (its offsets come from blockIdx and
 // parameters alone, which ptxas rematerialises instead of holding them across the hot loop).
+// Whether the module carries a score_mod or mask_mod (kernels/mask.cuh): then every kernel takes
+// one more argument, mod_words, after the others.
+#ifndef ATTN_MODS
+#define ATTN_MODS 0
+#endif
+#if ATTN_MODS
+#define ATTN_MOD_PARAM , const long long *mod_words
+#define ATTN_MOD_FIELD , mod_words
+#else
+#define ATTN_MOD_PARAM
+#define ATTN_MOD_FIELD
+#endif
+
 #ifndef ATTN_PACKED
 #define ATTN_PACKED 0
 #endif
@@ -43,6 +56,9 @@ struct Params {
     unsigned long long dropout_seed;           // kernels/dropout.cuh
     unsigned dropout_offset, dropout_threshold;  // threshold 0: no dropout
     float dropout_scale;                       // 1 / (1 − p)
+#if ATTN_MODS
+    const long long* mod_words;  // the mods' tensor addresses and strides, and scalars
+#endif
 };
 
 enum { kMaskNone = 0, kMaskBool = 1, kMaskFloat = 2 };
@@ -170,11 +186,11 @@ __device__ __forceinline__ HeadView head_view(const Params& p, const BlockInfo& 
         long long v_sr, long long o_sb, long long o_sh, long long o_sr, long long mask_sb, long long mask_sh,    \
         long long mask_sq, long long mask_sk, int mask_kind, int causal, int window_left, int window_right,      \
         int has_alibi, int has_sinks, float scale, float softcap, unsigned long long dropout_seed,                \
-        unsigned dropout_offset, unsigned dropout_threshold, float dropout_scale
+        unsigned dropout_offset, unsigned dropout_threshold, float dropout_scale ATTN_MOD_PARAM
 #define ATTN_UNPACK_PARAMS                                                                                       \
     const attn::Params p{q_lengths, kv_lengths, q_starts, kv_starts, packed, total_q, total_k, alibi_slopes,     \
                          sinks, mask, heads, kv_group, seq_q, seq_k, head_dim, head_dim_v, mask_sb, mask_sh,    \
                          mask_sq, mask_sk, mask_kind, causal, window_left, window_right, has_alibi, has_sinks,  \
-                         scale, softcap, dropout_seed, dropout_offset, dropout_threshold, dropout_scale};      \
+                         scale, softcap, dropout_seed, dropout_offset, dropout_threshold, dropout_scale ATTN_MOD_FIELD}; \
     const long long strides[12] = {q_sb, q_sh, q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, o_sb, o_sh, o_sr}
 

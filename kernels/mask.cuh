@@ -28,6 +28,24 @@ __device__ __forceinline__ float sink_log2(const Params& p, const BlockInfo& b) 
     return kSinksBuilt && p.has_sinks ? p.sinks[b.bidh] * kLog2e : -infinity();
 }
 
+// Programmable attention (cupy_attn.mods): a module built for a call with score_mod or mask_mod
+// (-DATTN_MODS=1 and ATTN_SCORE_MOD / ATTN_MASK_MOD) has the user's C expressions appended to its
+// source as these functions (cupy_attn/_mods_source.py); mod_words holds their tensors' addresses
+// and strides and their scalars. Other modules carry no trace of them.
+#ifndef ATTN_SCORE_MOD
+#define ATTN_SCORE_MOD 0
+#endif
+#ifndef ATTN_MASK_MOD
+#define ATTN_MASK_MOD 0
+#endif
+#if ATTN_MODS
+namespace mods {
+__device__ __forceinline__ float score_mod(float score, int b, int h, int q_idx, int kv_idx, const long long* words);
+__device__ __forceinline__ float score_mod_grad(float score, int b, int h, int q_idx, int kv_idx, const long long* words);
+__device__ __forceinline__ bool mask_mod(int b, int h, int q_idx, int kv_idx, const long long* words);
+}  // namespace mods
+#endif
+
 struct ScoreTransform {
     float scale_log2;      // scale · log2 e (no softcap)
     float scale_over_cap;  // scale / c
@@ -46,11 +64,26 @@ struct ScoreTransform {
         slope_log2 = kAlibiBuilt && p.has_alibi ? p.alibi_slopes[b.bidb * p.heads + b.bidh] * kLog2e : 0.f;
     }
 
-    // d(natural-log score)/d(q·k·scale): 1, or 1 - tanh² through the softcap.
-    __device__ __forceinline__ float softcap_grad(float qk) const {
-        if (!softcap) return 1.f;
-        float t = tanhf(qk * scale_over_cap);
-        return 1.f - t * t;
+    // The base-2 score of q·k = qk for query row i and key j with softcap and ALiBi applied: what
+    // a score_mod modifies.
+    __device__ __forceinline__ float capped(const Params& p, const BlockInfo& b, float qk, int i, int j) const {
+        float s = softcap ? cap_log2 * tanhf(qk * scale_over_cap) : qk * scale_log2;
+        if (kAlibiBuilt && p.has_alibi) s -= slope_log2 * fabsf(static_cast<float>(i + b.diag_offset - j));
+        return s;
+    }
+
+    // d(final score)/d(q·k·scale) at row i, key j: 1 - tanh² through the softcap (1 without), times
+    // the score_mod's derivative where there is one.
+    __device__ __forceinline__ float grad(const Params& p, const BlockInfo& b, float qk, int i, int j) const {
+        float g = 1.f;
+        if (softcap) {
+            const float t = tanhf(qk * scale_over_cap);
+            g = 1.f - t * t;
+        }
+#if ATTN_SCORE_MOD
+        g *= mods::score_mod_grad(capped(p, b, qk, i, j) * kLn2, b.bidb, b.bidh, i, j, p.mod_words);
+#endif
+        return g;
     }
 
     // qk = q·k for query row i and key j (global indices); returns the base-2 score or -inf.
@@ -64,8 +97,13 @@ struct ScoreTransform {
             if (p.window_right >= 0) keep = keep && j <= diag + p.window_right;
             if (!keep) return -infinity();
         }
-        float s = softcap ? cap_log2 * tanhf(qk * scale_over_cap) : qk * scale_log2;
-        if (kAlibiBuilt && p.has_alibi) s -= slope_log2 * fabsf(static_cast<float>(i + b.diag_offset - j));
+        float s = capped(p, b, qk, i, j);
+#if ATTN_MASK_MOD
+        if (!mods::mask_mod(b.bidb, b.bidh, i, j, p.mod_words)) return -infinity();
+#endif
+#if ATTN_SCORE_MOD
+        s = mods::score_mod(s * kLn2, b.bidb, b.bidh, i, j, p.mod_words) * kLog2e;  // natural-log units
+#endif
         if (kMaskBuilt && p.mask_kind != kMaskNone) {
             long long at = b.bidb * p.mask_stride_b + b.bidh * p.mask_stride_h + i * p.mask_stride_q + j * p.mask_stride_k;
             if (p.mask_kind == kMaskBool) {

@@ -1,0 +1,139 @@
+"""Programmable attention: score and mask modifications written as CUDA C expressions, compiled
+into the kernels at run time, each with a NumPy twin for the NumPy backend.
+
+    doc = numpy.array([[0, 0, 0, 1, 1, 2]])                 # (B, S) document ids
+    same_doc = cupy_attn.MaskMod("doc(b, q_idx) == doc(b, kv_idx)",
+                                 lambda b, h, q_idx, kv_idx, doc: doc[b, q_idx] == doc[b, kv_idx],
+                                 tensors={"doc": doc})
+    out = cupy_attn.attention(q, k, v, mask_mod=same_doc)
+
+Names a snippet sees: ``score`` (ScoreMod only: the scaled score after softcap and ALiBi, natural
+log units), ``b``, ``h`` (the query head), ``q_idx``, ``kv_idx`` (ints: positions in the padded
+(B, H, Sq, Sk) problem), every tensor of ``tensors`` as ``name(i0, i1, ...)`` (one index per axis,
+read through its strides: float16/bfloat16/float32 read as float, int32 as int, bool as bool) and
+every scalar of ``scalars`` by name (floats as double, ints as long long, bools as bool). The NumPy
+twin is called as ``numpy(score, b, h, q_idx, kv_idx, **tensors, **scalars)`` (MaskMod: without
+score) on broadcastable index arrays and must be vectorised over them.
+"""
+from __future__ import annotations
+
+import keyword
+import re
+
+import numpy as np
+
+from ._arrays import BFLOAT16, describe, is_integer, is_real_number, module_of
+
+# What a snippet may call its own names; the rest are taken by the snippet's context.
+RESERVED = ("score", "b", "h", "q_idx", "kv_idx")
+# Storage types an auxiliary tensor may have, and how a snippet reads an element (C type, read).
+TENSOR_TYPES = {
+    np.dtype(np.float16): ("__half", "attn::to_float({})"),
+    BFLOAT16: ("__nv_bfloat16", "attn::to_float({})"),
+    np.dtype(np.float32): ("float", "{}"),
+    np.dtype(np.int32): ("int", "{}"),
+    np.dtype(np.bool_): ("unsigned char", "({} != 0)"),
+}
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def _check_name(kind: str, name) -> str:
+    if not isinstance(name, str) or not _IDENTIFIER.match(name) or keyword.iskeyword(name):
+        raise ValueError(f"{kind} names must be identifiers, got {name!r}")
+    if name in RESERVED or name.startswith(("attn", "__")):
+        raise ValueError(f"{kind} name {name!r} is taken (reserved: {', '.join(RESERVED)}, and names starting with "
+                         "attn or __)")
+    return name
+
+
+def _tensors(tensors) -> dict:
+    if tensors is None:
+        return {}
+    if not isinstance(tensors, dict):
+        raise TypeError(f"tensors must be a dict of name -> array, got {describe(tensors)}")
+    out = {}
+    for name, x in tensors.items():
+        _check_name("tensor", name)
+        if module_of(x) is None:
+            raise TypeError(f"tensor {name!r} must be a NumPy or CuPy array, got {describe(x)}")
+        if np.dtype(x.dtype) not in TENSOR_TYPES:
+            allowed = ", ".join(str(d) for d in TENSOR_TYPES)
+            raise TypeError(f"tensor {name!r} must have one of the dtypes {allowed}, got {x.dtype}")
+        if x.ndim == 0:
+            raise ValueError(f"tensor {name!r} must have at least one axis (pass a 0-d value as a scalar)")
+        out[name] = x
+    return out
+
+
+def _scalars(scalars) -> dict:
+    if scalars is None:
+        return {}
+    if not isinstance(scalars, dict):
+        raise TypeError(f"scalars must be a dict of name -> number, got {describe(scalars)}")
+    for name, value in scalars.items():
+        _check_name("scalar", name)
+        if not (isinstance(value, (bool, np.bool_)) or is_real_number(value)):
+            raise TypeError(f"scalar {name!r} must be a bool, int or float, got {describe(value)}")
+    return dict(scalars)
+
+
+class _Mod:
+    """What ScoreMod and MaskMod share: a C expression, its NumPy twin, named tensors and scalars."""
+
+    kind = ""
+
+    def __init__(self, cuda, numpy, *, tensors=None, scalars=None):
+        if not isinstance(cuda, str) or not cuda.strip():
+            raise TypeError(f"cuda must be a non-empty string holding a C expression, got {describe(cuda)}")
+        if not callable(numpy):
+            raise TypeError(f"numpy must be a callable (the NumPy twin of the C expression), got {describe(numpy)}")
+        self.cuda, self.numpy = cuda, numpy
+        self.tensors, self.scalars = _tensors(tensors), _scalars(scalars)
+        both = self.tensors.keys() & self.scalars.keys()
+        if both:
+            raise ValueError(f"{sorted(both)} named both as a tensor and as a scalar")
+
+    @property
+    def arguments(self) -> dict:
+        """The twin's keyword arguments: tensors and scalars by name."""
+        return {**self.tensors, **self.scalars}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.cuda!r})"
+
+
+class ScoreMod(_Mod):
+    """A modification of each score: ``cuda`` a C float expression over score, b, h, q_idx, kv_idx
+    and the named tensors and scalars; ``numpy`` its vectorised NumPy twin. ``grad``: None (no
+    backward), "additive" (d/dscore = 1: biases) or a C expression for d score_mod / d score over
+    the same names. Auxiliary tensors get no gradient."""
+
+    kind = "score_mod"
+
+    def __init__(self, cuda, numpy, *, tensors=None, scalars=None, grad=None):
+        super().__init__(cuda, numpy, tensors=tensors, scalars=scalars)
+        if grad is not None and not (isinstance(grad, str) and grad.strip()):
+            raise TypeError(f"grad must be None, 'additive' or a C expression string, got {describe(grad)}")
+        self.grad = grad
+
+
+class MaskMod(_Mod):
+    """Which keys each query may attend: ``cuda`` a C boolean expression over b, h, q_idx, kv_idx
+    and the named tensors and scalars (true = may attend); ``numpy`` its vectorised NumPy twin,
+    called without a score."""
+
+    kind = "mask_mod"
+
+
+def derivative(mod: ScoreMod, score, *indices):
+    """d score_mod / d score of ``mod``'s NumPy twin at ``score`` (float64 array) and the index
+    arrays: 1 for an additive mod, else a fourth-order central difference (the C grad expression
+    is for the kernels; the NumPy backend and the reference differentiate the twin)."""
+    if mod.grad == "additive":
+        return 1.0
+    step = 1e-3 * np.maximum(1.0, np.abs(score))
+
+    def at(shift):
+        return np.asarray(mod.numpy(score + shift * step, *indices, **mod.arguments), dtype=np.float64)
+
+    return (8 * (at(1) - at(-1)) - (at(2) - at(-2))) / (12 * step)
