@@ -13,6 +13,7 @@ from functools import lru_cache
 
 from . import _config, _paths
 from ._source import inline_local_includes
+from .mods import ModCompileError
 
 log = logging.getLogger("cupy_attn")
 
@@ -59,11 +60,6 @@ def _device_id() -> int:
     import cupy
 
     return cupy.cuda.Device().id
-
-
-class ModCompileError(ValueError):
-    """A score_mod or mask_mod snippet that does not compile: the compiler's message and the
-    snippets with line numbers."""
 
 
 @lru_cache(maxsize=None)

@@ -77,6 +77,11 @@ def _scalars(scalars) -> dict:
     return dict(scalars)
 
 
+class ModCompileError(ValueError):
+    """A score_mod or mask_mod snippet that does not compile: the compiler's message and the
+    snippets with line numbers."""
+
+
 class _Mod:
     """What ScoreMod and MaskMod share: a C expression, its NumPy twin, named tensors and scalars."""
 

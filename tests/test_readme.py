@@ -14,7 +14,7 @@ def python_blocks(section: str) -> list[str]:
     return re.findall(r"^```python\n(.*?)^```", match.group(1), re.S | re.M)
 
 
-@pytest.mark.parametrize("section", ["Quick start", "Packed sequences"])
+@pytest.mark.parametrize("section", ["Quick start", "Packed sequences", "Programmable attention"])
 def test_examples_run(section):
     blocks = python_blocks(section)
     assert blocks

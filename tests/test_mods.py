@@ -1,0 +1,163 @@
+"""score_mod and mask_mod (cupy_attn.mods): the C snippets compiled into every kernel family and
+the NumPy twins, forward and backward, against the float64 reference (whose mods run the twins on
+the dense problem) and against the same attention with an explicit dense mask or bias."""
+import numpy as np
+import pytest
+
+import cupy_attn
+from cupy_attn import _compile, _kernel_backend, reference
+from cupy_attn.mods import ModCompileError
+from helpers import BF16, check_forward_and_backward, random_qkv
+from test_kernel_forward import poisoned_outputs, schedule  # noqa: F401 (fixtures)
+
+B, H, HKV, SQ, SK = 2, 4, 2, 37, 50
+
+
+def document_mask(rng):
+    doc = np.sort(rng.integers(0, 5, (B, SK)), axis=1).astype(np.int32)
+    mod = cupy_attn.MaskMod("doc(b, q_idx) == doc(b, kv_idx)",
+                            lambda b, h, q_idx, kv_idx, doc: doc[b, q_idx] == doc[b, kv_idx], tensors={"doc": doc})
+    return mod, doc[:, None, :SQ, None] == doc[:, None, None, :]
+
+
+def head_bias(rng):
+    """An additive bias read from a (H, Sq, Sk) float16 table through a transposed view."""
+    table = rng.standard_normal((H, SK, SQ)).astype(np.float16).transpose(0, 2, 1)
+    mod = cupy_attn.ScoreMod("score + bias(h, q_idx, kv_idx)",
+                             lambda s, b, h, q_idx, kv_idx, bias: s + bias[h, q_idx, kv_idx].astype(np.float32),
+                             tensors={"bias": table}, grad="additive")
+    return mod, table.astype(np.float32)[None]
+
+
+def scaled_tanh(rng):
+    """A non-additive score_mod, with its derivative in C; no dense equivalent."""
+    mod = cupy_attn.ScoreMod("scale * tanhf(score / 3.0f) + shift",
+                             lambda s, b, h, q_idx, kv_idx, scale, shift: scale * np.tanh(s / 3.0) + shift,
+                             scalars={"scale": 2.5, "shift": -1}, grad="scale / 3.0 * (1.0f - tanhf(score / 3.0f) * tanhf(score / 3.0f))")
+    return mod, None
+
+
+MODS = {"document_mask": document_mask, "head_bias": head_bias, "scaled_tanh": scaled_tanh}
+
+
+def keywords(rng, name):
+    mod, _ = MODS[name](rng)
+    return {"mask_mod" if isinstance(mod, cupy_attn.MaskMod) else "score_mod": mod}
+
+
+@pytest.mark.parametrize("name", ["document_mask", "head_bias"])  # scaled_tanh has no dense equivalent
+@pytest.mark.parametrize("backend", ["numpy", "emulator"])
+def test_mods_equal_their_dense_equivalent(rng, name, backend):
+    mod, dense = MODS[name](rng)
+    q, k, v = random_qkv(rng, b=B, h=H, hkv=HKV, sq=SQ, sk=SK, d=32)
+    kw = {"mask_mod" if isinstance(mod, cupy_attn.MaskMod) else "score_mod": mod}
+    got = cupy_attn.attention(q, k, v, causal=True, backend=backend, **kw)
+    want, _ = reference.attention(q, k, v, causal=True, mask=dense)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+CASES = [(80, dtype, name) for dtype in (np.dtype(np.float32), np.dtype(np.float16), BF16) for name in MODS] + \
+    [(90, np.dtype(np.float16), "head_bias"), (90, BF16, "scaled_tanh")]
+
+
+@pytest.mark.parametrize("capability, dtype, name", CASES)
+def test_kernels(rng, schedule, monkeypatch, capability, dtype, name):
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", capability)
+    q, k, v = random_qkv(rng, b=B, h=H, hkv=HKV, sq=SQ, sk=SK, d=64 if capability == 90 else 32, dtype=dtype)
+    kw = dict(keywords(rng, name), causal="top_left", kv_lengths=[50, 29], softcap=6.0)
+    check_forward_and_backward("emulator", rng, q, k, v, kw, dtype, deterministic=name == "scaled_tanh")
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float64), np.dtype(np.float32)], ids=str)
+def test_numpy_backend_with_every_other_feature(rng, dtype):
+    q, k, v = random_qkv(rng, b=B, h=H, hkv=HKV, sq=SQ, sk=SK, d=16, dtype=dtype, layout="bshd")
+    mask, _ = document_mask(rng)
+    score, _ = scaled_tanh(rng)
+    kw = dict(layout="bshd", mask_mod=mask, score_mod=score, window=(9, 3), alibi_slopes=[0.1, 0.2, 0.3, 0.4],
+              sinks=np.array([0.0, 1.0, -1.0, 0.5], dtype), mask=rng.standard_normal((SQ, SK)).astype(dtype),
+              dropout_p=0.1, dropout_seed=5)
+    check_forward_and_backward("numpy", rng, q, k, v, kw, dtype)
+
+
+def test_both_mods_and_every_feature_on_the_kernels(rng):
+    q, k, v = random_qkv(rng, b=B, h=H, hkv=HKV, sq=SQ, sk=SK, d=16, dtype=np.float16)
+    mask, _ = document_mask(rng)
+    score, _ = head_bias(rng)
+    kw = dict(mask_mod=mask, score_mod=score, window=(9, 3), alibi_slopes=[0.1, 0.2, 0.3, 0.4],
+              sinks=np.array([0.0, 1.0, -1.0, 0.5], np.float32), mask=rng.random((SQ, SK)) < 0.9,
+              dropout_p=0.1, dropout_seed=5)
+    check_forward_and_backward("emulator", rng, q, k, v, kw, np.dtype(np.float16), deterministic=True)
+
+
+def test_a_module_is_reused_for_new_tensor_contents_and_scalars(rng, monkeypatch):
+    q, k, v = random_qkv(rng, b=1, h=2, sq=8, sk=8, d=16)
+    built = []
+    real = _compile.function
+    monkeypatch.setattr(_compile, "function", lambda *a, **kw: built.append(kw.get("mods")) or real(*a, **kw))
+    for shift, weight in ((1.0, 0.5), (3.0, 2.0)):
+        mod = cupy_attn.ScoreMod("score * shift * w(h)", lambda s, b, h, q_idx, kv_idx, shift, w: s * shift * w[h],
+                                 tensors={"w": np.full(2, weight, np.float32)}, scalars={"shift": shift}, grad="shift * w(h)")
+        out = cupy_attn.attention(q, k, v, score_mod=mod, backend="emulator")
+        want = cupy_attn.attention(q, k, v, scale=0.25 * shift * weight)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    assert len(built) == 2 and built[0] == built[1] and built[0] is not None
+
+
+def test_the_backward_needs_a_derivative(rng):
+    q, k, v = random_qkv(rng)
+    mod = cupy_attn.ScoreMod("score * 2.0f", lambda s, b, h, q_idx, kv_idx: s * 2)
+    out, lse = cupy_attn.attention(q, k, v, score_mod=mod, return_lse=True)
+    with pytest.raises(ValueError, match="the backward needs the score_mod's derivative: build it with grad="):
+        cupy_attn.attention_backward(out, q, k, v, out, lse, score_mod=mod)
+
+
+def test_a_snippet_that_does_not_compile_shows_the_message_and_the_snippet(rng):
+    q, k, v = random_qkv(rng, b=1, h=1, sq=4, sk=4, d=8)
+    mod = cupy_attn.MaskMod("q_idx >= 0 &&\n  undefined_name(kv_idx)", lambda b, h, q_idx, kv_idx: q_idx >= 0)
+    with pytest.raises(ModCompileError, match=r"(?s)undefined_name.*mask_mod   2 \|   undefined_name\(kv_idx\)"):
+        cupy_attn.attention(q, k, v, mask_mod=mod, backend="emulator")
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: cupy_attn.ScoreMod(3, lambda *a: a[0]), TypeError, "cuda must be a non-empty string"),
+    (lambda: cupy_attn.ScoreMod("score", "np.tanh"), TypeError, "numpy must be a callable"),
+    (lambda: cupy_attn.ScoreMod("score", abs, grad=1), TypeError, "grad must be None, 'additive' or a C expression"),
+    (lambda: cupy_attn.MaskMod("true", abs, tensors={"q_idx": np.zeros(2)}), ValueError, "tensor name 'q_idx' is taken"),
+    (lambda: cupy_attn.MaskMod("true", abs, tensors={"2x": np.zeros(2)}), ValueError, "tensor names must be identifiers"),
+    (lambda: cupy_attn.MaskMod("true", abs, tensors={"t": [1, 2]}), TypeError, "tensor 't' must be a NumPy or CuPy array"),
+    (lambda: cupy_attn.MaskMod("true", abs, tensors={"t": np.zeros(2, np.int64)}), TypeError, "tensor 't' must have one of"),
+    (lambda: cupy_attn.MaskMod("true", abs, scalars={"s": "x"}), TypeError, "scalar 's' must be a bool, int or float"),
+    (lambda: cupy_attn.MaskMod("true", abs, scalars={"attn_x": 1}), ValueError, "scalar name 'attn_x' is taken"),
+    (lambda: cupy_attn.MaskMod("true", abs, tensors={"x": np.zeros(1, np.int32)}, scalars={"x": 1}), ValueError,
+     r"\['x'\] named both as a tensor and as a scalar"),
+])
+def test_bad_mods(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_mods_of_the_wrong_kind_are_refused(rng):
+    q, k, v = random_qkv(rng)
+    mask = cupy_attn.MaskMod("true", lambda b, h, q_idx, kv_idx: True)
+    with pytest.raises(TypeError, match="score_mod must be a cupy_attn.ScoreMod, got cupy_attn.mods.MaskMod"):
+        cupy_attn.attention(q, k, v, score_mod=mask)
+    with pytest.raises(TypeError, match="mask_mod must be a cupy_attn.MaskMod"):
+        cupy_attn.attention(q, k, v, mask_mod="j <= i")
+
+
+def test_mods_compile_under_nvrtc_for_the_gpu_without_spills(rng):
+    """What a GPU build compiles (NVRTC, CuPy's options): every kind of tensor and scalar a snippet
+    can read, in the tensor-core forward and dK/dV kernels, without spills."""
+    from cupy_attn import _config, _mods_source, _nvrtc
+
+    tensors = {"half_t": np.zeros((2, 3), np.float16), "bf_t": np.zeros(4, BF16), "int_t": np.zeros((1, 2, 3), np.int32),
+               "bool_t": np.zeros(5, bool), "float_t": np.zeros(2, np.float32)}
+    score = cupy_attn.ScoreMod("score * ratio + half_t(b, h) + bf_t(q_idx) + float_t(h) + (flag ? 1.0f : 0.0f)",
+                               abs, tensors=tensors, scalars={"ratio": 0.5, "flag": True}, grad="ratio")
+    mask = cupy_attn.MaskMod("bool_t(kv_idx) || int_t(0, b, h) < limit", abs, tensors=tensors, scalars={"limit": 3})
+    source = _mods_source.mod_source(score, mask)
+    for filename, name in (("attention_fwd_tc.cu", _config.TENSOR_CORE_TILES[1].name_expression(np.float16)),
+                           ("attention_bwd_tc.cu", _config.TENSOR_CORE_BACKWARD_TILES[1].name_expression(np.float16))):
+        c = _nvrtc.compile_kernel(_compile.kernel_source(filename) + source.code, name, "sm_80",
+                                  _compile.gpu_build_options(filename) + source.options)
+        assert c.spill_stores == c.spill_loads == 0 and "mods" not in c.log, (name, c.log)
