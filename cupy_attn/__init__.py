@@ -9,7 +9,7 @@ from . import masks, reference
 from ._backends import BackendUnavailableError
 from ._merge import merge_attention
 from ._philox import dropout_mask
-from .api import attention, attention_backward, attention_varlen, attention_varlen_backward
+from .api import attention, attention_backward, attention_varlen, attention_varlen_backward, precompile
 from .heads import merge_heads, multi_head_attention, split_heads
 from .kvcache import attention_with_kvcache
 from .mods import MaskMod, ScoreMod
@@ -30,6 +30,7 @@ __all__ = [
     "merge_attention",
     "merge_heads",
     "multi_head_attention",
+    "precompile",
     "reference",
     "split_heads",
 ]

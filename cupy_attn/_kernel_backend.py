@@ -6,6 +6,8 @@ explicitly typed scalar arguments (numpy.int32 / int64 / float32: a Python int w
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import os
 
@@ -28,6 +30,9 @@ EMULATOR_COMPUTE_CAPABILITY = None
 CUDA_COMPUTE_CAPABILITY = None
 # Users choose the same through the environment, e.g. 90 for the wgmma kernels on an H100.
 CAPABILITY_VARIABLE = "CUPY_ATTN_COMPUTE_CAPABILITY"
+
+# Within compile_only(): the kernels a call would launch, built and recorded instead of run.
+_COMPILE_ONLY = contextvars.ContextVar("cupy_attn_compile_only", default=None)
 
 _CAUSAL = {None: 0, "bottom_right": 1, "top_left": 2}
 _MAX_GRID_YZ = 65535
@@ -112,6 +117,10 @@ def _launch(target: str, filename: str, name: str, grid, args, shared_bytes: int
     if target == "cuda":
         _check_shared_memory(shared_bytes, name)
     fn = _compile.function(target, filename, name, features=features, packed=packed, mods=mods)
+    built = _COMPILE_ONLY.get()
+    if built is not None:
+        built.append(name)
+        return
     if shared_bytes > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_bytes:
         fn.max_dynamic_shared_size_bytes = shared_bytes
     block = (_config.THREADS,)
@@ -119,6 +128,18 @@ def _launch(target: str, filename: str, name: str, grid, args, shared_bytes: int
         fn(grid, block, args, shared_mem=shared_bytes, schedule=EMULATOR_SCHEDULE)
     else:
         fn(grid, block, args, shared_mem=shared_bytes)
+
+
+@contextlib.contextmanager
+def compile_only():
+    """Build the kernels the calls inside would launch, without launching them (their outputs are
+    left unwritten); yields the list of kernel names built."""
+    built = []
+    token = _COMPILE_ONLY.set(built)
+    try:
+        yield built
+    finally:
+        _COMPILE_ONLY.reset(token)
 
 
 def _check_shared_memory(shared_bytes: int, name: str) -> None:

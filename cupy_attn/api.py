@@ -1,7 +1,7 @@
 """The public attention functions."""
 from __future__ import annotations
 
-from . import _backends, _interop
+from . import _backends, _interop, _kernel_backend
 from ._problem import check_backward_inputs, make_problem, make_varlen_problem
 
 _SEMANTICS = """
@@ -174,3 +174,27 @@ attention_varlen_backward.__doc__ = """Gradients (dq, dk, dv) of `attention_varl
     call. dq (total_q, H, D), dk (total_k, Hkv, D), dv (total_k, Hkv, Dv) in the input dtype; dk and
     dv are summed over the query heads sharing a kv head. deterministic: as in `attention_backward`.
 """ + _VARLEN_SEMANTICS
+
+
+def precompile(q, k, v, *, backward=True, deterministic=False, **keywords):
+    """Build, without running them, the kernels `attention` (and with backward=True
+    `attention_backward`) would launch for these inputs and keywords: q, k, v fix the dtype, head
+    dims, layout and where the arrays live (their sequence lengths and contents do not matter:
+    small arrays do). Each build is cached on disk (CuPy's cache, or the emulator's), so a later
+    process warms up from it. Returns the kernel names built, [] on the NumPy backend."""
+    framework, lead = _interop.lead(q, k, v)
+    with _interop.caller_stream(framework, lead):
+        q, k, v = map(_interop.to_backend, (q, k, v))
+        keywords = {name: _interop.to_backend(x) for name, x in keywords.items()}
+        problem = make_problem(q, k, v, **keywords)
+        name = _backends.select(problem)
+        if name == "numpy":
+            return []
+        xp = problem.xp
+        with _kernel_backend.compile_only() as built:
+            _backends.forward(name, problem, q, k, v)
+            if backward:
+                out = xp.zeros(problem.out_shape, problem.dtype)
+                lse = xp.zeros(problem.lse_shape, problem.compute_dtype)
+                _backends.backward(name, problem, out, q, k, v, out, lse, deterministic)
+        return list(dict.fromkeys(built))

@@ -161,3 +161,17 @@ def test_mods_compile_under_nvrtc_for_the_gpu_without_spills(rng):
         c = _nvrtc.compile_kernel(_compile.kernel_source(filename) + source.code, name, "sm_80",
                                   _compile.gpu_build_options(filename) + source.options)
         assert c.spill_stores == c.spill_loads == 0 and "mods" not in c.log, (name, c.log)
+
+
+def test_precompile_builds_what_the_calls_then_use(rng):
+    q, k, v = random_qkv(rng, b=1, h=2, sq=5, sk=9, d=48, dtype=np.float16)
+    mask, _ = document_mask(rng)
+    kw = dict(causal=True, mask_mod=mask, dropout_p=0.2, dropout_seed=1, backend="emulator")
+    built = cupy_attn.precompile(q[:, :, :2], k[:, :, :3], v[:, :, :3], deterministic=True, **kw)
+    assert any(n.startswith("attention_fwd_tc<__half, 64,") for n in built)
+    assert any(n.startswith("attention_bwd_dq_tc") for n in built) and any("preprocess" in n for n in built)
+    misses = _compile._function.cache_info().misses
+    out, lse = cupy_attn.attention(q, k, v, return_lse=True, **kw)
+    cupy_attn.attention_backward(out, q, k, v, out, lse, deterministic=True, **kw)
+    assert _compile._function.cache_info().misses == misses  # nothing left to build
+    assert cupy_attn.precompile(q, k, v, causal=True) == []  # the NumPy backend compiles nothing
