@@ -2,7 +2,7 @@
 # One command for a lent GPU: GPU tests, compute-sanitizer, benchmark and Nsight Compute. Installs
 # nothing; runs from the source tree with the machine's python3, CuPy, PyTorch and JAX.
 #
-#   bash bench/gpu_check.sh OUTDIR [--only tests,sanitize,bench,sweep,inference] [--bench-budget S] [--full] [--dry-run]
+#   bash bench/gpu_check.sh OUTDIR [--only tests,sanitize,bench,sweep,inference,mods] [--bench-budget S] [--full] [--dry-run]
 #
 # Every run first compiles all kernel variants in parallel into CuPy's disk cache (precompile.py),
 # so no timed step compiles. Steps:
@@ -16,6 +16,8 @@
 #             --bench-budget seconds)
 #   inference (only when named) bench/bench_inference.py: decode over contiguous and paged KV caches
 #             (achieved bandwidth) and packed prefill, against SDPA (stops after --bench-budget s)
+#   mods      (only when named) bench/bench_mods.py: a MaskMod document mask and a ScoreMod bias
+#             table against SDPA with the dense mask and FlexAttention (stops after --bench-budget s)
 # Each step has its own time limit, so a device call of "--only tests,sanitize" stays under about
 # 5 minutes and "--only bench" under --bench-budget + 2 minutes. Writes logs, results.json, PNGs and
 # the ncu report to OUTDIR and prints a one-screen summary last. Exits non-zero when a GPU test or
@@ -41,7 +43,7 @@ while [ $# -gt 0 ]; do
     shift
 done
 for step in ${steps//,/ }; do
-    case "$step" in tests|sanitize|bench|sweep|inference) ;; *) echo "unknown step: $step (tests, sanitize, bench, sweep, inference)" >&2; exit 2 ;; esac
+    case "$step" in tests|sanitize|bench|sweep|inference|mods) ;; *) echo "unknown step: $step (tests, sanitize, bench, sweep, inference, mods)" >&2; exit 2 ;; esac
 done
 run() { case ",$steps," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 cd "$(dirname "$0")/.."
@@ -155,6 +157,17 @@ if run inference; then
     timeout $((budget + 120)) $py bench/bench_inference.py "${inference_args[@]}" --out "$out/inference" \
         > "$out/inference.log" 2>&1 || note "inference benchmark exit $?"
     grep -E "^(decode|prefill|budget)" "$out/inference.log" | tee -a "$out/summary.txt"
+fi
+if run mods; then
+    note "== programmable attention benchmark (budget ${budget} s)"
+    if [ -n "$dry" ]; then
+        mods_args=(--device cpu --quick)
+    else
+        mods_args=(--budget-s "$budget")
+    fi
+    timeout $((budget + 120)) $py bench/bench_mods.py "${mods_args[@]}" --out "$out/mods" \
+        > "$out/mods.log" 2>&1 || note "mods benchmark exit $?"
+    grep -E "^(mods|budget)" "$out/mods.log" | tee -a "$out/summary.txt"
 fi
 if [ -n "$dry" ]; then
     [ $status -eq 0 ] && note "GPU CHECK DRY RUN PASSED" || note "GPU CHECK DRY RUN FAILED (see $out/*.log)"

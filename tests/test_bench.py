@@ -40,3 +40,16 @@ def test_inference_benchmark_cpu_mode(tmp_path):
     assert prefill and all(r["ms"] > 0 and r["tflops"] > 0 and r["sequences"] > 1 for r in prefill)
     if importlib.util.find_spec("torch"):
         assert all(r["sdpa_ms"] > 0 for r in prefill)
+
+
+def test_mods_benchmark_cpu_mode(tmp_path):
+    """bench/bench_mods.py's CPU mode: the document mask and the bias table on the NumPy backend,
+    TFLOP/s over the attended pairs, and SDPA with the dense equivalent when PyTorch is here."""
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_mods.py"), "--device", "cpu", "--quick",
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    records = json.loads((tmp_path / "results.json").read_text())
+    ours = [r for r in records if r["impl"] == "cupy_attn"]
+    assert {r["case"] for r in ours} == {"document", "bias"} and all(r["ms"] > 0 and r["tflops"] > 0 for r in ours)
+    if importlib.util.find_spec("torch"):
+        assert {r["case"] for r in records if r["impl"] == "sdpa-math"} == {"document", "bias"}

@@ -15,11 +15,12 @@ def test_dry_run_runs_every_step_and_summarises(tmp_path):
     pytest.importorskip("matplotlib")
     env = dict(os.environ, PYTHON=sys.executable)
     result = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), str(tmp_path), "--dry-run",
-                             "--only", "tests,sanitize,bench,sweep,inference"], capture_output=True, text=True, timeout=600, env=env)
+                             "--only", "tests,sanitize,bench,sweep,inference,mods"], capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     summary = (tmp_path / "summary.txt").read_text()
     for step in ("== environment", "== compile every variant", "== GPU tests", "== compute-sanitizer",
-                 "== benchmark", "== Nsight Compute", "== tile sweep", "== inference benchmark"):
+                 "== benchmark", "== Nsight Compute", "== tile sweep", "== inference benchmark",
+                 "== programmable attention benchmark"):
         assert step in summary
     assert "compiled 2 variants" in summary
     assert "sanitize cases ran: " in summary
@@ -27,6 +28,7 @@ def test_dry_run_runs_every_step_and_summarises(tmp_path):
     assert "ran forward and backward" in summary
     assert "candidates, 0 unusable" in summary  # every prepared tile candidate builds
     assert "decode  B=4" in summary and "prefill " in summary
+    assert "mods document S=256" in summary and "mods bias     S=256" in summary
     assert summary.rstrip().endswith("GPU CHECK DRY RUN PASSED")
     assert (tmp_path / "results.json").exists()
 
