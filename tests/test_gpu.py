@@ -186,3 +186,68 @@ def test_sinks(tensor_core_kernels, dtype):
     grads = cupy_attn.attention_backward(cupy.asarray(dout), *on_gpu(q, k, v), out, lse, causal=True, **gpu_kw)
     for name, g, w in zip(("dq", "dk", "dv", "dsinks"), grads, reference.attention_gradients(dout, q, k, v, **kw)):
         assert_close(g.get(), w, dtype, grad=True, what=name)
+
+
+def check_with_gradients(q, k, v, dtype, rng, deterministic=False, **kw):
+    """Forward and backward on the GPU against the reference; the keywords' NumPy arrays go to the
+    device."""
+    gpu_kw = {n: cupy.asarray(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
+    out, lse = cupy_attn.attention(*on_gpu(q, k, v), return_lse=True, **gpu_kw)
+    want_out, want_lse = reference.attention(q, k, v, **kw)
+    assert_close(out.get(), want_out, dtype, what="out")
+    assert_close(lse.get(), want_lse, dtype, what="lse")
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    grads = cupy_attn.attention_backward(cupy.asarray(dout), *on_gpu(q, k, v), out, lse, deterministic=deterministic,
+                                         **gpu_kw)
+    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), grads, reference.attention_gradients(dout, q, k, v, **kw)):
+        assert_close(g.get(), w, dtype, grad=True, what=name)
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16), BF16], ids=str)
+def test_dropout(tensor_core_kernels, dtype):
+    """The keep-mask read back from the GPU (q = k = 0, v = I: out = Z / ((1 − p)·Sk)) is
+    dropout_mask's, bit for bit; outputs and gradients match the reference."""
+    b, h, sq, sk, p = 2, 3, 77, 130, 0.3
+    v = np.broadcast_to(np.eye(sk, dtype=dtype), (b, 1, sk, sk)).copy()
+    q, k = np.zeros((b, h, sq, 16), dtype), np.zeros((b, 1, sk, 16), dtype)
+    out = cupy_attn.attention(*on_gpu(q, k, v), dropout_p=p, dropout_seed=2 ** 50 + 7, dropout_offset=3)
+    np.testing.assert_array_equal(out.get().astype(np.float64) * (1 - p) * sk > 0.5,
+                                  cupy_attn.dropout_mask((b, h, sq, sk), p, 2 ** 50 + 7, 3))
+    rng = np.random.default_rng(9)
+    q, k, v = random_qkv(rng, b=2, h=4, hkv=2, sq=300, sk=517, d=64, dtype=dtype)
+    check_with_gradients(q, k, v, dtype, rng, causal=True, dropout_p=0.2, dropout_seed=11, deterministic=True)
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16), BF16], ids=str)
+@pytest.mark.parametrize("d, dv", [(576, 512), (512, 512), (320, 96)])
+def test_head_dims_above_256(dtype, d, dv):
+    """The wide tiles on GPUs that give a block 163 KB of shared memory, a clear error elsewhere."""
+    rng = np.random.default_rng(d + dv)
+    q, k, v = random_qkv(rng, b=1, h=4, hkv=2, sq=200, sk=333, d=d, dv=dv, dtype=dtype)
+    if cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"] < _config.WIDE_SHARED_LIMIT:
+        with pytest.raises(ValueError, match="head dims above 256 need one with at least"):
+            cupy_attn.attention(*on_gpu(q, k, v))
+        return
+    for deterministic in (False, True):
+        check_with_gradients(q, k, v, dtype, rng, causal=True, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
+def test_mods(tensor_core_kernels, dtype):
+    rng = np.random.default_rng(10)
+    q, k, v = random_qkv(rng, b=2, h=4, hkv=2, sq=300, sk=517, d=128, dtype=dtype)
+    doc = cupy.asarray(np.sort(rng.integers(0, 6, (2, 517)), axis=1).astype(np.int32))
+    mask = cupy_attn.MaskMod("doc(b, q_idx) == doc(b, kv_idx)",
+                             lambda b, h, q_idx, kv_idx, doc: doc[b, q_idx] == doc[b, kv_idx], tensors={"doc": doc})
+    score = cupy_attn.ScoreMod("c * tanhf(score / c)", lambda s, b, h, q_idx, kv_idx, c: c * np.tanh(s / c),
+                               scalars={"c": 4.0}, grad="1.0f - tanhf(score / c) * tanhf(score / c)")
+    host_mask = cupy_attn.MaskMod(mask.cuda, mask.numpy, tensors={"doc": doc.get()})
+    gpu_kw = dict(causal=True, mask_mod=mask, score_mod=score)
+    out, lse = cupy_attn.attention(*on_gpu(q, k, v), return_lse=True, **gpu_kw)
+    want_out, _ = reference.attention(q, k, v, causal=True, mask_mod=host_mask, score_mod=score)
+    assert_close(out.get(), want_out, dtype, what="out")
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    grads = cupy_attn.attention_backward(cupy.asarray(dout), *on_gpu(q, k, v), out, lse, **gpu_kw)
+    want = reference.attention_gradients(dout, q, k, v, causal=True, mask_mod=host_mask, score_mod=score)
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want):
+        assert_close(g.get(), w, dtype, grad=True, what=name)
