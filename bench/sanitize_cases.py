@@ -19,7 +19,11 @@ from cupy_attn import _kernel_backend  # noqa: E402
 
 CASES = ((40, 37, 70, dict(causal=True)),
          (128, 65, 33, dict(window=(8, 2), kv_lengths=[33, 20])),
-         (256, 17, 50, dict(mask=np.random.default_rng(1).random((17, 50)) < 0.8, softcap=5.0)))
+         (256, 17, 50, dict(mask=np.random.default_rng(1).random((17, 50)) < 0.8, softcap=5.0)),
+         # the wide tiles, dropout and a mask_mod (appended code, mod_words)
+         (576, 19, 41, dict(causal=True, dropout_p=0.3, dropout_seed=3, mask_mod=cupy_attn.MaskMod(
+             "(q_idx + kv_idx) % period != 1", lambda b, h, q_idx, kv_idx, period: (q_idx + kv_idx) % period != 1,
+             scalars={"period": 3}))))
 
 
 def main(argv=None) -> int:
