@@ -66,7 +66,8 @@ def _accessors(places) -> tuple[list, list]:
 def _function(signature: str, expression: str, label: str, places, result: str) -> str:
     defines, undefs = _accessors(places)
     return "\n".join([f"__device__ __forceinline__ {signature} {{", *defines,
-                      f"    return static_cast<{result}>(", f'#line 1 "{label}"', expression, "    );", *undefs, "}"])
+                      f"    return static_cast<{result}>(", f'#line 1 "{label}"', expression,
+                      '#line 1 "cupy_attn._mods_source"', "    );", *undefs, "}"])
 
 
 def mod_source(score_mod, mask_mod) -> ModSource:

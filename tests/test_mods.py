@@ -124,6 +124,7 @@ def test_a_snippet_that_does_not_compile_shows_the_message_and_the_snippet(rng):
     (lambda: cupy_attn.ScoreMod("score", abs, grad=1), TypeError, "grad must be None, 'additive' or a C expression"),
     (lambda: cupy_attn.MaskMod("true", abs, tensors={"q_idx": np.zeros(2)}), ValueError, "tensor name 'q_idx' is taken"),
     (lambda: cupy_attn.MaskMod("true", abs, tensors={"2x": np.zeros(2)}), ValueError, "tensor names must be identifiers"),
+    (lambda: cupy_attn.MaskMod("true", abs, scalars={"float": 1.0}), ValueError, "neither Python nor C\\+\\+ keywords"),
     (lambda: cupy_attn.MaskMod("true", abs, tensors={"t": [1, 2]}), TypeError, "tensor 't' must be a NumPy or CuPy array"),
     (lambda: cupy_attn.MaskMod("true", abs, tensors={"t": np.zeros(2, np.int64)}), TypeError, "tensor 't' must have one of"),
     (lambda: cupy_attn.MaskMod("true", abs, scalars={"s": "x"}), TypeError, "scalar 's' must be a bool, int or float"),
