@@ -79,8 +79,10 @@ def _function(target: str, filename: str, name_expression: str, features: int, p
             module = RawModule(code=code, options=feature_options(features, packed) + extra,
                                name_expressions=[name_expression])
         function = module.get_function(name_expression)
-    except Exception as exc:  # CuPy's CompileException, the emulator's build error
-        if mods is None:
+    except Exception as exc:
+        # CuPy's CompileException, the emulator's EmulatorCompileError; anything else (no g++, a
+        # driver error) is not the snippet's fault and passes unchanged.
+        if mods is None or "CompileError" not in type(exc).__name__ and "CompileException" not in type(exc).__name__:
             raise
         raise ModCompileError(f"a score_mod or mask_mod did not compile into {name_expression}:\n{exc}\n\n"
                               f"the snippets (lines as the compiler numbers them):\n{mods.listing}") from None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import os
 
 import numpy as np
@@ -114,7 +115,7 @@ def _launch(target: str, filename: str, name: str, grid, args, shared_bytes: int
             features: int = _config.ALL_FEATURES, packed: bool = False, mods=None):
     if 0 in grid:
         return  # nothing to compute (an empty batch, head or sequence axis)
-    if target == "cuda":
+    if target == "cuda" and shared_bytes > 48 * 1024:
         _check_shared_memory(shared_bytes, name)
     fn = _compile.function(target, filename, name, features=features, packed=packed, mods=mods)
     built = _COMPILE_ONLY.get()
@@ -147,12 +148,20 @@ def _check_shared_memory(shared_bytes: int, name: str) -> None:
     import cupy
 
     device = cupy.cuda.Device()
-    limit = device.attributes["MaxSharedMemoryPerBlockOptin"]
+    limit = _shared_memory_limit(device.id)
     if shared_bytes > limit:
         raise ValueError(f"{name} needs {shared_bytes // 1024} KB of shared memory per block, but this GPU (compute "
                          f"capability {device.compute_capability}) offers {limit // 1024} KB: head dims above "
                          f"{_config.NARROW_HEAD_DIM} need one with at least {_config.WIDE_SHARED_LIMIT // 1024} KB "
                          "(A100, H100, H200); use backend='numpy' here")
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory_limit(device: int) -> int:
+    """Dynamic shared memory a block of ``device`` may opt in to, in bytes."""
+    import cupy
+
+    return cupy.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"]
 
 
 def _empty(xp, shape, dtype):

@@ -211,16 +211,20 @@ def _sinks(sinks, xp, heads: int, dtype: np.dtype):
     return _per_head("sinks", sinks, xp, heads, dtype, batch=None, kinds="f", kind_name="floats (one logit per query head)")
 
 
-def _mod(name: str, mod, cls, xp):
-    """A ScoreMod or MaskMod whose tensors live where the inputs do, or None."""
+def _mod(name: str, mod, cls, q):
+    """A ScoreMod or MaskMod whose tensors live where q does (the same library, and for CuPy the
+    same GPU), or None."""
     if mod is None:
         return None
     if not isinstance(mod, cls):
         raise TypeError(f"{name} must be a cupy_attn.{cls.__name__}, got {describe(mod)}")
+    xp = module_of(q)
     for tensor, x in mod.tensors.items():
         if module_of(x) is not xp:
             raise TypeError(f"{name}'s tensor {tensor!r} is a {describe(x)}, but q is a {xp.__name__} array; "
-                            "they must live on the same device")
+                            "they must live where q does")
+        if xp is not np and x.device.id != q.device.id:
+            raise ValueError(f"{name}'s tensor {tensor!r} is on GPU {x.device.id}, but q is on GPU {q.device.id}")
     return mod
 
 
@@ -362,7 +366,7 @@ def make_problem(q, k, v, *, mask=None, causal=False, window=None, q_lengths=Non
         kv_lengths=_lengths("kv_lengths", kv_lengths, xp, b, sk, "Sk"),
         mask=_mask(mask, xp, (b, h, sq, sk)), backend=backend, sinks=_sinks(sinks, xp, h, dtype),
         dropout=check_dropout(dropout_p, dropout_seed, dropout_offset, b * h),
-        score_mod=_mod("score_mod", score_mod, ScoreMod, xp), mask_mod=_mod("mask_mod", mask_mod, MaskMod, xp),
+        score_mod=_mod("score_mod", score_mod, ScoreMod, q), mask_mod=_mod("mask_mod", mask_mod, MaskMod, q),
     )
     return Problem(**_features(fields, xp, b, h, dtype, d, causal=causal, window=window, scale=scale,
                                softcap=softcap, alibi_slopes=alibi_slopes))

@@ -187,6 +187,9 @@ def precompile(q, k, v, *, backward=True, deterministic=False, **keywords):
         q, k, v = map(_interop.to_backend, (q, k, v))
         keywords = {name: _interop.to_backend(x) for name, x in keywords.items()}
         problem = make_problem(q, k, v, **keywords)
+        if 0 in (problem.batch, problem.heads, problem.seq_q, problem.seq_k):
+            raise ValueError("precompile needs arrays with no empty axis (a call with one launches no kernel), got "
+                             f"B, H, Sq, Sk = {problem.batch}, {problem.heads}, {problem.seq_q}, {problem.seq_k}")
         name = _backends.select(problem)
         if name == "numpy":
             return []

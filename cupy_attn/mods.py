@@ -41,7 +41,7 @@ _CPP_WORDS = frozenset("""alignas alignof and asm auto bool break case catch cha
     continue decltype default delete do double dynamic_cast else enum explicit extern false float for friend goto if
     inline int long mutable namespace new noexcept not nullptr operator or private protected public register
     reinterpret_cast return short signed sizeof static static_assert static_cast struct switch template this throw
-    true try typedef typeid typename union unsigned using virtual void volatile while xor""".split())
+    true try typedef typeid typename union unsigned using virtual void volatile while xor to_float""".split())
 
 
 def _check_name(kind: str, name) -> str:
@@ -81,6 +81,8 @@ def _scalars(scalars) -> dict:
         _check_name("scalar", name)
         if not (isinstance(value, (bool, np.bool_)) or is_real_number(value)):
             raise TypeError(f"scalar {name!r} must be a bool, int or float, got {describe(value)}")
+        if is_integer(value) and not -2 ** 63 <= int(value) < 2 ** 63:
+            raise ValueError(f"scalar {name!r} must fit a 64-bit signed integer, got {value}")
     return dict(scalars)
 
 
@@ -140,12 +142,16 @@ class MaskMod(_Mod):
 def derivative(mod: ScoreMod, score, *indices):
     """d score_mod / d score of ``mod``'s NumPy twin at ``score`` (float64 array) and the index
     arrays: 1 for an additive mod, else a fourth-order central difference (the C grad expression
-    is for the kernels; the NumPy backend and the reference differentiate the twin)."""
+    is for the kernels; the NumPy backend and the reference differentiate the twin). 0 where the
+    twin is not finite around ``score`` (a score_mod that masks with -inf: those pairs get no
+    probability, and 0 keeps the chain rule free of NaN)."""
     if mod.grad == "additive":
         return 1.0
-    step = 1e-3 * np.maximum(1.0, np.abs(score))
+    step = 1e-3 * np.maximum(1.0, np.abs(np.where(np.isfinite(score), score, 0.0)))
 
     def at(shift):
         return np.asarray(mod.numpy(score + shift * step, *indices, **mod.arguments), dtype=np.float64)
 
-    return (8 * (at(1) - at(-1)) - (at(2) - at(-2))) / (12 * step)
+    with np.errstate(invalid="ignore"):
+        slope = (8 * (at(1) - at(-1)) - (at(2) - at(-2))) / (12 * step)
+    return np.where(np.isfinite(slope), slope, 0.0)

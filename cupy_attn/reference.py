@@ -74,9 +74,8 @@ def _probabilities(p, q64, k64):
     slope = np.ones_like(raw) if p.softcap is None else 1 - np.tanh(raw / p.softcap) ** 2
     allowed, bias, mask_bias = _allowed_and_biases(p)
     modified = capped + bias
-    if p.score_mod is not None:
-        if p.score_mod.grad is not None:
-            slope = slope * mods.derivative(p.score_mod, modified, *_indices(p))
+    if p.score_mod is not None:  # the oracle differentiates the twin whatever grad says
+        slope = slope * mods.derivative(p.score_mod, modified, *_indices(p))
         modified = np.asarray(p.score_mod.numpy(modified, *_indices(p), **p.score_mod.arguments), dtype=np.float64)
     s = np.where(allowed, modified + mask_bias, -np.inf)
     row_max = s.max(axis=-1, keepdims=True, initial=-np.inf)

@@ -80,7 +80,7 @@ __device__ __forceinline__ void dkdv_block(const Params& p, const T* q, const T*
             const float prob = probability(score(p, b, qk, m0 + r, n0 + c, boundary), sLse2[r]);
             const float z = dropout.factor(m0 + r, n0 + c);  // out = (P ∘ z)·V
             sP[idx] = prob * z;
-            sDS[idx] = prob * (dp * z - sDelta[r]) * score.grad(p, b, qk, m0 + r, n0 + c);  // dS of q·k·scale
+            sDS[idx] = prob * (dp * z - sDelta[r]) * score.grad(p, b, qk, m0 + r, n0 + c, prob);  // dS of q·k·scale
         }
         __syncthreads();  // P and dS complete
 
@@ -175,7 +175,7 @@ __device__ __forceinline__ void dq_block(const Params& p, const T* q, const T* k
             }
             const float prob = probability(score(p, b, qk, m0 + row, n0 + j, boundary), sLse2[row]);
             const float z = dropout.factor(m0 + row, n0 + j);
-            sDS[row * kBlockN + j] = prob * (dp * z - sDelta[row]) * score.grad(p, b, qk, m0 + row, n0 + j);
+            sDS[row * kBlockN + j] = prob * (dp * z - sDelta[row]) * score.grad(p, b, qk, m0 + row, n0 + j, prob);
         }
         __syncwarp();  // the row's dS, written by its lanes (all in this warp), is visible
         for (int j = 0; j < kBlockN; ++j) {

@@ -230,7 +230,7 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
                 const float s2 = score(p, b, qk, m0 + row, n0 + key, boundary);
                 const float prob = probability(s2, sLse2[row]);
                 const float z = dropout.factor(m0 + row, n0 + key);
-                s[j][e] = prob * (dp[j][e] * z - sDelta[row]) * score.grad(p, b, qk, m0 + row, n0 + key);
+                s[j][e] = prob * (dp[j][e] * z - sDelta[row]) * score.grad(p, b, qk, m0 + row, n0 + key, prob);
             }
         }
 

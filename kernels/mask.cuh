@@ -73,15 +73,17 @@ struct ScoreTransform {
     }
 
     // d(final score)/d(q·k·scale) at row i, key j: 1 - tanh² through the softcap (1 without), times
-    // the score_mod's derivative where there is one.
-    __device__ __forceinline__ float grad(const Params& p, const BlockInfo& b, float qk, int i, int j) const {
+    // the score_mod's derivative where there is one. That derivative is evaluated only where the
+    // probability prob is nonzero: elsewhere (padding rows and keys, masked pairs) the element
+    // does not count, and the mod's tensors need not be defined at (i, j).
+    __device__ __forceinline__ float grad(const Params& p, const BlockInfo& b, float qk, int i, int j, float prob) const {
         float g = 1.f;
         if (softcap) {
             const float t = tanhf(qk * scale_over_cap);
             g = 1.f - t * t;
         }
 #if ATTN_SCORE_MOD
-        g *= mods::score_mod_grad(capped(p, b, qk, i, j) * kLn2, b.bidb, b.bidh, i, j, p.mod_words);
+        if (prob != 0.f) g *= mods::score_mod_grad(capped(p, b, qk, i, j) * kLn2, b.bidb, b.bidh, i, j, p.mod_words);
 #endif
         return g;
     }

@@ -29,7 +29,7 @@ __device__ __forceinline__ void probabilities_and_ds(float (&st)[kQTiles][4], fl
             const float s2 = score(p, b, qk, m0 + query, n0 + key, boundary);
             const float prob = probability(s2, lse2[query]);
             const float z = dropout.factor(m0 + query, n0 + key);  // out = (P ∘ z)·V
-            const float ds = prob * (dpt[j][e] * z - delta[query]) * score.grad(p, b, qk, m0 + query, n0 + key);
+            const float ds = prob * (dpt[j][e] * z - delta[query]) * score.grad(p, b, qk, m0 + query, n0 + key, prob);
             st[j][e] = prob * z;
             dpt[j][e] = ds;
             if (write_ds) ds_tile[query * kSStride + key] = from_float<T>(ds);

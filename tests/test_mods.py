@@ -176,3 +176,29 @@ def test_precompile_builds_what_the_calls_then_use(rng):
     cupy_attn.attention_backward(out, q, k, v, out, lse, deterministic=True, **kw)
     assert _compile._function.cache_info().misses == misses  # nothing left to build
     assert cupy_attn.precompile(q, k, v, causal=True) == []  # the NumPy backend compiles nothing
+
+
+def test_score_mod_derivative_only_where_a_pair_counts(rng):
+    """The kernels evaluate grad only for pairs with a probability: padding rows read no tensor
+    element past q_len (here NaN just past the view's end), so every gradient stays finite."""
+    base = np.full((2, 64), np.nan, np.float32)
+    base[:, :5] = rng.random((2, 5)) + 0.5
+    w = base[:, :5]
+    mod = cupy_attn.ScoreMod("score * w(h, q_idx)", lambda s, b, h, q_idx, kv_idx, w: s * w[h, q_idx],
+                             tensors={"w": w}, grad="w(h, q_idx)")
+    q, k, v = random_qkv(rng, b=1, h=2, sq=5, sk=7, d=16)
+    for backend in ("numpy", "emulator"):
+        check_forward_and_backward(backend, rng, q, k, v, dict(score_mod=mod), np.dtype(np.float32))
+
+
+def test_a_score_mod_that_masks_with_minus_infinity(rng):
+    """A score_mod may mask (FlexAttention's idiom): those pairs get no probability and no
+    gradient on every backend, never NaN."""
+    mod = cupy_attn.ScoreMod("kv_idx <= q_idx ? score : -INFINITY",
+                             lambda s, b, h, q_idx, kv_idx: np.where(kv_idx <= q_idx, s, -np.inf),
+                             grad="kv_idx <= q_idx ? 1.0f : 0.0f")
+    q, k, v = random_qkv(rng, b=1, h=2, sq=9, sk=9, d=16)
+    want = cupy_attn.attention(q, k, v, causal=True)
+    for backend in ("numpy", "emulator"):
+        np.testing.assert_allclose(cupy_attn.attention(q, k, v, score_mod=mod, backend=backend), want, rtol=1e-5, atol=1e-6)
+        check_forward_and_backward(backend, rng, q, k, v, dict(score_mod=mod), np.dtype(np.float32))
