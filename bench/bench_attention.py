@@ -346,6 +346,46 @@ def time_cpu(calls, reps: int) -> tuple[float, int]:
     return statistics.median(times), peak
 
 
+def time_call(device: str, call, reps: int) -> float:
+    """Median ms of ``call`` on "gpu" or "cpu", after one warm-up call (compilation stays out)."""
+    call()
+    return (time_gpu if device == "gpu" else time_cpu)([call], reps)[0]
+
+
+def resolve_device(requested: str):
+    """(device, array module) for --device auto|gpu|cpu: auto is the GPU when CuPy reaches one."""
+    device = requested
+    if device == "auto":
+        device = "gpu" if _backends.cuda_status()[0] else "cpu"
+    if device == "gpu":
+        import cupy
+
+        return device, cupy
+    return device, np
+
+
+def report_failure(name: str, exc: Exception) -> None:
+    """A backend that rejects a case is reported on stderr, not fatal."""
+    first = str(exc).splitlines()[0][:120] if str(exc) else ""
+    print(f"  {name}: {type(exc).__name__}: {first}", file=sys.stderr)
+
+
+def budgeted_main(argv, doc: str, run, default_out: Path, quick_help: str) -> int:
+    """The command line the smaller benchmarks share (--quick, --budget-s, --out, --device):
+    ``run(args)`` returns the records, written to results.json in --out."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--budget-s", type=float, default=0,
+                        help="start no new case after this many seconds (0: no limit); what ran is reported")
+    parser.add_argument("--out", type=Path, default=default_out)
+    parser.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    records = run(args)
+    (args.out / "results.json").write_text(json.dumps(records, indent=1))
+    return 0 if records else 1
+
+
 def _torch_peak_start():
     if "torch" not in sys.modules:
         return None

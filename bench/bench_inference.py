@@ -20,7 +20,6 @@ everywhere. Writes results.json (a list of records) into --out and prints a tabl
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import sys
@@ -33,8 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cupy_attn  # noqa: E402
-from bench_attention import time_cpu, time_gpu  # noqa: E402
-from cupy_attn import _backends  # noqa: E402
+from bench_attention import budgeted_main, report_failure, resolve_device, time_call, time_gpu  # noqa: E402
 
 # Datasheet HBM bandwidth in bytes/s by the device name CuPy reports (a lead, not a measurement).
 DATASHEET_BANDWIDTH = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12}
@@ -213,20 +211,14 @@ def copy_bandwidth() -> float:
     return 2 * src.nbytes / (ms * 1e-3)
 
 
-def _time(device: str, call, reps: int) -> float:
-    call()  # warm-up: compilation stays out of the timing
-    return (time_gpu if device == "gpu" else time_cpu)([call], reps)[0]
-
-
 def _best(device: str, calls: dict, reps: int):
     """(name, ms) of the fastest call that runs; (None, None) if none does."""
     best = (None, None)
     for name, call in calls.items():
         try:
-            ms = _time(device, call, reps)
-        except Exception as exc:  # a backend that rejects the case is reported, not fatal
-            print(f"  sdpa {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}",
-                  file=sys.stderr)
+            ms = time_call(device, call, reps)
+        except Exception as exc:
+            report_failure(f"sdpa {name}", exc)
             continue
         if best[1] is None or ms < best[1]:
             best = (name, ms)
@@ -234,15 +226,11 @@ def _best(device: str, calls: dict, reps: int):
 
 
 def run(args) -> list[dict]:
-    device = args.device
-    if device == "auto":
-        device = "gpu" if _backends.cuda_status()[0] else "cpu"
-    xp = np
+    device, xp = resolve_device(args.device)
     peak = copy = None
     if device == "gpu":
         import cupy
 
-        xp = cupy
         copy = copy_bandwidth()
         peak = DATASHEET_BANDWIDTH.get(cupy.cuda.runtime.getDeviceProperties(0)["name"].decode())
     has_torch = importlib.util.find_spec("torch") is not None
@@ -262,7 +250,7 @@ def run(args) -> list[dict]:
         if out_of_time():
             print("budget spent: remaining decode cases not run", file=sys.stderr)
             break
-        ms = _time(device, cupy_attn_decode(case, decode_inputs(case, xp, rng)), reps)
+        ms = time_call(device, cupy_attn_decode(case, decode_inputs(case, xp, rng)), reps)
         sdpa_name, sdpa_ms = (_best(device, sdpa_decode_calls(case, rng), reps)
                               if device == "gpu" and has_torch and case.cache == "contiguous" else (None, None))
         bandwidth = case.kv_bytes() / (ms * 1e-3)
@@ -278,7 +266,7 @@ def run(args) -> list[dict]:
             break
         lengths, cu, q, k, v = prefill_inputs(case, xp, rng)
         longest = int(lengths.max())
-        ms = _time(device, lambda: cupy_attn.attention_varlen(q, k, v, cu, cu, longest, longest, causal=True), reps)
+        ms = time_call(device, lambda: cupy_attn.attention_varlen(q, k, v, cu, cu, longest, longest, causal=True), reps)
         sdpa_name, sdpa_ms = _best(device, sdpa_padded_calls(case, lengths, device), reps) if has_torch else (None, None)
         flops = 4.0 * case.H * case.D * causal_pairs(lengths)
         record(kind="prefill", **asdict(case), sequences=len(lengths), ms=ms, tflops=flops / (ms * 1e-3) / 1e12,
@@ -291,18 +279,7 @@ def run(args) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer contexts and one prefill case")
-    parser.add_argument("--budget-s", type=float, default=0,
-                        help="start no new case after this many seconds (0: no limit); what ran is reported")
-    parser.add_argument("--out", type=Path, default=Path("bench/out_inference"))
-    parser.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto")
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    records = run(args)
-    (args.out / "results.json").write_text(json.dumps(records, indent=1))
-    return 0 if records else 1
-
+    return budgeted_main(argv, __doc__, run, Path("bench/out_inference"), "fewer contexts and one prefill case")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,7 +19,6 @@ Writes results.json into --out and prints a table.
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import sys
@@ -31,8 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cupy_attn  # noqa: E402
-from bench_attention import time_cpu, time_gpu  # noqa: E402
-from cupy_attn import _backends  # noqa: E402
+from bench_attention import budgeted_main, report_failure, resolve_device, time_call  # noqa: E402
 
 BUCKETS = 33  # relative positions -16..16, clipped
 
@@ -114,25 +112,13 @@ def torch_calls(case: str, device: str, q, k, v, doc, table, buckets) -> dict:
                     return score + table_t[h, buckets_t[q_idx, kv_idx]]
                 block = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, 1, None, S, S, device=dev)
                 calls["flex"] = lambda: compiled(tq, tk, tv, score_mod=score_mod, block_mask=block)
-        except Exception as exc:  # FlexAttention needs torch.compile and Triton; report, do not fail
-            print(f"  flex: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}", file=sys.stderr)
+        except Exception as exc:  # FlexAttention needs torch.compile and Triton
+            report_failure("flex", exc)
     return calls
 
 
-def _time(device: str, call, reps: int) -> float:
-    call()  # warm-up: compilation stays out of the timing
-    return (time_gpu if device == "gpu" else time_cpu)([call], reps)[0]
-
-
 def run(args) -> list[dict]:
-    device = args.device
-    if device == "auto":
-        device = "gpu" if _backends.cuda_status()[0] else "cpu"
-    xp = np
-    if device == "gpu":
-        import cupy
-
-        xp = cupy
+    device, xp = resolve_device(args.device)
     dims, seqs = shapes(device, args.quick)
     dtype = cupy_attn._arrays.BFLOAT16 if dims["dtype"] == "bfloat16" else np.float32
     has_torch = importlib.util.find_spec("torch") is not None
@@ -151,14 +137,13 @@ def run(args) -> list[dict]:
             q, k, v = inputs(xp, rng, S, dims["H"], dims["D"], dtype)
             mods = mods_for(case, xp, doc, table, buckets)
             flops = 4.0 * dims["H"] * dims["D"] * attended_pairs(case, doc)
-            timings = {"cupy_attn": _time(device, lambda: cupy_attn.attention(q, k, v, causal=True, **mods), reps)}
+            timings = {"cupy_attn": time_call(device, lambda: cupy_attn.attention(q, k, v, causal=True, **mods), reps)}
             if has_torch:
                 for name, call in torch_calls(case, device, q, k, v, doc, table, buckets).items():
                     try:
-                        timings[name] = _time(device, call, reps)
-                    except Exception as exc:  # a backend that rejects the case is reported, not fatal
-                        print(f"  {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}",
-                              file=sys.stderr)
+                        timings[name] = time_call(device, call, reps)
+                    except Exception as exc:
+                        report_failure(name, exc)
             for name, ms in timings.items():
                 records.append(dict(case=case, S=S, device=device, impl=name, ms=ms,
                                     tflops=flops / (ms * 1e-3) / 1e12, **dims))
@@ -169,18 +154,7 @@ def run(args) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="one sequence length")
-    parser.add_argument("--budget-s", type=float, default=0,
-                        help="start no new case after this many seconds (0: no limit); what ran is reported")
-    parser.add_argument("--out", type=Path, default=Path("bench/out_mods"))
-    parser.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto")
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    records = run(args)
-    (args.out / "results.json").write_text(json.dumps(records, indent=1))
-    return 0 if records else 1
-
+    return budgeted_main(argv, __doc__, run, Path("bench/out_mods"), "one sequence length")
 
 if __name__ == "__main__":
     sys.exit(main())
