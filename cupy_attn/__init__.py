@@ -7,6 +7,7 @@ deep-learning framework.
 """
 from . import masks, reference
 from ._backends import BackendUnavailableError
+from ._block_mask import BlockMask, block_mask
 from ._merge import merge_attention
 from ._philox import dropout_mask
 from .api import attention, attention_backward, attention_varlen, attention_varlen_backward, precompile
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailableError",
+    "BlockMask",
     "MaskMod",
     "ScoreMod",
     "attention",
@@ -25,6 +27,7 @@ __all__ = [
     "attention_varlen",
     "attention_varlen_backward",
     "attention_with_kvcache",
+    "block_mask",
     "dropout_mask",
     "masks",
     "merge_attention",

@@ -107,7 +107,8 @@ def _module(problem: Problem) -> dict:
     """How the kernels a call launches are built: its score features, its batch layout (padded, or
     packed for attention_varlen; kernels/block_info.cuh) and its score_mod and mask_mod."""
     p = problem
-    mods = None if p.score_mod is None and p.mask_mod is None else _mods_source.mod_source(p.score_mod, p.mask_mod)
+    mods = None if p.score_mod is None and p.mask_mod is None else \
+        _mods_source.mod_source(p.score_mod, p.mask_mod, p.block_mask is not None)
     return dict(features=score_features(p), packed=p.packing is not None, mods=mods)
 
 
@@ -169,9 +170,10 @@ def _empty(xp, shape, dtype):
     return xp.full(shape, np.nan, dtype=dtype) if POISON_OUTPUTS else xp.empty(shape, dtype=dtype)
 
 
-def _common_args(problem: Problem, q, k, v, fourth) -> tuple:
+def _common_args(problem: Problem, q, k, v, fourth, tiles: tuple) -> tuple:
     """ATTN_PARAMS (kernels/block_info.cuh): everything after a kernel's own pointers. ``fourth``
-    is out in the forward and dout in the backward."""
+    is out in the forward and dout in the backward; ``tiles`` the kernel's (query rows, keys) per
+    tile, for a block mask's ranges."""
     p = problem
     mask, mask_strides, mask_kind = _mask_arguments(p)
     slopes = p.xp.zeros(1, np.float32) if p.alibi_slopes is None else p.xp.ascontiguousarray(p.alibi_slopes, dtype=np.float32)
@@ -187,7 +189,16 @@ def _common_args(problem: Problem, q, k, v, fourth) -> tuple:
         *mask_strides, mask_kind,
         I32(_CAUSAL[p.causal]), I32(-1 if left is None else left), I32(-1 if right is None else right),
         I32(p.alibi_slopes is not None), I32(p.sinks is not None), F32(p.scale), F32(p.softcap or 0.0), *dropout,
-    ) + (() if p.score_mod is None and p.mask_mod is None else (_mods_source.mod_words(p.xp, p.score_mod, p.mask_mod),))
+    ) + (() if p.score_mod is None and p.mask_mod is None else (_mods_source.mod_words(p.xp, p.score_mod, p.mask_mod),)) \
+        + _block_args(p, *tiles)
+
+
+def _block_args(problem: Problem, block_m: int, block_n: int) -> tuple:
+    """A block mask's [first, last) tile ranges for a kernel's tile sizes, and the tile counts."""
+    if problem.block_mask is None:
+        return ()
+    block_kv, block_q = problem.block_mask.ranges(block_m, block_n)
+    return block_kv, block_q, I32(_blocks(problem.seq_q, block_m)), I32(_blocks(problem.seq_k, block_n))
 
 
 def _blocks(n: int, per_block: int) -> int:
@@ -245,7 +256,8 @@ def forward(problem: Problem, q, k, v, *, target: str):
         v_part, out_part = v[..., d0:d1], out[..., d0:d1]
         # The tensor-core kernels take a `vectorised` flag after lse; the fp32 kernel does not.
         flags = () if isinstance(tile, _config.ForwardTile) else (_vector_flags(q, k, v_part),)
-        args = (q, k, v_part, out_part, lse, *flags, *_common_args(part, q, k, v_part, out_part))
+        args = (q, k, v_part, out_part, lse, *flags,
+                *_common_args(part, q, k, v_part, out_part, (tile.block_m, tile.block_n)))
         _launch(target, tile.filename, tile.name_expression(p.dtype), grid, args, tile.shared_bytes,
                 **_module(p))
     return out, lse
@@ -306,7 +318,7 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     dq = _per_head(p, rows_q, p.head_dim, zeroed=not deterministic)
     dk = _per_head(p, rows_k, p.head_dim)
     dv = _per_head(p, rows_k, p.head_dim_v)
-    common = _common_args(p, q, k, v, dout)
+    common = _common_args(p, q, k, v, dout, (tile.block_m, tile.block_n))
     module = _module(p)
     dkdv_grid = (_blocks(sk, tile.block_n), h, b)
     vectorised = _vector_flags(q, k, v, dout)
@@ -321,9 +333,11 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     if deterministic:
         dq_tile = tile if isinstance(tile, _config.BackwardTile) else _config.tensor_core_dq_tile(p.head_dim, p.head_dim_v)
         if isinstance(dq_tile, _config.BackwardTile):  # fp32, and fp16/bf16 head dims above 256: CUDA cores
+            common = _common_args(p, q, k, v, dout, (dq_tile.dq_block_m, dq_tile.dq_block_n))
             _launch(target, "attention_bwd.cu", dq_tile.dq_name(p.dtype), (_blocks(sq, dq_tile.dq_block_m), h, b),
                     (q, k, v, dout, lse, delta, dq, *common), dq_tile.dq_shared_bytes, **module)
         else:
+            common = _common_args(p, q, k, v, dout, (dq_tile.block_m, dq_tile.block_n))
             _launch(target, "attention_bwd_tc.cu", dq_tile.dq_name(p.dtype), (_blocks(sq, dq_tile.block_m), h, b),
                     (q, k, v, dout, lse, delta, dq, vectorised, *common), dq_tile.dq_shared_bytes, **module)
     grads = (_from_per_head(p, dq, p.dtype), _from_per_head(p, dk, p.dtype, sum_groups=True),

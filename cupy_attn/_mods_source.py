@@ -70,8 +70,9 @@ def _function(signature: str, expression: str, label: str, places, result: str) 
                       '#line 1 "cupy_attn._mods_source"', "    );", *undefs, "}"])
 
 
-def mod_source(score_mod, mask_mod) -> ModSource:
-    """The options and code a module needs for these mods (either may be None, not both)."""
+def mod_source(score_mod, mask_mod, block_sparse: bool = False) -> ModSource:
+    """The options and code a module needs for these mods (either may be None, not both), and with
+    ``block_sparse`` a block mask's tile ranges (kernels/block_info.cuh)."""
     functions, listings, at = [], [], 0
     if score_mod is not None:
         listings.append(numbered("score_mod", score_mod.cuda))
@@ -88,7 +89,7 @@ def mod_source(score_mod, mask_mod) -> ModSource:
     code = "\n\n// The call's mods (cupy_attn._mods_source)\nnamespace attn {\nnamespace mods {\n" + \
         "\n".join(functions) + "\n}  // namespace mods\n}  // namespace attn\n"
     options = ("-DATTN_MODS=1", f"-DATTN_SCORE_MOD={int(score_mod is not None)}",
-               f"-DATTN_MASK_MOD={int(mask_mod is not None)}")
+               f"-DATTN_MASK_MOD={int(mask_mod is not None)}", f"-DATTN_BLOCK_MASK={int(block_sparse)}")
     return ModSource(options, code, "\n".join(listings))
 
 

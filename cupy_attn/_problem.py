@@ -21,6 +21,7 @@ from ._arrays import (
     require_float_dtype,
 )
 from ._philox import Dropout, check_dropout
+from ._block_mask import BlockMask
 from .mods import MaskMod, ScoreMod
 
 LAYOUTS = ("bhsd", "bshd")
@@ -70,6 +71,7 @@ class Problem:
     dropout: Dropout | None = None  # None when dropout_p is 0
     score_mod: ScoreMod | None = None  # cupy_attn.mods
     mask_mod: MaskMod | None = None
+    block_mask: BlockMask | None = None  # its mask_mod is mask_mod
 
     @property
     def groups(self) -> int:
@@ -228,6 +230,23 @@ def _mod(name: str, mod, cls, q):
     return mod
 
 
+def _block_mask(block_mask, mask_mod, xp, shape: tuple):
+    """(block_mask, the mask_mod it brings) checked against the call: its mask_mod, shape and array
+    library must be the call's."""
+    if block_mask is None:
+        return None, mask_mod
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must come from cupy_attn.block_mask, got {describe(block_mask)}")
+    if mask_mod is not None and mask_mod is not block_mask.mask_mod:
+        raise ValueError("block_mask was built for another mask_mod; pass the same MaskMod (or only block_mask)")
+    if block_mask.shape != shape:
+        raise ValueError(f"block_mask was built for (B, H, Sq, Sk) = {block_mask.shape}, but the call has {shape}")
+    if block_mask.xp is not xp:
+        raise TypeError(f"block_mask was evaluated with {block_mask.xp.__name__}, but q is a {xp.__name__} array; "
+                        "build it with like=q")
+    return block_mask, block_mask.mask_mod
+
+
 def _mask(mask, xp, target: tuple[int, int, int, int]):
     if mask is None:
         return None
@@ -349,7 +368,8 @@ def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 
 def make_problem(q, k, v, *, mask=None, causal=False, window=None, q_lengths=None, kv_lengths=None,
                  scale=None, softcap=None, alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=0,
-                 dropout_offset=0, score_mod=None, mask_mod=None, layout="bhsd", backend="auto") -> Problem:
+                 dropout_offset=0, score_mod=None, mask_mod=None, block_mask=None, layout="bhsd",
+                 backend="auto") -> Problem:
     layout = check_choice("layout", layout, LAYOUTS)
     backend = check_choice("backend", backend, BACKENDS)
     xp, dtype = _tensors(q, k, v)
@@ -366,8 +386,10 @@ def make_problem(q, k, v, *, mask=None, causal=False, window=None, q_lengths=Non
         kv_lengths=_lengths("kv_lengths", kv_lengths, xp, b, sk, "Sk"),
         mask=_mask(mask, xp, (b, h, sq, sk)), backend=backend, sinks=_sinks(sinks, xp, h, dtype),
         dropout=check_dropout(dropout_p, dropout_seed, dropout_offset, b * h),
-        score_mod=_mod("score_mod", score_mod, ScoreMod, q), mask_mod=_mod("mask_mod", mask_mod, MaskMod, q),
     )
+    block_mask, mask_mod = _block_mask(block_mask, mask_mod, xp, (b, h, sq, sk))
+    fields.update(score_mod=_mod("score_mod", score_mod, ScoreMod, q), mask_mod=_mod("mask_mod", mask_mod, MaskMod, q),
+                  block_mask=block_mask)
     return Problem(**_features(fields, xp, b, h, dtype, d, causal=causal, window=window, scale=scale,
                                softcap=softcap, alibi_slopes=alibi_slopes))
 

@@ -45,6 +45,8 @@ _SEMANTICS = """
             after softcap and ALiBi and before the float mask, in natural-log units; mask_mod: a
             cupy_attn.MaskMod removing keys as the bool mask does (cupy_attn.mods). Indices are
             positions in the padded (B, H, Sq, Sk) problem, h the query head.
+        block_mask: from cupy_attn.block_mask(mask_mod, B, H, Sq, Sk): the kernels then visit, for
+            each query tile, only the key tiles from its first to its last non-empty one.
         backend: "auto" (by where the inputs live), "numpy", "cuda" or "emulator".
 
     A row that can attend to nothing gives output 0 and lse −inf (never NaN), and zero gradients.
@@ -57,7 +59,8 @@ _SEMANTICS = """
 
 def attention(q, k, v, *, mask=None, causal=False, window=None, q_lengths=None, kv_lengths=None,
               scale=None, softcap=None, alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=0,
-              dropout_offset=0, score_mod=None, mask_mod=None, layout="bhsd", return_lse=False, backend="auto"):
+              dropout_offset=0, score_mod=None, mask_mod=None, block_mask=None, layout="bhsd", return_lse=False,
+              backend="auto"):
     framework, lead = _interop.lead(q, k, v)
     with _interop.caller_stream(framework, lead):
         q, k, v, mask, q_lengths, kv_lengths, alibi_slopes, sinks = map(
@@ -66,7 +69,7 @@ def attention(q, k, v, *, mask=None, causal=False, window=None, q_lengths=None, 
                                kv_lengths=kv_lengths, scale=scale, softcap=softcap,
                                alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
                                dropout_seed=dropout_seed, dropout_offset=dropout_offset, score_mod=score_mod,
-                               mask_mod=mask_mod, layout=layout, backend=backend)
+                               mask_mod=mask_mod, block_mask=block_mask, layout=layout, backend=backend)
         out, lse = _backends.forward(_backends.select(problem), problem, q, k, v)
         out, lse = (_interop.to_framework(framework, x) for x in (out, lse))
     return (out, lse) if return_lse else out
@@ -75,7 +78,8 @@ def attention(q, k, v, *, mask=None, causal=False, window=None, q_lengths=None, 
 def attention_backward(dout, q, k, v, out, lse, *, mask=None, causal=False, window=None,
                        q_lengths=None, kv_lengths=None, scale=None, softcap=None,
                        alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=0, dropout_offset=0,
-                       score_mod=None, mask_mod=None, layout="bhsd", backend="auto", deterministic=False):
+                       score_mod=None, mask_mod=None, block_mask=None, layout="bhsd", backend="auto",
+                       deterministic=False):
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     framework, lead = _interop.lead(q, k, v)
@@ -86,7 +90,7 @@ def attention_backward(dout, q, k, v, out, lse, *, mask=None, causal=False, wind
                                kv_lengths=kv_lengths, scale=scale, softcap=softcap,
                                alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
                                dropout_seed=dropout_seed, dropout_offset=dropout_offset, score_mod=score_mod,
-                               mask_mod=mask_mod, layout=layout, backend=backend)
+                               mask_mod=mask_mod, block_mask=block_mask, layout=layout, backend=backend)
         check_backward_inputs(problem, dout, out, lse)
         grads = _backends.backward(_backends.select(problem), problem, dout, q, k, v, out, lse, deterministic)
         return tuple(_interop.to_framework(framework, g) for g in grads)

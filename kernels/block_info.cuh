@@ -32,6 +32,21 @@ namespace attn {
 #define ATTN_MOD_FIELD
 #endif
 
+// Whether the module takes a block mask (cupy_attn.block_mask): per (batch entry, head), the
+// [first, last) key tiles of each query tile (block_kv) and query tiles of each key tile
+// (block_q), as int pairs, for this kernel's tile sizes; the tiles a block visits are
+// intersected with them. Other modules carry no trace of it.
+#ifndef ATTN_BLOCK_MASK
+#define ATTN_BLOCK_MASK 0
+#endif
+#if ATTN_BLOCK_MASK
+#define ATTN_BLOCK_PARAM , const int *block_kv, const int *block_q, int block_m_tiles, int block_n_tiles
+#define ATTN_BLOCK_FIELD , block_kv, block_q, block_m_tiles, block_n_tiles
+#else
+#define ATTN_BLOCK_PARAM
+#define ATTN_BLOCK_FIELD
+#endif
+
 #ifndef ATTN_PACKED
 #define ATTN_PACKED 0
 #endif
@@ -58,6 +73,11 @@ struct Params {
     float dropout_scale;                       // 1 / (1 − p)
 #if ATTN_MODS
     const long long* mod_words;  // the mods' tensor addresses and strides, and scalars
+#endif
+#if ATTN_BLOCK_MASK
+    const int* block_kv;         // (B, H, block_m_tiles, 2) [first, last) key tiles
+    const int* block_q;          // (B, H, block_n_tiles, 2) [first, last) query tiles
+    int block_m_tiles, block_n_tiles;
 #endif
 };
 
@@ -135,6 +155,11 @@ struct BlockInfo {
         key_range(p, m0, block_m, &first, &last);
         *begin = first / block_n;
         *end = (last + block_n - 1) / block_n;
+#if ATTN_BLOCK_MASK
+        const int* tiles = p.block_kv + 2 * ((bidb * p.heads + bidh) * p.block_m_tiles + m0 / block_m);
+        *begin = max(*begin, tiles[0]);
+        *end = max(*begin, min(*end, tiles[1]));
+#endif
     }
 
     // Query tiles [*begin, *end) of block_m rows that keys [n0, n0 + block_n) must visit.
@@ -143,6 +168,11 @@ struct BlockInfo {
         row_range(p, n0, block_n, &first, &last);
         *begin = first / block_m;
         *end = (last + block_m - 1) / block_m;
+#if ATTN_BLOCK_MASK
+        const int* tiles = p.block_q + 2 * ((bidb * p.heads + bidh) * p.block_n_tiles + n0 / block_n);
+        *begin = max(*begin, tiles[0]);
+        *end = max(*begin, min(*end, tiles[1]));
+#endif
     }
 
     // No structural mask inside the (block_m x block_n) tile at (m0, n0): every row valid and
@@ -186,11 +216,11 @@ __device__ __forceinline__ HeadView head_view(const Params& p, const BlockInfo& 
         long long v_sr, long long o_sb, long long o_sh, long long o_sr, long long mask_sb, long long mask_sh,    \
         long long mask_sq, long long mask_sk, int mask_kind, int causal, int window_left, int window_right,      \
         int has_alibi, int has_sinks, float scale, float softcap, unsigned long long dropout_seed,                \
-        unsigned dropout_offset, unsigned dropout_threshold, float dropout_scale ATTN_MOD_PARAM
+        unsigned dropout_offset, unsigned dropout_threshold, float dropout_scale ATTN_MOD_PARAM ATTN_BLOCK_PARAM
 #define ATTN_UNPACK_PARAMS                                                                                       \
     const attn::Params p{q_lengths, kv_lengths, q_starts, kv_starts, packed, total_q, total_k, alibi_slopes,     \
                          sinks, mask, heads, kv_group, seq_q, seq_k, head_dim, head_dim_v, mask_sb, mask_sh,    \
                          mask_sq, mask_sk, mask_kind, causal, window_left, window_right, has_alibi, has_sinks,  \
-                         scale, softcap, dropout_seed, dropout_offset, dropout_threshold, dropout_scale ATTN_MOD_FIELD}; \
+                         scale, softcap, dropout_seed, dropout_offset, dropout_threshold, dropout_scale ATTN_MOD_FIELD ATTN_BLOCK_FIELD}; \
     const long long strides[12] = {q_sb, q_sh, q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, o_sb, o_sh, o_sr}
 

@@ -202,3 +202,87 @@ def test_a_score_mod_that_masks_with_minus_infinity(rng):
     for backend in ("numpy", "emulator"):
         np.testing.assert_allclose(cupy_attn.attention(q, k, v, score_mod=mod, backend=backend), want, rtol=1e-5, atol=1e-6)
         check_forward_and_backward(backend, rng, q, k, v, dict(score_mod=mod), np.dtype(np.float32))
+
+
+def documents(rng, batch, seq, longest):
+    """(batch, seq) int32 ids of consecutive documents of random lengths up to ``longest``."""
+    ids = np.empty((batch, seq), np.int32)
+    for b in range(batch):
+        at, doc = 0, 0
+        while at < seq:
+            n = int(rng.integers(1, longest + 1))
+            ids[b, at:at + n], at, doc = doc, at + n, doc + 1
+    return ids
+
+
+def test_block_mask_ranges_match_a_brute_force_count(rng):
+    doc = documents(rng, 2, 200, 40)
+    mod = cupy_attn.MaskMod("doc(b, q_idx) == doc(b, kv_idx) && (h % 2 == 0 || kv_idx <= q_idx)",
+                            lambda b, h, q_idx, kv_idx, doc: (doc[b, q_idx] == doc[b, kv_idx]) & ((h % 2 == 0) | (kv_idx <= q_idx)),
+                            tensors={"doc": doc})
+    blocks = cupy_attn.block_mask(mod, 2, 3, 150, 200)
+    assert cupy_attn.block_mask(mod, 2, 3, 150, 200) is blocks  # cached by mask_mod and shape
+    i, j = np.arange(150)[:, None], np.arange(200)
+    dense = (doc[:, None, :150, None] == doc[:, None, None, :]) & ((np.arange(3)[:, None, None] % 2 == 0) | (j <= i))
+    for bm, bn in ((64, 64), (16, 48)):
+        kv, q = blocks.ranges(bm, bn)
+        mt, nt = -(-150 // bm), -(-200 // bn)
+        tiles = np.zeros((2, 3, mt * bm, nt * bn), bool)
+        tiles[:, :, :150, :200] = dense
+        tiles = tiles.reshape(2, 3, mt, bm, nt, bn).any(axis=(3, 5))
+        for ranges, t in ((kv.reshape(2, 3, mt, 2), tiles), (q.reshape(2, 3, nt, 2), tiles.swapaxes(2, 3))):
+            for index in np.ndindex(t.shape[:3]):
+                hit = np.flatnonzero(t[index])
+                want = (hit[0], hit[-1] + 1) if hit.size else (0, 0)
+                assert tuple(ranges[index]) == want, (bm, bn, index)
+
+
+@pytest.mark.parametrize("capability, dtype", [(80, np.dtype(np.float32)), (80, np.dtype(np.float16)), (90, BF16)])
+def test_block_mask_changes_which_tiles_run_not_the_result(rng, schedule, monkeypatch, capability, dtype):
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", capability)
+    """150 tokens of documents up to 24 long: 3 x 3 tiles of 64, of which the mask leaves the
+    diagonal's neighbourhood (the NumPy backend's 40 x 48 tiles likewise)."""
+    doc = documents(rng, B, 150, 24)
+    mod = cupy_attn.MaskMod("doc(b, q_idx) == doc(b, kv_idx)",
+                            lambda b, h, q_idx, kv_idx, doc: doc[b, q_idx] == doc[b, kv_idx], tensors={"doc": doc})
+    q, k, v = random_qkv(rng, b=B, h=H, hkv=HKV, sq=150, sk=150, d=64, dtype=dtype)
+    blocks = cupy_attn.block_mask(mod, B, H, 150, 150)
+    assert not blocks.nonempty(64, 64).all()
+    for backend in ("numpy", "emulator"):
+        kw = dict(causal=True, kv_lengths=[150, 97], block_mask=blocks)
+        check_forward_and_backward(backend, rng, q, k, v, kw, dtype, deterministic=capability == 80)
+
+
+def test_a_block_mask_skips_the_empty_tiles(rng):
+    """Documents of 32 tokens in 256: each 64-row query tile reads K and V of one key tile with
+    the block mask, of all four without it (the emulator's global-memory counters)."""
+    from cupy_attn.emulator._counters import counting
+
+    doc = np.repeat(np.arange(8, dtype=np.int32), 32)[None]
+    mod = cupy_attn.MaskMod("doc(0, q_idx) == doc(0, kv_idx)",
+                            lambda b, h, q_idx, kv_idx, doc: doc[0, q_idx] == doc[0, kv_idx], tensors={"doc": doc})
+    q, k, v = random_qkv(rng, b=1, h=1, sq=256, sk=256, d=64, dtype=np.float16)
+    staged = []
+    for blocks in (None, cupy_attn.block_mask(mod, 1, 1, 256, 256)):
+        with counting() as counters:
+            out = cupy_attn.attention(q, k, v, mask_mod=mod, block_mask=blocks, backend="emulator")
+        staged.append(sum(s.actual for s in counters.sites if s.space == "global" and s.site.startswith("tc_tile.cuh")))
+        np.testing.assert_allclose(out, cupy_attn.attention(q, k, v, mask_mod=mod), rtol=2e-3, atol=2e-3)
+    q_sectors, tile_sectors = 4 * 64 * 64 * 2 // 32, 2 * 64 * 64 * 2 // 32  # 4 query tiles; K and V of one key tile
+    assert staged == [q_sectors + 4 * 4 * tile_sectors, q_sectors + 4 * tile_sectors]
+
+
+def test_bad_block_masks(rng):
+    q, k, v = random_qkv(rng, b=1, h=2, sq=8, sk=8, d=16)
+    mod = cupy_attn.MaskMod("kv_idx <= q_idx", lambda b, h, q_idx, kv_idx: kv_idx <= q_idx)
+    other = cupy_attn.MaskMod("kv_idx <= q_idx", lambda b, h, q_idx, kv_idx: kv_idx <= q_idx)
+    with pytest.raises(ValueError, match=r"block_mask was built for \(B, H, Sq, Sk\) = \(1, 2, 8, 9\)"):
+        cupy_attn.attention(q, k, v, block_mask=cupy_attn.block_mask(mod, 1, 2, 8, 9))
+    with pytest.raises(ValueError, match="block_mask was built for another mask_mod"):
+        cupy_attn.attention(q, k, v, mask_mod=other, block_mask=cupy_attn.block_mask(mod, 1, 2, 8, 8))
+    with pytest.raises(TypeError, match="block_mask must come from cupy_attn.block_mask"):
+        cupy_attn.attention(q, k, v, block_mask=np.ones((1, 1), bool))
+    with pytest.raises(ValueError, match="Sk must be a positive int"):
+        cupy_attn.block_mask(mod, 1, 2, 8, 0)
+    with pytest.raises(TypeError, match="mask_mod must be a cupy_attn.MaskMod"):
+        cupy_attn.block_mask("kv_idx <= q_idx", 1, 2, 8, 8)

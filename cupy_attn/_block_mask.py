@@ -1,0 +1,97 @@
+"""Block sparsity for a MaskMod: which key tiles each query tile can attend at all, so that the
+kernels visit only those (cupy_attn.block_mask).
+
+The mask_mod's NumPy twin is evaluated where the arrays live (NumPy, or CuPy on the GPU) one band
+of query rows at a time, and reduced per (query tile, key tile) of a tile configuration. The
+kernels take, per (batch entry, head), the first and last non-empty key tile of each query tile
+(forward and dQ) and the first and last non-empty query tile of each key tile (dK/dV), and
+intersect them with the tiles causal, window and lengths leave: a mask whose non-empty tiles of
+each row are contiguous (documents of packed sequences, prefix-LM, chunked local attention) then
+costs time in proportion to its non-empty tiles, e.g. Σ len² for documents of lengths len, not the
+square of the total. Tiles inside the range are visited and masked element by element.
+"""
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from ._arrays import is_integer, module_of
+from .mods import MaskMod
+
+
+class BlockMask:
+    """A mask_mod's tile structure for a (B, H, Sq, Sk) problem; ranges per tile configuration are
+    computed on first use and kept."""
+
+    def __init__(self, mask_mod: MaskMod, shape: tuple, xp):
+        self.mask_mod, self.shape, self.xp = mask_mod, shape, xp
+        self._ranges = {}
+
+    def __repr__(self) -> str:
+        return f"BlockMask({self.mask_mod!r}, shape={self.shape})"
+
+    def nonempty(self, block_m: int, block_n: int):
+        """Bool (B, H, query tiles, key tiles) of the tiles holding at least one allowed pair."""
+        xp, (b, h, sq, sk) = self.xp, self.shape
+        m_tiles, n_tiles = -(-sq // block_m), -(-sk // block_n)
+        tiles = xp.zeros((b, h, m_tiles, n_tiles), dtype=bool)
+        bi, hi = xp.arange(b)[:, None, None, None], xp.arange(h)[:, None, None]
+        kv = xp.arange(sk)
+        for m in range(m_tiles):
+            rows = xp.arange(m * block_m, min((m + 1) * block_m, sq))[:, None]
+            allowed = xp.broadcast_to(xp.asarray(self.mask_mod.numpy(bi, hi, rows, kv, **self.mask_mod.arguments),
+                                                 dtype=bool), (b, h, rows.shape[0], sk))
+            padded = xp.zeros((b, h, n_tiles * block_n), dtype=bool)
+            padded[..., :sk] = allowed.any(axis=2)
+            tiles[:, :, m] = padded.reshape(b, h, n_tiles, block_n).any(axis=-1)
+        return tiles
+
+    def ranges(self, block_m: int, block_n: int):
+        """int32 (B·H·query tiles·2,) [first, last) key tiles per query tile and (B·H·key
+        tiles·2,) [first, last) query tiles per key tile, for the kernels (kernels/block_info.cuh)."""
+        key = (block_m, block_n)
+        if key not in self._ranges:
+            tiles = self.nonempty(block_m, block_n)
+            self._ranges[key] = (_first_last(self.xp, tiles), _first_last(self.xp, tiles.swapaxes(2, 3)))
+        return self._ranges[key]
+
+
+def _first_last(xp, tiles):
+    """[first, last + 1) of the True entries along the last axis, (0, 0) where none, interleaved
+    as int32 pairs, flattened."""
+    count = tiles.shape[-1]
+    any_ = tiles.any(axis=-1)
+    first = xp.where(any_, tiles.argmax(axis=-1), 0)
+    last = xp.where(any_, count - tiles[..., ::-1].argmax(axis=-1), 0)
+    return xp.ascontiguousarray(xp.stack([first, last], axis=-1).astype(np.int32).reshape(-1))
+
+
+_CACHE = weakref.WeakKeyDictionary()  # mask_mod -> {(shape, array module): BlockMask}
+
+
+def block_mask(mask_mod, B, H, Sq, Sk, *, like=None) -> BlockMask:
+    """The tile structure of ``mask_mod`` for a (B, H, Sq, Sk) problem (H the query heads),
+    evaluated with NumPy, or with CuPy on the GPU when ``like`` is a CuPy array (the mask_mod's
+    tensors must then be CuPy arrays too). Pass it to `attention` / `attention_backward` as
+    ``block_mask=`` with the same mask_mod: the kernels then visit, for each query tile, only the
+    key tiles from its first to its last non-empty one. Reused across calls: block_mask returns the
+    same object for the same mask_mod (by identity), shape and array library."""
+    if not isinstance(mask_mod, MaskMod):
+        raise TypeError(f"mask_mod must be a cupy_attn.MaskMod, got {type(mask_mod).__name__}")
+    for name, n in (("B", B), ("H", H), ("Sq", Sq), ("Sk", Sk)):
+        if not is_integer(n) or n < 1:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
+    xp = np if like is None else module_of(like)
+    if xp is None:
+        raise TypeError(f"like must be a NumPy or CuPy array (or None for NumPy), got {type(like).__name__}")
+    for name, x in mask_mod.tensors.items():
+        if module_of(x) is not xp:
+            raise TypeError(f"mask_mod's tensor {name!r} must be a {xp.__name__} array to evaluate the block mask "
+                            f"with {xp.__name__}")
+    shape = (int(B), int(H), int(Sq), int(Sk))
+    per_mod = _CACHE.setdefault(mask_mod, {})
+    key = (shape, xp.__name__)
+    if key not in per_mod:
+        per_mod[key] = BlockMask(mask_mod, shape, xp)
+    return per_mod[key]
