@@ -8,7 +8,8 @@ kernels take, per (batch entry, head), the first and last non-empty key tile of 
 intersect them with the tiles causal, window and lengths leave: a mask whose non-empty tiles of
 each row are contiguous (documents of packed sequences, prefix-LM, chunked local attention) then
 costs time in proportion to its non-empty tiles, e.g. Σ len² for documents of lengths len, not the
-square of the total. Tiles inside the range are visited and masked element by element.
+square of the total. Full tiles (every pair allowed) skip the mask_mod; the other tiles inside the
+range evaluate it element by element.
 """
 from __future__ import annotations
 
@@ -31,29 +32,33 @@ class BlockMask:
     def __repr__(self) -> str:
         return f"BlockMask({self.mask_mod!r}, shape={self.shape})"
 
-    def nonempty(self, block_m: int, block_n: int):
-        """Bool (B, H, query tiles, key tiles) of the tiles holding at least one allowed pair."""
+    def tiles(self, block_m: int, block_n: int):
+        """Bool (B, H, query tiles, key tiles) twice: tiles holding at least one allowed pair, and
+        tiles whose pairs inside (Sq, Sk) are all allowed."""
         xp, (b, h, sq, sk) = self.xp, self.shape
         m_tiles, n_tiles = -(-sq // block_m), -(-sk // block_n)
-        tiles = xp.zeros((b, h, m_tiles, n_tiles), dtype=bool)
+        nonempty = xp.zeros((b, h, m_tiles, n_tiles), dtype=bool)
+        full = xp.zeros((b, h, m_tiles, n_tiles), dtype=bool)
         bi, hi = xp.arange(b)[:, None, None, None], xp.arange(h)[:, None, None]
         kv = xp.arange(sk)
         for m in range(m_tiles):
             rows = xp.arange(m * block_m, min((m + 1) * block_m, sq))[:, None]
             allowed = xp.broadcast_to(xp.asarray(self.mask_mod.numpy(bi, hi, rows, kv, **self.mask_mod.arguments),
                                                  dtype=bool), (b, h, rows.shape[0], sk))
-            padded = xp.zeros((b, h, n_tiles * block_n), dtype=bool)
-            padded[..., :sk] = allowed.any(axis=2)
-            tiles[:, :, m] = padded.reshape(b, h, n_tiles, block_n).any(axis=-1)
-        return tiles
+            for out, reduce, pad in ((nonempty, xp.any, False), (full, xp.all, True)):
+                padded = xp.full((b, h, n_tiles * block_n), pad, dtype=bool)  # keys past Sk decide nothing
+                padded[..., :sk] = reduce(allowed, axis=2)
+                out[:, :, m] = reduce(padded.reshape(b, h, n_tiles, block_n), axis=-1)
+        return nonempty, full
 
     def ranges(self, block_m: int, block_n: int):
-        """int32 (B·H·query tiles·2,) [first, last) key tiles per query tile and (B·H·key
-        tiles·2,) [first, last) query tiles per key tile, for the kernels (kernels/block_info.cuh)."""
+        """For the kernels (kernels/block_info.cuh), flattened: int32 [first, last) key tiles per
+        query tile and [first, last) query tiles per key tile (pairs), and uint8 full tiles."""
         key = (block_m, block_n)
         if key not in self._ranges:
-            tiles = self.nonempty(block_m, block_n)
-            self._ranges[key] = (_first_last(self.xp, tiles), _first_last(self.xp, tiles.swapaxes(2, 3)))
+            nonempty, full = self.tiles(block_m, block_n)
+            self._ranges[key] = (_first_last(self.xp, nonempty), _first_last(self.xp, nonempty.swapaxes(2, 3)),
+                                 self.xp.ascontiguousarray(full.astype(np.uint8).reshape(-1)))
         return self._ranges[key]
 
 

@@ -197,8 +197,8 @@ def _block_args(problem: Problem, block_m: int, block_n: int) -> tuple:
     """A block mask's [first, last) tile ranges for a kernel's tile sizes, and the tile counts."""
     if problem.block_mask is None:
         return ()
-    block_kv, block_q = problem.block_mask.ranges(block_m, block_n)
-    return block_kv, block_q, I32(_blocks(problem.seq_q, block_m)), I32(_blocks(problem.seq_k, block_n))
+    block_kv, block_q, block_full = problem.block_mask.ranges(block_m, block_n)
+    return block_kv, block_q, block_full, I32(_blocks(problem.seq_q, block_m)), I32(_blocks(problem.seq_k, block_n))
 
 
 def _blocks(n: int, per_block: int) -> int:

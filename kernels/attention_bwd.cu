@@ -69,7 +69,7 @@ __device__ __forceinline__ void dkdv_block(const Params& p, const T* q, const T*
         stage_row_stats(sLse2, sDelta, lse, delta, at.stats, m0, kBlockM, b.q_rows(p));
         __syncthreads();  // K, V (first pass), Q, dO and the row statistics are staged
 
-        const bool boundary = !b.tile_is_interior(p, m0, kBlockM, n0, kBlockN);
+        const int checks = b.tile_checks(p, m0, kBlockM, n0, kBlockN);
         for (int e = 0; e < kEntries; ++e) {
             const int idx = threadIdx.x + kThreads * e, r = idx / kBlockN, c = idx % kBlockN;
             float qk = 0.f, dp = 0.f;
@@ -77,7 +77,7 @@ __device__ __forceinline__ void dkdv_block(const Params& p, const T* q, const T*
                 qk = fmaf(sQ[r * kHeadDim + d], sK[c * Smem::kKStride + d], qk);
                 dp = fmaf(sDO[r * kHeadDim + d], sV[c * Smem::kKStride + d], dp);
             }
-            const float prob = probability(score(p, b, qk, m0 + r, n0 + c, boundary), sLse2[r]);
+            const float prob = probability(score(p, b, qk, m0 + r, n0 + c, checks), sLse2[r]);
             const float z = dropout.factor(m0 + r, n0 + c);  // out = (P ∘ z)·V
             sP[idx] = prob * z;
             sDS[idx] = prob * (dp * z - sDelta[r]) * score.grad(p, b, qk, m0 + r, n0 + c, prob);  // dS of q·k·scale
@@ -165,7 +165,7 @@ __device__ __forceinline__ void dq_block(const Params& p, const T* q, const T* k
         stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sV, v + kv.v, kv.v_row, n0, b.kv_rows(p), p.head_dim_v);
         __syncthreads();  // Q, dO, row statistics (first pass), K and V staged
 
-        const bool boundary = !b.tile_is_interior(p, m0, kBlockM, n0, kBlockN);
+        const int checks = b.tile_checks(p, m0, kBlockM, n0, kBlockN);
         for (int c = 0; c < kCols; ++c) {
             const int j = part + kLanesPerRow * c;
             float qk = 0.f, dp = 0.f;
@@ -173,7 +173,7 @@ __device__ __forceinline__ void dq_block(const Params& p, const T* q, const T* k
                 qk = fmaf(sQ[row * kHeadDim + d], sK[j * Smem::kKStride + d], qk);
                 dp = fmaf(sDO[row * kHeadDim + d], sV[j * Smem::kKStride + d], dp);
             }
-            const float prob = probability(score(p, b, qk, m0 + row, n0 + j, boundary), sLse2[row]);
+            const float prob = probability(score(p, b, qk, m0 + row, n0 + j, checks), sLse2[row]);
             const float z = dropout.factor(m0 + row, n0 + j);
             sDS[row * kBlockN + j] = prob * (dp * z - sDelta[row]) * score.grad(p, b, qk, m0 + row, n0 + j, prob);
         }

@@ -154,9 +154,9 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
         }
 
         // Pᵀ and dSᵀ in place of Sᵀ and dPᵀ; dS also to shared memory (queries as rows) for dQ.
-        const bool boundary = !b.tile_is_interior(p, m0, kBlockM, n0, kBlockN);
+        const int checks = b.tile_checks(p, m0, kBlockM, n0, kBlockN);
         probabilities_and_ds<kSStride>(st, dpt, p, b, score, dropout, tile_lse2, tile_delta, sDS, accumulate_dq && dim_slice == 0,
-                                       m0, n0, key0, g, t, boundary);
+                                       m0, n0, key0, g, t, checks);
 
         // dV += Pᵀ·dO and dK += dSᵀ·Q over this tile's queries, in this warp's dims.
         mma_registers_by_rows<T, kStride, kBlockM / 16>(dv, st, tile_do + dim0, lane);
@@ -220,14 +220,14 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
         mma_rows_by_rows<T, kStride, kHeadDim / 16>(dp, sDO, warp * 16, sV, lane);
 
         // dS in place of S.
-        const bool boundary = !b.tile_is_interior(p, m0, kTcBlockM, n0, kBlockN);
+        const int checks = b.tile_checks(p, m0, kTcBlockM, n0, kBlockN);
 #pragma unroll
         for (int j = 0; j < kNTiles; ++j) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int row = warp * 16 + g + 8 * (e / 2), key = j * 8 + 2 * t + (e & 1);
                 const float qk = s[j][e];
-                const float s2 = score(p, b, qk, m0 + row, n0 + key, boundary);
+                const float s2 = score(p, b, qk, m0 + row, n0 + key, checks);
                 const float prob = probability(s2, sLse2[row]);
                 const float z = dropout.factor(m0 + row, n0 + key);
                 s[j][e] = prob * (dp[j][e] * z - sDelta[row]) * score.grad(p, b, qk, m0 + row, n0 + key, prob);

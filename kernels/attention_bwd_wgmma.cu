@@ -126,9 +126,9 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const T* q, co
         __syncthreads();       // every thread's part of Qᵀ and dOᵀ is in place
 
         // Pᵀ and dSᵀ in place of Sᵀ and dPᵀ; dS also to shared memory (queries as rows) for dQ.
-        const bool boundary = !b.tile_is_interior(p, m0, kBlockM, n0, kKeys);
+        const int checks = b.tile_checks(p, m0, kBlockM, n0, kKeys);
         probabilities_and_ds<kSStride>(st, dpt, p, b, score, dropout, sLse2(stage), sDelta(stage), sDS, accumulate_dq, m0, n0,
-                                       warp * 16, g, t, boundary);
+                                       warp * 16, g, t, checks);
 
         // dV += Pᵀ·dO and dK += dSᵀ·Q: Pᵀ and dSᵀ re-packed as A fragments (16 queries each),
         // all of them before the first instruction reads them asynchronously.

@@ -74,8 +74,8 @@ __device__ __forceinline__ void forward_block(const Params& p, const T* q, const
             const float qd = sQ[row * kHeadDim + d];
             for (int c = 0; c < kCols; ++c) s[c] = fmaf(qd, sK[(part + kLanesPerRow * c) * Smem::kKStride + d], s[c]);
         }
-        const bool boundary = !b.tile_is_interior(p, m0, kBlockM, n0, kBlockN);
-        for (int c = 0; c < kCols; ++c) s[c] = score(p, b, s[c], i, n0 + part + kLanesPerRow * c, boundary);
+        const int checks = b.tile_checks(p, m0, kBlockM, n0, kBlockN);
+        for (int c = 0; c < kCols; ++c) s[c] = score(p, b, s[c], i, n0 + part + kLanesPerRow * c, checks);
 
         const float rescale = softmax.update(s);
         for (int e = 0; e < kDims; ++e) acc[e] *= rescale;

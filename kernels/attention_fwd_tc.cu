@@ -74,8 +74,8 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
         for (int j = 0; j < kNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
         mma_rows_by_rows<T, kStride, kHeadDim / 16>(s, sQ, warp * 16, sK, lane);
 
-        const bool boundary = !b.tile_is_interior(p, m0, kTcBlockM, n0, kBlockN);
-        softmax_tile(s, o, softmax, p, b, score, dropout, row_lo, n0, t, boundary);
+        const int checks = b.tile_checks(p, m0, kTcBlockM, n0, kBlockN);
+        softmax_tile(s, o, softmax, p, b, score, dropout, row_lo, n0, t, checks);
 
         // O += P·V: P stays in registers as the A operand (16 keys per k-step).
         mma_registers_by_rows<T, kStrideV, kBlockN / 16>(o, s, sV, lane);

@@ -101,8 +101,8 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q,
         ptx::fence_operands(s_flat);
         __syncthreads();       // every thread's part of Vᵀ is in place
 
-        const bool boundary = !b.tile_is_interior(p, m0, kTcBlockM, n0, kWgmmaKeys);
-        softmax_tile(s, o, softmax, p, b, score, dropout, row_lo, n0, t, boundary);
+        const int checks = b.tile_checks(p, m0, kTcBlockM, n0, kWgmmaKeys);
+        softmax_tile(s, o, softmax, p, b, score, dropout, row_lo, n0, t, checks);
 
         // O += P·V: P re-packed as A fragments (16 keys each), all of them before the first
         // instruction reads them asynchronously; each instruction covers 64 head dims.

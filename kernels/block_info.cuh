@@ -40,8 +40,9 @@ namespace attn {
 #define ATTN_BLOCK_MASK 0
 #endif
 #if ATTN_BLOCK_MASK
-#define ATTN_BLOCK_PARAM , const int *block_kv, const int *block_q, int block_m_tiles, int block_n_tiles
-#define ATTN_BLOCK_FIELD , block_kv, block_q, block_m_tiles, block_n_tiles
+#define ATTN_BLOCK_PARAM \
+    , const int *block_kv, const int *block_q, const unsigned char *block_full, int block_m_tiles, int block_n_tiles
+#define ATTN_BLOCK_FIELD , block_kv, block_q, block_full, block_m_tiles, block_n_tiles
 #else
 #define ATTN_BLOCK_PARAM
 #define ATTN_BLOCK_FIELD
@@ -77,12 +78,15 @@ struct Params {
 #if ATTN_BLOCK_MASK
     const int* block_kv;         // (B, H, block_m_tiles, 2) [first, last) key tiles
     const int* block_q;          // (B, H, block_n_tiles, 2) [first, last) query tiles
+    const unsigned char* block_full;  // (B, H, block_m_tiles, block_n_tiles): 1 where the mask_mod allows every pair
     int block_m_tiles, block_n_tiles;
 #endif
 };
 
 enum { kMaskNone = 0, kMaskBool = 1, kMaskFloat = 2 };
 enum { kCausalNone = 0, kCausalBottomRight = 1, kCausalTopLeft = 2 };
+// What a tile's scores must be checked for (BlockInfo::tile_checks, ScoreTransform).
+enum { kCheckStructure = 1, kCheckMods = 2 };
 
 // How far right of the diagonal a row may look: min(window right, 0 if causal); -1 if unbounded.
 __device__ __forceinline__ int right_reach(const Params& p) {
@@ -184,6 +188,20 @@ struct BlockInfo {
         if (right >= 0) inside = inside && n1 <= m0 + diag_offset + right;
         if (p.window_left >= 0) inside = inside && n0 >= m1 + diag_offset - p.window_left;
         return inside;
+    }
+
+    // The checks the scores of the tile at (m0, n0) need: the structure on boundary tiles, the
+    // mask_mod unless a block mask knows the tile to be full.
+    __device__ __forceinline__ int tile_checks(const Params& p, int m0, int block_m, int n0, int block_n) const {
+        int checks = tile_is_interior(p, m0, block_m, n0, block_n) ? 0 : kCheckStructure;
+#if ATTN_BLOCK_MASK
+        const long long tile = (static_cast<long long>(bidb * p.heads + bidh) * p.block_m_tiles + m0 / block_m) *
+                               p.block_n_tiles + n0 / block_n;
+        if (!p.block_full[tile]) checks |= kCheckMods;
+#else
+        checks |= kCheckMods;
+#endif
+        return checks;
     }
 };
 

@@ -89,9 +89,11 @@ struct ScoreTransform {
     }
 
     // qk = q·k for query row i and key j (global indices); returns the base-2 score or -inf.
+    // checks (BlockInfo::tile_checks): kCheckStructure applies causal, window and lengths (boundary
+    // tiles), kCheckMods the mask_mod (tiles a block mask does not know to be full).
     __device__ __forceinline__ float operator()(const Params& p, const BlockInfo& b, float qk, int i, int j,
-                                                bool check_structure) const {
-        if (check_structure) {
+                                                int checks) const {
+        if (checks & kCheckStructure) {
             int diag = i + b.diag_offset;
             bool keep = i < b.q_len && j < b.kv_len;
             if (p.causal) keep = keep && j <= diag;
@@ -101,7 +103,7 @@ struct ScoreTransform {
         }
         float s = capped(p, b, qk, i, j);
 #if ATTN_MASK_MOD
-        if (!mods::mask_mod(b.bidb, b.bidh, i, j, p.mod_words)) return -infinity();
+        if ((checks & kCheckMods) && !mods::mask_mod(b.bidb, b.bidh, i, j, p.mod_words)) return -infinity();
 #endif
 #if ATTN_SCORE_MOD
         s = mods::score_mod(s * kLn2, b.bidb, b.bidh, i, j, p.mod_words) * kLog2e;  // natural-log units

@@ -19,14 +19,14 @@ template <int kSStride, int kQTiles, class T>
 __device__ __forceinline__ void probabilities_and_ds(float (&st)[kQTiles][4], float (&dpt)[kQTiles][4], const Params& p,
                                                      const BlockInfo& b, const ScoreTransform& score,
                                                      const Dropout& dropout, const float* lse2, const float* delta, T* ds_tile, bool write_ds,
-                                                     int m0, int n0, int key0, int g, int t, bool boundary) {
+                                                     int m0, int n0, int key0, int g, int t, int checks) {
 #pragma unroll
     for (int j = 0; j < kQTiles; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int key = key0 + g + 8 * (e / 2), query = j * 8 + 2 * t + (e & 1);
             const float qk = st[j][e];
-            const float s2 = score(p, b, qk, m0 + query, n0 + key, boundary);
+            const float s2 = score(p, b, qk, m0 + query, n0 + key, checks);
             const float prob = probability(s2, lse2[query]);
             const float z = dropout.factor(m0 + query, n0 + key);  // out = (P ∘ z)·V
             const float ds = prob * (dpt[j][e] * z - delta[query]) * score.grad(p, b, qk, m0 + query, n0 + key, prob);

@@ -19,13 +19,13 @@ namespace attn {
 template <int kNTiles, int kDTiles>
 __device__ __forceinline__ void softmax_tile(float (&s)[kNTiles][4], float (&o)[kDTiles][4], OnlineSoftmax<4> (&softmax)[2],
                                              const Params& p, const BlockInfo& b, const ScoreTransform& score,
-                                             const Dropout& dropout, int row_lo, int n0, int t, bool boundary) {
+                                             const Dropout& dropout, int row_lo, int n0, int t, int checks) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float row[2 * kNTiles];
 #pragma unroll
         for (int c = 0; c < 2 * kNTiles; ++c)
-            row[c] = score(p, b, s[c / 2][2 * r + c % 2], row_lo + 8 * r, n0 + (c / 2) * 8 + 2 * t + c % 2, boundary);
+            row[c] = score(p, b, s[c / 2][2 * r + c % 2], row_lo + 8 * r, n0 + (c / 2) * 8 + 2 * t + c % 2, checks);
         const float rescale = softmax[r].update(row);
 #pragma unroll
         for (int c = 0; c < 2 * kNTiles; ++c)

@@ -225,10 +225,13 @@ def test_block_mask_ranges_match_a_brute_force_count(rng):
     i, j = np.arange(150)[:, None], np.arange(200)
     dense = (doc[:, None, :150, None] == doc[:, None, None, :]) & ((np.arange(3)[:, None, None] % 2 == 0) | (j <= i))
     for bm, bn in ((64, 64), (16, 48)):
-        kv, q = blocks.ranges(bm, bn)
+        kv, q, full = blocks.ranges(bm, bn)
         mt, nt = -(-150 // bm), -(-200 // bn)
         tiles = np.zeros((2, 3, mt * bm, nt * bn), bool)
         tiles[:, :, :150, :200] = dense
+        everywhere = np.ones_like(tiles)  # pairs outside (Sq, Sk) do not stop a tile from being full
+        everywhere[:, :, :150, :200] = dense
+        np.testing.assert_array_equal(full.reshape(2, 3, mt, nt), everywhere.reshape(2, 3, mt, bm, nt, bn).all(axis=(3, 5)))
         tiles = tiles.reshape(2, 3, mt, bm, nt, bn).any(axis=(3, 5))
         for ranges, t in ((kv.reshape(2, 3, mt, 2), tiles), (q.reshape(2, 3, nt, 2), tiles.swapaxes(2, 3))):
             for index in np.ndindex(t.shape[:3]):
@@ -240,14 +243,16 @@ def test_block_mask_ranges_match_a_brute_force_count(rng):
 @pytest.mark.parametrize("capability, dtype", [(80, np.dtype(np.float32)), (80, np.dtype(np.float16)), (90, BF16)])
 def test_block_mask_changes_which_tiles_run_not_the_result(rng, schedule, monkeypatch, capability, dtype):
     monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", capability)
-    """150 tokens of documents up to 24 long: 3 x 3 tiles of 64, of which the mask leaves the
-    diagonal's neighbourhood (the NumPy backend's 40 x 48 tiles likewise)."""
-    doc = documents(rng, B, 150, 24)
+    """150 tokens in documents of 70, 10, 70 and 20, 130 tokens: of 3 x 3 tiles of 64, some empty
+    (skipped), some full (no mask_mod evaluated), the rest partial (the NumPy backend's 40 x 48
+    tiles likewise)."""
+    doc = np.stack([np.repeat([0, 1, 2], [70, 10, 70]), np.repeat([0, 1], [20, 130])]).astype(np.int32)
     mod = cupy_attn.MaskMod("doc(b, q_idx) == doc(b, kv_idx)",
                             lambda b, h, q_idx, kv_idx, doc: doc[b, q_idx] == doc[b, kv_idx], tensors={"doc": doc})
     q, k, v = random_qkv(rng, b=B, h=H, hkv=HKV, sq=150, sk=150, d=64, dtype=dtype)
     blocks = cupy_attn.block_mask(mod, B, H, 150, 150)
-    assert not blocks.nonempty(64, 64).all()
+    nonempty, full = blocks.tiles(64, 64)
+    assert not nonempty.all() and full.any()  # tiles skipped, and tiles computed without the mask_mod
     for backend in ("numpy", "emulator"):
         kw = dict(causal=True, kv_lengths=[150, 97], block_mask=blocks)
         check_forward_and_backward(backend, rng, q, k, v, kw, dtype, deterministic=capability == 80)
@@ -286,3 +291,22 @@ def test_bad_block_masks(rng):
         cupy_attn.block_mask(mod, 1, 2, 8, 0)
     with pytest.raises(TypeError, match="mask_mod must be a cupy_attn.MaskMod"):
         cupy_attn.block_mask("kv_idx <= q_idx", 1, 2, 8, 8)
+
+
+def test_full_tiles_skip_the_mask_mod(rng):
+    """White-box: a MaskMod whose C expression also removes key 5, which its twin (what the block
+    mask is built from) does not. Key 5 lies in a tile the block mask calls full for entry 0, so
+    the kernels there never evaluate the C expression and attend key 5; entry 1's tile with key 5
+    is partial, so there the C expression removes it."""
+    doc = np.stack([np.repeat([0, 1], [100, 50]), np.repeat([0, 1], [3, 147])]).astype(np.int32)
+    mod = cupy_attn.MaskMod("doc(b, q_idx) == doc(b, kv_idx) && kv_idx != 5",
+                            lambda b, h, q_idx, kv_idx, doc: doc[b, q_idx] == doc[b, kv_idx], tensors={"doc": doc})
+    q, k, v = random_qkv(rng, b=2, h=1, sq=150, sk=150, d=64, dtype=np.float16)
+    blocks = cupy_attn.block_mask(mod, 2, 1, 150, 150)
+    assert blocks.tiles(64, 64)[1][:, 0, 0, 0].tolist() == [True, False]
+    out = cupy_attn.attention(q, k, v, block_mask=blocks, backend="emulator")
+    twin_only, _ = reference.attention(q, k, v, mask_mod=mod)
+    c_too, _ = reference.attention(q, k, v, mask=(doc[:, None, :, None] == doc[:, None, None, :]) & (np.arange(150) != 5))
+    np.testing.assert_allclose(out[0, :, :64], twin_only[0, :, :64], rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(out[1, :, 3:64], c_too[1, :, 3:64], rtol=2e-3, atol=2e-3)
+    assert not np.allclose(twin_only[0, :, :64], c_too[0, :, :64], rtol=2e-3, atol=2e-3)
