@@ -251,3 +251,10 @@ def test_mods(tensor_core_kernels, dtype):
     want = reference.attention_gradients(dout, q, k, v, causal=True, mask_mod=host_mask, score_mod=score)
     for name, g, w in zip(("dq", "dk", "dv"), grads, want):
         assert_close(g.get(), w, dtype, grad=True, what=name)
+    # The same with a block mask evaluated on the GPU.
+    gpu_kw["block_mask"] = cupy_attn.block_mask(mask, 2, 4, 300, 517, like=doc)
+    blocked, _ = cupy_attn.attention(*on_gpu(q, k, v), return_lse=True, **gpu_kw)
+    assert_close(blocked.get(), want_out, dtype, what="out with block_mask")
+    grads = cupy_attn.attention_backward(cupy.asarray(dout), *on_gpu(q, k, v), blocked, lse, **gpu_kw)
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want):
+        assert_close(g.get(), w, dtype, grad=True, what=name)
