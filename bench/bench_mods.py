@@ -5,7 +5,7 @@
 Two cases, forward only, causal:
 - document masking over packed sequences: documents of random lengths packed into S tokens, a
   query attends the earlier keys of its own document (a MaskMod reading a (1, S) int32 document
-  id tensor);
+  id tensor), with and without its block mask (cupy_attn.block_mask, built once);
 - a relative-position bias table (T5): one bias per head and bucket of i − j (a ScoreMod reading
   an (H, 33) table and an (S, S) int32 bucket tensor, additive).
 Against PyTorch SDPA with the equivalent dense mask ((1, 1, S, S) bool, or (1, H, S, S) float), the
@@ -138,6 +138,10 @@ def run(args) -> list[dict]:
             mods = mods_for(case, xp, doc, table, buckets)
             flops = 4.0 * dims["H"] * dims["D"] * attended_pairs(case, doc)
             timings = {"cupy_attn": time_call(device, lambda: cupy_attn.attention(q, k, v, causal=True, **mods), reps)}
+            if case == "document":  # and with its block mask, built once (as FlexAttention's)
+                blocks = cupy_attn.block_mask(mods["mask_mod"], 1, dims["H"], S, S, like=q)
+                timings["cupy_attn+block_mask"] = time_call(
+                    device, lambda: cupy_attn.attention(q, k, v, causal=True, block_mask=blocks), reps)
             if has_torch:
                 for name, call in torch_calls(case, device, q, k, v, doc, table, buckets).items():
                     try:

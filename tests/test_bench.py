@@ -51,5 +51,6 @@ def test_mods_benchmark_cpu_mode(tmp_path):
     records = json.loads((tmp_path / "results.json").read_text())
     ours = [r for r in records if r["impl"] == "cupy_attn"]
     assert {r["case"] for r in ours} == {"document", "bias"} and all(r["ms"] > 0 and r["tflops"] > 0 for r in ours)
+    assert [r["case"] for r in records if r["impl"] == "cupy_attn+block_mask"] == ["document"]
     if importlib.util.find_spec("torch"):
         assert {r["case"] for r in records if r["impl"] == "sdpa-math"} == {"document", "bias"}
