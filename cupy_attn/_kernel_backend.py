@@ -170,10 +170,10 @@ def _empty(xp, shape, dtype):
     return xp.full(shape, np.nan, dtype=dtype) if POISON_OUTPUTS else xp.empty(shape, dtype=dtype)
 
 
-def _common_args(problem: Problem, q, k, v, fourth, tiles: tuple) -> tuple:
+def _common_args(problem: Problem, q, k, v, fourth, tiles: tuple | None = None) -> tuple:
     """ATTN_PARAMS (kernels/block_info.cuh): everything after a kernel's own pointers. ``fourth``
     is out in the forward and dout in the backward; ``tiles`` the kernel's (query rows, keys) per
-    tile, for a block mask's ranges."""
+    tile, for a block mask's ranges (kernels that never take one, decoding, leave it None)."""
     p = problem
     mask, mask_strides, mask_kind = _mask_arguments(p)
     slopes = p.xp.zeros(1, np.float32) if p.alibi_slopes is None else p.xp.ascontiguousarray(p.alibi_slopes, dtype=np.float32)
@@ -190,7 +190,7 @@ def _common_args(problem: Problem, q, k, v, fourth, tiles: tuple) -> tuple:
         I32(_CAUSAL[p.causal]), I32(-1 if left is None else left), I32(-1 if right is None else right),
         I32(p.alibi_slopes is not None), I32(p.sinks is not None), F32(p.scale), F32(p.softcap or 0.0), *dropout,
     ) + (() if p.score_mod is None and p.mask_mod is None else (_mods_source.mod_words(p.xp, p.score_mod, p.mask_mod),)) \
-        + _block_args(p, *tiles)
+        + (() if tiles is None else _block_args(p, *tiles))
 
 
 def _block_args(problem: Problem, block_m: int, block_n: int) -> tuple:
