@@ -112,6 +112,7 @@ class TensorCoreTile:
     reason: str
     block_m: int = 64
     value_slice: int = 0  # value dims per launch when fewer than head_dim (0: all of them)
+    min_blocks: int = 1   # blocks per SM ptxas must leave registers for in the plain build (__launch_bounds__)
 
     @property
     def value_dim(self) -> int:
@@ -126,8 +127,10 @@ class TensorCoreTile:
         return 2 * ((self.block_m + 2 * self.block_n) * (self.head_dim + 8) + 2 * self.block_n * (self.value_dim + 8))
 
     def name_expression(self, dtype) -> str:
-        slice_ = f", {self.value_slice}" if self.value_slice else ""
-        return f"attention_fwd_tc<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_n}{slice_}>"
+        extra = ""
+        if self.value_slice or self.min_blocks != 1:
+            extra = f", {self.value_dim}" + (f", {self.min_blocks}" if self.min_blocks != 1 else "")
+        return f"attention_fwd_tc<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_n}{extra}>"
 
     @property
     def dq_shared_bytes(self) -> int:
@@ -143,8 +146,9 @@ class TensorCoreTile:
 # 64-row blocks of 4 warps. D = 256 takes 16-key tiles so that O's 128 accumulators fit and the
 # two K/V stages stay within sm_86's 99 KB.
 TENSOR_CORE_TILES = (
-    TensorCoreTile(32, 64, "16 + 32 accumulators per thread; 25 KB shared"),
-    TensorCoreTile(64, 64, "32 + 32 accumulators per thread; 45 KB shared"),
+    TensorCoreTile(32, 64, "16 + 32 accumulators per thread; 25 KB shared; 4 blocks per SM asked for", min_blocks=4),
+    TensorCoreTile(64, 64, "32 + 32 accumulators per thread; 45 KB shared; 4 blocks per SM asked for: left to "
+                   "itself ptxas gave sm_90 141 registers (3 blocks), asked it gives 128 without spills", min_blocks=4),
     TensorCoreTile(128, 64, "64 + 32 accumulators per thread; 85 KB shared"),
     TensorCoreTile(256, 16, "128 + 8 accumulators per thread; 66 KB shared"),
     TensorCoreTile(576, 16, "value dims in launches of 256: 128 + 8 accumulators per thread; 126 KB shared (WIDE)",

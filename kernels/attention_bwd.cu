@@ -77,7 +77,7 @@ __device__ __forceinline__ void dkdv_block(const Params& p, const T* q, const T*
                 qk = fmaf(sQ[r * kHeadDim + d], sK[c * Smem::kKStride + d], qk);
                 dp = fmaf(sDO[r * kHeadDim + d], sV[c * Smem::kKStride + d], dp);
             }
-            const float prob = probability(score(p, b, qk, m0 + r, n0 + c, checks), sLse2[r]);
+            const float prob = probability(score(p, b, qk, m0 + r, n0 + c, checks), sLse2[r], score.softmax_scale());
             const float z = dropout.factor(m0 + r, n0 + c);  // out = (P ∘ z)·V
             sP[idx] = prob * z;
             sDS[idx] = prob * (dp * z - sDelta[r]) * score.grad(p, b, qk, m0 + r, n0 + c, prob);  // dS of q·k·scale
@@ -173,7 +173,7 @@ __device__ __forceinline__ void dq_block(const Params& p, const T* q, const T* k
                 qk = fmaf(sQ[row * kHeadDim + d], sK[j * Smem::kKStride + d], qk);
                 dp = fmaf(sDO[row * kHeadDim + d], sV[j * Smem::kKStride + d], dp);
             }
-            const float prob = probability(score(p, b, qk, m0 + row, n0 + j, checks), sLse2[row]);
+            const float prob = probability(score(p, b, qk, m0 + row, n0 + j, checks), sLse2[row], score.softmax_scale());
             const float z = dropout.factor(m0 + row, n0 + j);
             sDS[row * kBlockN + j] = prob * (dp * z - sDelta[row]) * score.grad(p, b, qk, m0 + row, n0 + j, prob);
         }

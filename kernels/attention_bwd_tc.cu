@@ -228,7 +228,7 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
                 const int row = warp * 16 + g + 8 * (e / 2), key = j * 8 + 2 * t + (e & 1);
                 const float qk = s[j][e];
                 const float s2 = score(p, b, qk, m0 + row, n0 + key, checks);
-                const float prob = probability(s2, sLse2[row]);
+                const float prob = probability(s2, sLse2[row], score.softmax_scale());
                 const float z = dropout.factor(m0 + row, n0 + key);
                 s[j][e] = prob * (dp[j][e] * z - sDelta[row]) * score.grad(p, b, qk, m0 + row, n0 + key, prob);
             }

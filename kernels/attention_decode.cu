@@ -171,7 +171,7 @@ __device__ __forceinline__ void decode_block(const Params& p, const T* q, const 
             const BlockInfo row(p, head_of(r), bidb);
             const ScoreTransform score(p, row);
             float col[1] = {score(p, row, s[t], query_of(r), n0 + lane, boundary)};
-            const float rescale = softmax[t].update(col);
+            const float rescale = softmax[t].update(col, score.softmax_scale());
 #pragma unroll
             for (int e = 0; e < kDimsPerLane; ++e) acc[t][e] *= rescale;
             ATTN_COUNT_SHARED(sP + r * kBlockN + lane, 4);

@@ -77,7 +77,7 @@ __device__ __forceinline__ void forward_block(const Params& p, const T* q, const
         const int checks = b.tile_checks(p, m0, kBlockM, n0, kBlockN);
         for (int c = 0; c < kCols; ++c) s[c] = score(p, b, s[c], i, n0 + part + kLanesPerRow * c, checks);
 
-        const float rescale = softmax.update(s);
+        const float rescale = softmax.update(s, score.softmax_scale());
         for (int e = 0; e < kDims; ++e) acc[e] *= rescale;
         for (int c = 0; c < kCols; ++c)  // after the row sum, which takes every probability
             sP[row * kBlockN + part + kLanesPerRow * c] = s[c] * dropout.factor(i, n0 + part + kLanesPerRow * c);

@@ -15,10 +15,11 @@ __device__ __forceinline__ void stage_row_stats(float* s_lse2, float* s_delta, c
     }
 }
 
-// P = exp2(s2 - lse2) for a recomputed base-2 score s2. A fully masked row has lse -inf and only
+// P = exp2(s·scale - lse2) for a recomputed score s whose base-2 value is s·scale (as
+// OnlineSoftmax::update: ScoreTransform::softmax_scale). A fully masked row has lse -inf and only
 // -inf scores: its P is 0 (not exp2(-inf - -inf) = NaN).
-__device__ __forceinline__ float probability(float s2, float lse2) {
-    return lse2 == -infinity() ? 0.f : exp2f(s2 - lse2);
+__device__ __forceinline__ float probability(float s, float lse2, float scale) {
+    return lse2 == -infinity() ? 0.f : exp2f(fmaf(s, scale, -lse2));
 }
 
 }  // namespace attn

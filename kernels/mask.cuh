@@ -48,6 +48,9 @@ __device__ __forceinline__ bool mask_mod(int b, int h, int q_idx, int kv_idx, co
 
 struct ScoreTransform {
     float scale_log2;      // scale · log2 e (no softcap)
+    // A build whose scores need nothing but the scale (plain: no softcap, ALiBi, mask, sinks,
+    // dropout or mods) returns them unscaled; the softmax applies the scale in its FFMA.
+    static constexpr bool kDeferScale = kScoreFeatures == 0 && !ATTN_MODS;
     float scale_over_cap;  // scale / c
     float cap_log2;        // c · log2 e
     float slope_log2;      // ALiBi slope of this (batch, head) · log2 e
@@ -67,7 +70,7 @@ struct ScoreTransform {
     // The base-2 score of q·k = qk for query row i and key j with softcap and ALiBi applied: what
     // a score_mod modifies.
     __device__ __forceinline__ float capped(const Params& p, const BlockInfo& b, float qk, int i, int j) const {
-        float s = softcap ? cap_log2 * tanhf(qk * scale_over_cap) : qk * scale_log2;
+        float s = softcap ? cap_log2 * tanhf(qk * scale_over_cap) : kDeferScale ? qk : qk * scale_log2;
         if (kAlibiBuilt && p.has_alibi) s -= slope_log2 * fabsf(static_cast<float>(i + b.diag_offset - j));
         return s;
     }
@@ -88,7 +91,11 @@ struct ScoreTransform {
         return g;
     }
 
-    // qk = q·k for query row i and key j (global indices); returns the base-2 score or -inf.
+    // What the scores operator() returns are multiplied by to be base-2 scores.
+    __device__ __forceinline__ float softmax_scale() const { return kDeferScale ? scale_log2 : 1.f; }
+
+    // qk = q·k for query row i and key j (global indices); returns the base-2 score (divided by
+    // softmax_scale()) or -inf.
     // checks (BlockInfo::tile_checks): kCheckStructure applies causal, window and lengths (boundary
     // tiles), kCheckMods the mask_mod (tiles a block mask does not know to be full).
     __device__ __forceinline__ float operator()(const Params& p, const BlockInfo& b, float qk, int i, int j,

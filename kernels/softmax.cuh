@@ -38,17 +38,20 @@ struct OnlineSoftmax {
 
     // Turn this lane's kCols scores of the current tile into probabilities (in place) relative
     // to the new running max; return the factor by which earlier accumulators must be scaled.
+    // The base-2 scores are s·scale (scale > 0): a caller whose scores need no more than the
+    // scale passes them unscaled and the scale here, where it folds into one FFMA per score,
+    // exp2(s·scale − max), as FlashAttention does; others pass base-2 scores and scale 1.
     template <int kCols>
-    __device__ __forceinline__ float update(float (&s)[kCols]) {
+    __device__ __forceinline__ float update(float (&s)[kCols], float scale = 1.f) {
         float tile_max = -infinity();
         for (int c = 0; c < kCols; ++c) tile_max = fmaxf(tile_max, s[c]);
-        float new_max = fmaxf(row_max, row_reduce_max<kLanes>(tile_max));
+        float new_max = fmaxf(row_max, row_reduce_max<kLanes>(tile_max) * scale);
         // A row that has seen only masked keys has max -inf: shift by 0 instead, or
         // exp2(-inf - -inf) = NaN. Its probabilities are exp2(-inf) = 0 either way.
         float shift = new_max == -infinity() ? 0.f : new_max;
         float tile_sum = 0.f;
         for (int c = 0; c < kCols; ++c) {
-            s[c] = exp2f(s[c] - shift);
+            s[c] = exp2f(fmaf(s[c], scale, -shift));
             tile_sum += s[c];
         }
         float rescale = exp2f(row_max - shift);  // 0 when row_max is -inf

@@ -27,7 +27,7 @@ __device__ __forceinline__ void probabilities_and_ds(float (&st)[kQTiles][4], fl
             const int key = key0 + g + 8 * (e / 2), query = j * 8 + 2 * t + (e & 1);
             const float qk = st[j][e];
             const float s2 = score(p, b, qk, m0 + query, n0 + key, checks);
-            const float prob = probability(s2, lse2[query]);
+            const float prob = probability(s2, lse2[query], score.softmax_scale());
             const float z = dropout.factor(m0 + query, n0 + key);  // out = (P ∘ z)·V
             const float ds = prob * (dpt[j][e] * z - delta[query]) * score.grad(p, b, qk, m0 + query, n0 + key, prob);
             st[j][e] = prob * z;

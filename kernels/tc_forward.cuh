@@ -26,7 +26,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNTiles][4], float (&o)[
 #pragma unroll
         for (int c = 0; c < 2 * kNTiles; ++c)
             row[c] = score(p, b, s[c / 2][2 * r + c % 2], row_lo + 8 * r, n0 + (c / 2) * 8 + 2 * t + c % 2, checks);
-        const float rescale = softmax[r].update(row);
+        const float rescale = softmax[r].update(row, score.softmax_scale());
 #pragma unroll
         for (int c = 0; c < 2 * kNTiles; ++c)
             s[c / 2][2 * r + c % 2] = row[c] * dropout.factor(row_lo + 8 * r, n0 + (c / 2) * 8 + 2 * t + c % 2);

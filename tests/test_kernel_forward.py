@@ -145,7 +145,7 @@ def test_compute_capability_selects_the_forward(monkeypatch):
     q, k, v = random_qkv(np.random.default_rng(13), d=64, dtype=np.float16)
     for capability, dtype, kernel in ((90, np.float16, "attention_fwd_wgmma<__half, 64>"),
                                       (90, BF16, "attention_fwd_wgmma<__nv_bfloat16, 64>"),
-                                      (80, np.float16, "attention_fwd_tc<__half, 64, 64>"),
+                                      (80, np.float16, "attention_fwd_tc<__half, 64, 64, 64, 4>"),
                                       (90, np.float32, "attention_fwd<float, 64, 64, 64, 2>")):
         monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", capability)
         launched.clear()
@@ -158,8 +158,8 @@ def test_environment_chooses_the_compute_capability(monkeypatch):
     real_function = _compile.function
     monkeypatch.setattr(_compile, "function", lambda target, f, name, **kw: launched.append(name) or real_function(target, f, name, **kw))
     q, k, v = random_qkv(np.random.default_rng(14), d=64, dtype=np.float16)
-    for value, kernel in (("90", "attention_fwd_wgmma<__half, 64>"), ("80", "attention_fwd_tc<__half, 64, 64>"),
-                          ("", "attention_fwd_tc<__half, 64, 64>")):
+    for value, kernel in (("90", "attention_fwd_wgmma<__half, 64>"), ("80", "attention_fwd_tc<__half, 64, 64, 64, 4>"),
+                          ("", "attention_fwd_tc<__half, 64, 64, 64, 4>")):
         monkeypatch.setenv("CUPY_ATTN_COMPUTE_CAPABILITY", value)
         launched.clear()
         check(q, k, v, np.dtype(np.float16))
