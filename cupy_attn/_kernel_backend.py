@@ -250,6 +250,7 @@ def forward(problem: Problem, q, k, v, *, target: str):
     # A tile computing fewer value dims per launch than Dv runs once per slice of v and out (views:
     # same strides, shifted base), each launch writing the same lse.
     width = getattr(tile, "value_dim", p.head_dim_v)
+    module = _module(p)
     for d0 in range(0, p.head_dim_v, width):
         d1 = min(d0 + width, p.head_dim_v)
         part = p if (d0, d1) == (0, p.head_dim_v) else dataclasses.replace(p, head_dim_v=d1 - d0)
@@ -258,8 +259,7 @@ def forward(problem: Problem, q, k, v, *, target: str):
         flags = () if isinstance(tile, _config.ForwardTile) else (_vector_flags(q, k, v_part),)
         args = (q, k, v_part, out_part, lse, *flags,
                 *_common_args(part, q, k, v_part, out_part, (tile.block_m, tile.block_n)))
-        _launch(target, tile.filename, tile.name_expression(p.dtype), grid, args, tile.shared_bytes,
-                **_module(p))
+        _launch(target, tile.filename, tile.name_expression(p.dtype), grid, args, tile.shared_bytes, **module)
     return out, lse
 
 

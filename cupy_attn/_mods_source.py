@@ -29,6 +29,13 @@ class ModSource:
     listing: str  # the snippets with line numbers, for compile errors
 
 
+def _scalar_kind(value) -> str:
+    """How a scalar is stored in the words and read by a snippet: bool, int (long long) or double."""
+    if isinstance(value, (bool, np.bool_)):
+        return "bool"
+    return "int" if isinstance(value, (int, np.integer)) else "double"
+
+
 def _layout(mod, base: int):
     """(name, kind, first word) per tensor and scalar of ``mod``, from word ``base``; and the word
     after them. A tensor takes 1 + ndim words (address, element strides), a scalar one."""
@@ -37,8 +44,7 @@ def _layout(mod, base: int):
         places.append((name, np.dtype(x.dtype), x.ndim, at))
         at += 1 + x.ndim
     for name, value in mod.scalars.items():
-        places.append((name, "bool" if isinstance(value, (bool, np.bool_)) else "int" if
-                       isinstance(value, (int, np.integer)) else "double", 0, at))
+        places.append((name, _scalar_kind(value), 0, at))
         at += 1
     return places, at
 
@@ -104,10 +110,8 @@ def mod_words(xp, score_mod, mask_mod):
             address = x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
             words += [address] + [st // x.itemsize for st in x.strides]
         for value in mod.scalars.values():
-            if isinstance(value, (bool, np.bool_)) or isinstance(value, (int, np.integer)):
-                words.append(int(value))
-            else:
-                words.append(int(np.array(float(value), np.float64).view(np.int64)))
+            double = _scalar_kind(value) == "double"
+            words.append(int(np.array(float(value), np.float64).view(np.int64)) if double else int(value))
     return xp.asarray(np.array(words or [0], dtype=np.int64))
 
 

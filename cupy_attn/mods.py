@@ -53,37 +53,33 @@ def _check_name(kind: str, name) -> str:
     return name
 
 
-def _tensors(tensors) -> dict:
-    if tensors is None:
-        return {}
-    if not isinstance(tensors, dict):
-        raise TypeError(f"tensors must be a dict of name -> array, got {describe(tensors)}")
-    out = {}
-    for name, x in tensors.items():
-        _check_name("tensor", name)
-        if module_of(x) is None:
-            raise TypeError(f"tensor {name!r} must be a NumPy or CuPy array, got {describe(x)}")
-        if np.dtype(x.dtype) not in TENSOR_TYPES:
-            allowed = ", ".join(str(d) for d in TENSOR_TYPES)
-            raise TypeError(f"tensor {name!r} must have one of the dtypes {allowed}, got {x.dtype}")
-        if x.ndim == 0:
-            raise ValueError(f"tensor {name!r} must have at least one axis (pass a 0-d value as a scalar)")
-        out[name] = x
-    return out
+def _check_tensor(name: str, x) -> None:
+    if module_of(x) is None:
+        raise TypeError(f"tensor {name!r} must be a NumPy or CuPy array, got {describe(x)}")
+    if np.dtype(x.dtype) not in TENSOR_TYPES:
+        allowed = ", ".join(str(d) for d in TENSOR_TYPES)
+        raise TypeError(f"tensor {name!r} must have one of the dtypes {allowed}, got {x.dtype}")
+    if x.ndim == 0:
+        raise ValueError(f"tensor {name!r} must have at least one axis (pass a 0-d value as a scalar)")
 
 
-def _scalars(scalars) -> dict:
-    if scalars is None:
+def _check_scalar(name: str, value) -> None:
+    if not (isinstance(value, (bool, np.bool_)) or is_real_number(value)):
+        raise TypeError(f"scalar {name!r} must be a bool, int or float, got {describe(value)}")
+    if is_integer(value) and not -2 ** 63 <= int(value) < 2 ** 63:
+        raise ValueError(f"scalar {name!r} must fit a 64-bit signed integer, got {value}")
+
+
+def _named(kind: str, items, check, expected: str) -> dict:
+    """``items`` (a dict of name -> value, or None) with every name and value checked."""
+    if items is None:
         return {}
-    if not isinstance(scalars, dict):
-        raise TypeError(f"scalars must be a dict of name -> number, got {describe(scalars)}")
-    for name, value in scalars.items():
-        _check_name("scalar", name)
-        if not (isinstance(value, (bool, np.bool_)) or is_real_number(value)):
-            raise TypeError(f"scalar {name!r} must be a bool, int or float, got {describe(value)}")
-        if is_integer(value) and not -2 ** 63 <= int(value) < 2 ** 63:
-            raise ValueError(f"scalar {name!r} must fit a 64-bit signed integer, got {value}")
-    return dict(scalars)
+    if not isinstance(items, dict):
+        raise TypeError(f"{kind}s must be a dict of name -> {expected}, got {describe(items)}")
+    for name, value in items.items():
+        _check_name(kind, name)
+        check(name, value)
+    return dict(items)
 
 
 class ModCompileError(ValueError):
@@ -94,15 +90,14 @@ class ModCompileError(ValueError):
 class _Mod:
     """What ScoreMod and MaskMod share: a C expression, its NumPy twin, named tensors and scalars."""
 
-    kind = ""
-
     def __init__(self, cuda, numpy, *, tensors=None, scalars=None):
         if not isinstance(cuda, str) or not cuda.strip():
             raise TypeError(f"cuda must be a non-empty string holding a C expression, got {describe(cuda)}")
         if not callable(numpy):
             raise TypeError(f"numpy must be a callable (the NumPy twin of the C expression), got {describe(numpy)}")
         self.cuda, self.numpy = cuda, numpy
-        self.tensors, self.scalars = _tensors(tensors), _scalars(scalars)
+        self.tensors = _named("tensor", tensors, _check_tensor, "array")
+        self.scalars = _named("scalar", scalars, _check_scalar, "number")
         both = self.tensors.keys() & self.scalars.keys()
         if both:
             raise ValueError(f"{sorted(both)} named both as a tensor and as a scalar")
@@ -122,8 +117,6 @@ class ScoreMod(_Mod):
     backward), "additive" (d/dscore = 1: biases) or a C expression for d score_mod / d score over
     the same names. Auxiliary tensors get no gradient."""
 
-    kind = "score_mod"
-
     def __init__(self, cuda, numpy, *, tensors=None, scalars=None, grad=None):
         super().__init__(cuda, numpy, tensors=tensors, scalars=scalars)
         if grad is not None and not (isinstance(grad, str) and grad.strip()):
@@ -136,7 +129,6 @@ class MaskMod(_Mod):
     and the named tensors and scalars (true = may attend); ``numpy`` its vectorised NumPy twin,
     called without a score."""
 
-    kind = "mask_mod"
 
 
 def derivative(mod: ScoreMod, score, *indices):

@@ -153,6 +153,17 @@ struct BlockInfo {
         *end = max(*end, *begin);
     }
 
+#if ATTN_BLOCK_MASK
+    // [*begin, *end) narrowed to a block mask's [first, last) pair for tile `tile` of this (entry,
+    // head), from ranges laid out (B, H, tiles, 2).
+    __device__ __forceinline__ void intersect_block_range(const int* ranges, int heads, int tiles, int tile, int* begin,
+                                                          int* end) const {
+        const int* range = ranges + 2 * ((bidb * heads + bidh) * tiles + tile);
+        *begin = max(*begin, range[0]);
+        *end = max(*begin, min(*end, range[1]));
+    }
+#endif
+
     // Key tiles [*begin, *end) of block_n keys that rows [m0, m0 + block_m) must visit.
     __device__ __forceinline__ void key_tiles(const Params& p, int m0, int block_m, int block_n, int* begin, int* end) const {
         int first, last;
@@ -160,9 +171,7 @@ struct BlockInfo {
         *begin = first / block_n;
         *end = (last + block_n - 1) / block_n;
 #if ATTN_BLOCK_MASK
-        const int* tiles = p.block_kv + 2 * ((bidb * p.heads + bidh) * p.block_m_tiles + m0 / block_m);
-        *begin = max(*begin, tiles[0]);
-        *end = max(*begin, min(*end, tiles[1]));
+        intersect_block_range(p.block_kv, p.heads, p.block_m_tiles, m0 / block_m, begin, end);
 #endif
     }
 
@@ -173,9 +182,7 @@ struct BlockInfo {
         *begin = first / block_m;
         *end = (last + block_m - 1) / block_m;
 #if ATTN_BLOCK_MASK
-        const int* tiles = p.block_q + 2 * ((bidb * p.heads + bidh) * p.block_n_tiles + n0 / block_n);
-        *begin = max(*begin, tiles[0]);
-        *end = max(*begin, min(*end, tiles[1]));
+        intersect_block_range(p.block_q, p.heads, p.block_n_tiles, n0 / block_n, begin, end);
 #endif
     }
 

@@ -42,8 +42,9 @@ struct Dropout {
           threshold(p.dropout_threshold), scale(p.dropout_scale), on(kDropoutBuilt && p.dropout_threshold > 0) {}
 
     // What the probability of query row i and key j is multiplied by: 1 / (1 − p) if kept, 0 if
-    // dropped (1 without dropout). Lanes holding keys j and j + 1 of one group of 4 compute the
-    // same Philox call twice; the compiler shares it.
+    // dropped (1 without dropout). A lane holding keys j and j + 1 of one group of 4 makes the same
+    // Philox call for each (the rounds are a rolled loop, which the compiler does not merge):
+    // sharing it is left for a GPU measurement to justify.
     __device__ __forceinline__ float factor(int i, int j) const {
         if (!on) return 1.f;
         const uint4 words = philox4x32_10(make_uint4(static_cast<unsigned>(j) >> 2, i, head, offset), key0, key1);
