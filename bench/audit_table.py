@@ -65,6 +65,34 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def resources_table(rows: list[dict]) -> str:
+    """README's resource table: registers of the plain build (the general one's in brackets) on
+    sm_80 and sm_90 (sm_90a for wgmma), shared memory from the tile table, blocks per SM on sm_90."""
+    sizes = shared_bytes()
+    kinds = (("forward (mma.sync)", "attention_fwd_tc<"), ("forward (wgmma)", "attention_fwd_wgmma<"),
+             ("dK/dV (mma.sync)", "attention_bwd_dkdv_tc<"), ("dK/dV (wgmma)", "attention_bwd_dkdv_wgmma<"),
+             ("deterministic dQ", "attention_bwd_dq_tc<"))
+    registers = {(r["name"], r["arch"], r.get("features", "plain")): r["registers"] for r in rows
+                 if r["dtype"] == "float16"}
+    lines = ["| kernel (fp16) | registers sm_80 / sm_90, plain build (general build) | shared memory "
+             "| blocks of 4 warps per SM on sm_90, plain (general) |", "|---|---|---|---|"]
+    for kind, prefix in kinds:
+        for d in (64, 128, 256):
+            head = f"{prefix}__half, {d}"
+            names = sorted({n for n, _, _ in registers if n.startswith(head) and n[len(head)] in ",>"})
+            for name in names:
+                def regs(arch):
+                    plain, general = registers.get((name, arch, "plain")), registers.get((name, arch, "all"))
+                    return "—" if plain is None else f"{plain} ({general})"
+                hopper = "_wgmma<" in name
+                sm90 = regs("sm_90a" if hopper else "sm_90")
+                blocks = [blocks_per_sm(registers[(name, "sm_90a" if hopper else "sm_90", f)], sizes[name])
+                          for f in ("plain", "all")]
+                lines.append(f"| {kind}, D = {d} | {regs('sm_80')} / {sm90}{' (sm_90a)' if hopper else ''} "
+                             f"| {round(sizes[name] / 1024)} KB | {blocks[0]} ({blocks[1]}) |")
+    return "\n".join(lines)
+
+
 def memory_table(rows: list[dict]) -> str:
     lines = ["| family | D | pass | kernel | shared wavefronts / ideal | ratio | global sectors / ideal | ratio | worst site |",
              "|" + "---|" * 9]
@@ -78,7 +106,10 @@ def memory_table(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    print(table(json.loads(Path(sys.argv[1]).read_text())))
+    kernel_rows = json.loads(Path(sys.argv[1]).read_text())
+    print(table(kernel_rows))
+    print()
+    print(resources_table(kernel_rows))
     if len(sys.argv) > 2:
         print()
         print(memory_table(json.loads(Path(sys.argv[2]).read_text())))

@@ -172,10 +172,9 @@ class HopperTile:
 
     @property
     def shared_bytes(self) -> int:
-        """Q and two stages of K (64, D) in the core-matrix layout, two stages of V (64, D + 8)
-        row-major and Vᵀ (D, 64), 16-bit."""
-        d = self.head_dim
-        return 2 * (3 * 64 * d + 2 * 64 * (d + 8) + d * 64)
+        """Q and two stages of K and of V (64, D each) in the core-matrix layout, 16-bit (V is
+        read there as an MN-major operand: no transposed copy)."""
+        return 2 * 5 * 64 * self.head_dim
 
     def name_expression(self, dtype) -> str:
         return f"attention_fwd_wgmma<{CTYPES[np.dtype(dtype)]}, {self.head_dim}>"
@@ -184,9 +183,9 @@ class HopperTile:
 # Per thread: D/2 floats of O, 32 of S and 16 registers of packed P; shared memory within the
 # 227 KB a block may use on sm_90.
 HOPPER_TILES = (
-    HopperTile(64, "32 + 32 accumulators per thread; 50 KB shared"),
-    HopperTile(128, "64 + 32 accumulators per thread; 98 KB shared"),
-    HopperTile(256, "128 + 32 accumulators per thread; 194 KB shared"),
+    HopperTile(64, "32 + 32 accumulators per thread; 40 KB shared"),
+    HopperTile(128, "64 + 32 accumulators per thread; 80 KB shared"),
+    HopperTile(256, "128 + 32 accumulators per thread; 160 KB shared"),
 )
 HOPPER_ARCH = "sm_90a"  # what NVRTC compiles the wgmma kernels for
 
@@ -254,11 +253,11 @@ class HopperBackwardTile:
 
     @property
     def shared_bytes(self) -> int:
-        """K, V (64, D) in core matrices and K again (64, D + 8) row-major, dS (block_m, 72),
-        Qᵀ, dOᵀ (D, block_m), two stages of Q, dO (block_m, D), 16-bit; two stages of lse,
-        delta (block_m floats)."""
+        """K, V (64, D) in core matrices and K again (64, D + 8) row-major, dS (block_m, 72), two
+        stages of Q, dO (block_m, D) in core matrices (read there as MN-major operands too: no
+        transposed copies), 16-bit; two stages of lse, delta (block_m floats)."""
         m, d = self.block_m, self.head_dim
-        return 2 * (2 * 64 * d + 64 * (d + 8) + m * 72 + 2 * d * m + 2 * 2 * m * d) + 4 * 2 * 2 * m
+        return 2 * (2 * 64 * d + 64 * (d + 8) + m * 72 + 2 * 2 * m * d) + 4 * 2 * 2 * m
 
     def name_expression(self, dtype) -> str:
         return f"attention_bwd_dkdv_wgmma<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_m}>"
@@ -268,8 +267,8 @@ class HopperBackwardTile:
 # registers of packed Pᵀ, dSᵀ. D = 256 would need 256 accumulators per thread: it stays on the
 # mma.sync kernel, which splits the dims over two warps.
 HOPPER_BACKWARD_TILES = (
-    HopperBackwardTile(64, 64, "64 + 64 accumulators per thread; 83 KB shared"),
-    HopperBackwardTile(128, 32, "128 + 32 accumulators per thread; 102 KB shared"),
+    HopperBackwardTile(64, 64, "64 + 64 accumulators per thread; 67 KB shared"),
+    HopperBackwardTile(128, 32, "128 + 32 accumulators per thread; 86 KB shared"),
 )
 # Score features a module is built for (-DATTN_SCORE_FEATURES, kernels/mask.cuh): a call with no
 # softcap, ALiBi, mask or attention sinks runs the PLAIN module, whose loops carry no trace of them (the SASS audit's

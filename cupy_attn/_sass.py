@@ -8,9 +8,10 @@ Hot loop: every backward branch (a BRA to an earlier label) closes a loop; the h
 one holding the most tensor-core instructions (HMMA for mma.sync, HGMMA for wgmma), the
 innermost such loop where several hold as many. `loop_instructions` counts every instruction in
 it (all paths; a nested loop's body once). The per-iteration numbers come from the fastest path:
-the fewest instructions from the loop's head to its back-edge through every block that holds
-work each iteration does (a tensor instruction, an asynchronous copy or a 16-byte shared store),
-with each conditional branch free to go either way. Features a call does not
+the fewest instructions from the loop's head to its back-edge that do the work each iteration
+does (every tensor instruction, and as many asynchronous copies, 16-byte shared stores and global
+reductions as any path has: a tile staged by the checked copy of a boundary tile or the unchecked
+one of an interior tile), with each conditional branch free to go either way. Features a call does not
 use (masks, softcap, ALiBi, boundary tiles) sit behind branches such a path skips, so it is what
 an interior tile of a call without them issues; `path_instructions` and the per-class counts
 (ldsm, lds, sts, ldgsts, bar, mufu, atomics) are of that path. Instructions predicated on !PT
@@ -178,16 +179,36 @@ def _is_tensor(instruction: Instruction) -> bool:
     return instruction.opcode.startswith(TENSOR_OPCODES)
 
 
-def _is_steady(instruction: Instruction) -> bool:
-    """Work every iteration does: tensor instructions, asynchronous copies (the next tile) and
-    16-byte shared stores (transposes, staging through registers)."""
-    return not instruction.never and (instruction.opcode.startswith(TENSOR_OPCODES + ("LDGSTS",))
-                                      or instruction.opcode == "STS.128")
+def steady_bytes(instruction: Instruction) -> int:
+    """The memory work every iteration does, in bytes per lane: asynchronous copies (the next tile:
+    LDGSTS), 16-byte shared stores (staging through registers) and global reductions (dQ's
+    atomics, scalar or vector: RED.…F32, REDG.…F32x2). Bytes, not instructions, so that one
+    vector reduction weighs what the two scalar ones it replaces do."""
+    op = instruction.opcode
+    if instruction.never:
+        return 0
+    if op.startswith("LDGSTS"):
+        return 16 if ".128" in op else 8 if ".64" in op else 4
+    if op == "STS.128":
+        return 16
+    if op.startswith(("RED", "ATOMG")):
+        return 4 * (4 if "x4" in op else 2 if "x2" in op else 1)
+    return 0
+
+
+def _weight(block: list[Instruction]) -> tuple[int, int, int]:
+    """What a path through block gains, in the order fastest_path weighs it: tensor instructions
+    and steady memory work (both negated: more is better), then instructions."""
+    return -sum(map(_is_tensor, block)), -sum(map(steady_bytes, block)), len(block)
 
 
 def fastest_path(body: list[Instruction], labels: dict[str, int]) -> list[Instruction] | None:
-    """The fewest instructions from body[0] to the back-edge at body[-1] that pass every basic block
-    holding steady-state work (_is_steady); None if no such path. Forward edges only (a nested loop's
+    """The path from body[0] to the back-edge at body[-1] that does every iteration's work with the
+    fewest instructions: of the paths with the most tensor instructions (all of them, unless the
+    code holds alternative copies of them: a checked and an unchecked epilogue, say), those with
+    the most steady memory work (steady_bytes: a tile copied by cp.async one way or another, the
+    checked copy of a boundary tile or the unchecked one of an interior tile), and of those the
+    shortest; None if the back-edge cannot be reached. Forward edges only (a nested loop's
     back-edge is not taken, so its body counts once); edges out of the body end nowhere."""
     first, last = body[0].offset, body[-1].offset
     leaders = {first} | {o for o in labels.values() if first <= o <= last}
@@ -210,27 +231,24 @@ def fastest_path(body: list[Instruction], labels: dict[str, int]) -> list[Instru
             nexts.append(start_of[labels[end.target]])
         return nexts
 
-    # Shortest paths through the blocks that every steady-state iteration runs, one leg at a time.
-    waypoints = [0] + [n for n, block in enumerate(blocks) if any(map(_is_steady, block)) and n] + [len(blocks) - 1]
-    path = [0]
-    for source, goal in zip(waypoints, waypoints[1:]):
-        if source == goal:
+    # The best (lexicographically least) weight of a path to each block: blocks in layout order,
+    # forward edges go up, and tuples add elementwise, so one pass finds it.
+    cost, back = {0: _weight(blocks[0])}, {}
+    for n in range(len(blocks)):
+        if n not in cost:
             continue
-        cost, back = {source: 0}, {}
-        for n in range(source, goal + 1):  # blocks in layout order: forward edges go up
-            if n not in cost:
-                continue
-            for m in successors(n):
-                if m <= goal and cost[n] + len(blocks[m]) < cost.get(m, float("inf")):
-                    cost[m], back[m] = cost[n] + len(blocks[m]), n
-        if goal not in cost:
-            return None
-        leg, n = [], goal
-        while n != source:
-            leg.append(n)
-            n = back[n]
-        path += leg[::-1]
-    return [instruction for n in path for instruction in blocks[n]]
+        for m in successors(n):
+            candidate = tuple(x + y for x, y in zip(cost[n], _weight(blocks[m])))
+            if m not in cost or candidate < cost[m]:
+                cost[m], back[m] = candidate, n
+    goal = len(blocks) - 1
+    if goal not in cost:
+        return None
+    path, n = [goal], goal
+    while n:
+        n = back[n]
+        path.append(n)
+    return [instruction for n in path[::-1] for instruction in blocks[n]]
 
 
 def hot_loop_report(instructions: list[Instruction], labels: dict[str, int], arch: str) -> LoopReport:
@@ -243,7 +261,7 @@ def hot_loop_report(instructions: list[Instruction], labels: dict[str, int], arc
     body = inside(max(candidates)[2])
     path = fastest_path(body, labels)
     if path is None:
-        raise SassError(f"no path through the hot loop at {body[0].offset:#x} passes all its tensor instructions")
+        raise SassError(f"no path through the hot loop at {body[0].offset:#x} reaches its back-edge")
     report = LoopReport(loop_instructions=len(body), path_instructions=len(path))
     report.tensor_instructions = dict(Counter(i.opcode for i in path if _is_tensor(i)))
     report.counts = dict(Counter(COUNTED[i.opcode.split(".")[0]] for i in path

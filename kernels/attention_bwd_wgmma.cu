@@ -5,12 +5,12 @@
 // dQ steps (tc_backward.cuh) this kernel shares. For each query tile of kBlockM rows that can see
 // the block's keys (Q, dO and their row statistics in two stages: the next tile loads during
 // this one):
-//   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ      wgmma SS, N = kBlockM: K, V, Q and dO in shared memory in the
-//                               K-major core-matrix layout
-//   Qᵀ, dOᵀ                     transposed in shared memory while the tensor cores work
+//   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ      wgmma SS, N = kBlockM: K, V, Q and dO in shared memory in one
+//                               core-matrix layout (rows x head dims), Q and dO read K-major
 //   Pᵀ, dSᵀ                     in registers
-//   dV += Pᵀ·dO, dK += dSᵀ·Q    wgmma RS: Pᵀ and dSᵀ from registers, dOᵀ and Qᵀ from shared
-//                               memory, 64 head dims per instruction
+//   dV += Pᵀ·dO, dK += dSᵀ·Q    wgmma RS: Pᵀ and dSᵀ from registers, dO and Q from the same
+//                               shared memory read MN-major (head dims, N here, consecutive):
+//                               no transpose; 64 head dims per instruction
 //   dQ += dS·K·scale            mma.sync from dS and a row-major copy of K, float32 atomics,
 //                               unless the deterministic dQ kernel runs after.
 // Head dims up to 128: dK and dV of 64 keys take D floats per thread, so D = 256 stays on the
@@ -40,18 +40,15 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const T* q, co
     constexpr int kStride = TcLayout<kHeadDim>::kStride, kSStride = kKeys + 8;
     constexpr int kQTiles = kBlockM / 8, kDTiles = kHeadDim / 8;
     using Rows = CoreMatrixLayout<kHeadDim>;  // K, V, Q, dO: rows x head dims
-    using Dims = CoreMatrixLayout<kBlockM>;   // Qᵀ, dOᵀ: head dims x queries
     extern __shared__ __align__(128) unsigned char smem_bytes[];
     // K, V (64 x kHeadDim, core matrices); K again row-major (64 x kStride) for dQ; dS
-    // (kBlockM x kSStride); Qᵀ, dOᵀ (kHeadDim x kBlockM, core matrices); per stage Q, dO
-    // (kBlockM x kHeadDim, core matrices) and lse (base 2), delta (kBlockM floats each).
+    // (kBlockM x kSStride); per stage Q, dO (kBlockM x kHeadDim, core matrices) and lse (base 2),
+    // delta (kBlockM floats each).
     T* sK = reinterpret_cast<T*>(smem_bytes);
     T* sV = sK + kKeys * kHeadDim;
     T* sKRows = sV + kKeys * kHeadDim;
     T* sDS = sKRows + kKeys * kStride;
-    T* sQt = sDS + kBlockM * kSStride;
-    T* sDOt = sQt + kHeadDim * kBlockM;
-    T* sQDO = sDOt + kHeadDim * kBlockM;
+    T* sQDO = sDS + kBlockM * kSStride;
     float* sStats = reinterpret_cast<float*>(sQDO + 2 * 2 * kBlockM * kHeadDim);
     // Stages by arithmetic: a run-time index into an array of pointers would be local memory.
     auto sQ = [&](int stage) { return sQDO + stage * 2 * kBlockM * kHeadDim; };
@@ -66,6 +63,10 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const T* q, co
     const int n0 = blockIdx.x * kKeys;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const bool vq = vectorised & 1, vk = vectorised & 2, vv = vectorised & 4, vdo = vectorised & 8;
+    // Descriptors are built once (K, V) or once per tile (the Q and dO stages, K-major for Sᵀ and
+    // dPᵀ, MN-major for dK and dV) and advanced by constant offsets within it.
+    const unsigned long long k_desc = ptx::wgmma_descriptor(sK, Rows::kLbo, Rows::kSbo);
+    const unsigned long long v_desc = ptx::wgmma_descriptor(sV, Rows::kLbo, Rows::kSbo);
     stage_async<kKeys, kHeadDim, Rows>(sK, k + at.k, at.k_row, n0, b.kv_rows(p), p.head_dim, vk);
     stage_async<kKeys, kHeadDim, Rows>(sV, v + at.v, at.v_row, n0, b.kv_rows(p), p.head_dim_v, vv);
     if (accumulate_dq) stage_async<kKeys, kHeadDim>(sKRows, k + at.k, at.k_row, n0, b.kv_rows(p), p.head_dim, vk);
@@ -93,11 +94,15 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const T* q, co
         ptx::cp_async_wait<0>();   // this thread's copies of this tile (and of K, V) have landed
         ptx::fence_proxy_async();  // and are visible to wgmma
         // Everyone's copies and statistics are in place, and every warp is done with the previous
-        // tile: its dS, Qᵀ, dOᵀ, and the stage loaded next.
+        // tile: its dS, and the stage loaded next.
         __syncthreads();
         if (m_block + 1 < m_end) stage_queries(m_block + 1);
-        const T* tile_q = sQ(stage);
-        const T* tile_do = sDO(stage);
+        const unsigned long long q_desc = ptx::wgmma_descriptor(sQ(stage), Rows::kLbo, Rows::kSbo);
+        const unsigned long long do_desc = ptx::wgmma_descriptor(sDO(stage), Rows::kLbo, Rows::kSbo);
+        // dO and Q read MN-major: the 8-query core-matrix rows (Rows' SBO apart) are the K
+        // direction (LBO), the 8-dim core matrices (Rows' LBO apart) the N direction (SBO).
+        const unsigned long long q_mn_desc = ptx::wgmma_descriptor(sQ(stage), Rows::kSbo, Rows::kLbo);
+        const unsigned long long do_mn_desc = ptx::wgmma_descriptor(sDO(stage), Rows::kSbo, Rows::kLbo);
 
         // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (64 keys x kBlockM queries), 16 head dims per instruction.
         float st[kQTiles][4], dpt[kQTiles][4];
@@ -108,22 +113,18 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const T* q, co
         ptx::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk)
-            ptx::wgmma_m64k16_ss<T, kBlockM>(st_flat, ptx::wgmma_descriptor(sK + kk * 128, Rows::kLbo, Rows::kSbo),
-                                             ptx::wgmma_descriptor(tile_q + kk * 128, Rows::kLbo, Rows::kSbo), kk > 0);
+            ptx::wgmma_m64k16_ss<T, kBlockM, ptx::Major::K>(
+                st_flat, ptx::descriptor_plus(k_desc, sizeof(T) * Rows::offset(0, 16 * kk)),
+                ptx::descriptor_plus(q_desc, sizeof(T) * Rows::offset(0, 16 * kk)), kk > 0);
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk)
-            ptx::wgmma_m64k16_ss<T, kBlockM>(dpt_flat, ptx::wgmma_descriptor(sV + kk * 128, Rows::kLbo, Rows::kSbo),
-                                             ptx::wgmma_descriptor(tile_do + kk * 128, Rows::kLbo, Rows::kSbo), kk > 0);
+            ptx::wgmma_m64k16_ss<T, kBlockM, ptx::Major::K>(
+                dpt_flat, ptx::descriptor_plus(v_desc, sizeof(T) * Rows::offset(0, 16 * kk)),
+                ptx::descriptor_plus(do_desc, sizeof(T) * Rows::offset(0, 16 * kk)), kk > 0);
         ptx::wgmma_commit();
-
-        // Qᵀ and dOᵀ, the B operands of dK and dV, while the tensor cores work.
-        transpose_into_core<kBlockM, kHeadDim, Rows>(sQt, tile_q);
-        transpose_into_core<kBlockM, kHeadDim, Rows>(sDOt, tile_do);
-        ptx::fence_proxy_async();
         ptx::wgmma_wait<0>();  // Sᵀ and dPᵀ are in registers
         ptx::fence_operands(st_flat);
         ptx::fence_operands(dpt_flat);
-        __syncthreads();       // every thread's part of Qᵀ and dOᵀ is in place
 
         // Pᵀ and dSᵀ in place of Sᵀ and dPᵀ; dS also to shared memory (queries as rows) for dQ.
         const int checks = b.tile_checks(p, m0, kBlockM, n0, kKeys);
@@ -149,11 +150,13 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const T* q, co
         for (int kk = 0; kk < kBlockM / 16; ++kk)
 #pragma unroll
             for (int c = 0; c < kHeadDim / kWgmmaBwdDims; ++c) {
-                const int chunk = c * kWgmmaBwdDims * kBlockM + kk * 128;  // dims 64c.., queries 16kk..
-                ptx::wgmma_m64k16_rs<T, kWgmmaBwdDims>(reinterpret_cast<float(&)[32]>(dv_flat[c * kWgmmaBwdDims / 2]),
-                                                       pa[kk], ptx::wgmma_descriptor(sDOt + chunk, Dims::kLbo, Dims::kSbo), 1);
-                ptx::wgmma_m64k16_rs<T, kWgmmaBwdDims>(reinterpret_cast<float(&)[32]>(dk_flat[c * kWgmmaBwdDims / 2]),
-                                                       da[kk], ptx::wgmma_descriptor(sQt + chunk, Dims::kLbo, Dims::kSbo), 1);
+                const unsigned chunk = sizeof(T) * Rows::offset(16 * kk, c * kWgmmaBwdDims);  // queries 16kk.., dims 64c..
+                ptx::wgmma_m64k16_rs<T, kWgmmaBwdDims, ptx::Major::MN>(
+                    reinterpret_cast<float(&)[32]>(dv_flat[c * kWgmmaBwdDims / 2]), pa[kk],
+                    ptx::descriptor_plus(do_mn_desc, chunk), 1);
+                ptx::wgmma_m64k16_rs<T, kWgmmaBwdDims, ptx::Major::MN>(
+                    reinterpret_cast<float(&)[32]>(dk_flat[c * kWgmmaBwdDims / 2]), da[kk],
+                    ptx::descriptor_plus(q_mn_desc, chunk), 1);
             }
         ptx::wgmma_commit();
 
@@ -161,7 +164,7 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const T* q, co
             __syncthreads();  // every warp's dS is in shared memory
             atomic_dq<T, kHeadDim, kBlockM, kKeys, kSStride>(p, b, at, dq_accum, sDS, sKRows, m0, warp, lane);
         }
-        ptx::wgmma_wait<0>();  // dK and dV are in registers; Pᵀ, dSᵀ, Qᵀ and dOᵀ are free
+        ptx::wgmma_wait<0>();  // dK and dV are in registers; Pᵀ, dSᵀ and this stage's Q, dO are free
         ptx::fence_operands(dk_flat);
         ptx::fence_operands(dv_flat);
         ptx::fence_operands(pa_flat);

@@ -4,11 +4,12 @@
 // accumulators of wgmma m64n64k16 give warp w rows 16w..16w+15 in the same layout as mma.sync's,
 // so the online softmax, the re-packing of P as an A operand and the epilogue are those of
 // attention_fwd_tc.cu (tc_forward.cuh). Per tile of 64 keys:
-//   S = Q·Kᵀ     wgmma SS: Q and K in shared memory in the K-major core-matrix layout, copied
-//                there by cp.async (K in two stages: the next tile loads during this one)
-//   Vᵀ           V arrives row-major (cp.async, two stages); while the tensor cores compute S,
-//                the block transposes it into the K-major layout of P·V's B operand
-//   O += P·V     wgmma RS: P from registers, Vᵀ from shared memory, 64 head dims per instruction
+//   S = Q·Kᵀ     wgmma SS: Q and K in shared memory in the core-matrix layout, copied there by
+//                cp.async (K and V in two stages: the next tile loads during this one); K is
+//                S's B operand K-major (its head dims, the reduced ones, are consecutive)
+//   O += P·V     wgmma RS: P from registers, V from shared memory in the same layout as K, read
+//                as an MN-major B operand (its head dims, N here, are consecutive): no transpose;
+//                64 head dims per instruction
 // Shared memory written by the generic proxy (cp.async, stores) is fenced to the async proxy
 // before the barrier that precedes the wgmma reading it.
 #include "block_info.cuh"
@@ -29,19 +30,15 @@ template <class T, int kHeadDim>
 __device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q, const T* k, const T* v, T* out,
                                                     float* lse, const long long (&strides)[12], int vectorised) {
     static_assert(kHeadDim % kWgmmaDims == 0, "head-dim tiles are multiples of 64");
-    using QK = CoreMatrixLayout<kHeadDim>;    // Q and K tiles: rows x head dims
-    using VT = CoreMatrixLayout<kWgmmaKeys>;  // Vᵀ: head dims x keys
-    constexpr int kStride = TcLayout<kHeadDim>::kStride;
+    using Tile = CoreMatrixLayout<kHeadDim>;  // Q, K and V tiles: rows x head dims
     constexpr int kNTiles = kWgmmaKeys / 8;  // 8-key column tiles of S
     constexpr int kDTiles = kHeadDim / 8;    // 8-dim column tiles of O
     extern __shared__ __align__(128) unsigned char smem_bytes[];
-    // Q (64 x kHeadDim), K stages 0 and 1 (64 x kHeadDim), V stages 0 and 1 (64 x kStride), Vᵀ
-    // (kHeadDim x 64). Stages by arithmetic: a run-time index into a pointer array would put it
-    // in local memory.
+    // Q (64 x kHeadDim), K stages 0 and 1, V stages 0 and 1 (64 x kHeadDim each). Stages by
+    // arithmetic: a run-time index into a pointer array would put it in local memory.
     T* sQ = reinterpret_cast<T*>(smem_bytes);
     auto stage_k = [&](int stage) { return sQ + (kTcBlockM + kWgmmaKeys * stage) * kHeadDim; };
-    auto stage_v = [&](int stage) { return stage_k(2) + kWgmmaKeys * kStride * stage; };
-    T* sVt = stage_v(2);
+    auto stage_v = [&](int stage) { return stage_k(2) + kWgmmaKeys * kHeadDim * stage; };
 
     const BlockInfo b(p, blockIdx.y, blockIdx.z);
     const ScoreTransform score(p, b);
@@ -52,7 +49,8 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q,
     const int row_lo = m0 + warp * 16 + lane / 4;  // this lane's two rows: row_lo and row_lo + 8
     const bool vq = vectorised & 1, vk = vectorised & 2, vv = vectorised & 4;
 
-    stage_async<kTcBlockM, kHeadDim, QK>(sQ, q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim, vq);
+    const unsigned long long q_desc = ptx::wgmma_descriptor(sQ, Tile::kLbo, Tile::kSbo);
+    stage_async<kTcBlockM, kHeadDim, Tile>(sQ, q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim, vq);
 
     float o[kDTiles][4];
 #pragma unroll
@@ -64,23 +62,25 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q,
     b.key_tiles(p, m0, kTcBlockM, kWgmmaKeys, &n_begin, &n_end);
     auto stage_keys = [&](int n_block) {
         const int stage = (n_block - n_begin) % 2;
-        stage_async<kWgmmaKeys, kHeadDim, QK>(stage_k(stage), k + at.k, at.k_row, n_block * kWgmmaKeys, b.kv_rows(p),
-                                              p.head_dim, vk);
-        stage_async<kWgmmaKeys, kHeadDim>(stage_v(stage), v + at.v, at.v_row, n_block * kWgmmaKeys, b.kv_rows(p),
-                                          p.head_dim_v, vv);
+        stage_async<kWgmmaKeys, kHeadDim, Tile>(stage_k(stage), k + at.k, at.k_row, n_block * kWgmmaKeys, b.kv_rows(p),
+                                                p.head_dim, vk);
+        stage_async<kWgmmaKeys, kHeadDim, Tile>(stage_v(stage), v + at.v, at.v_row, n_block * kWgmmaKeys, b.kv_rows(p),
+                                                p.head_dim_v, vv);
         ptx::cp_async_commit();
     };
     if (n_begin < n_end) stage_keys(n_begin);
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         const int n0 = n_block * kWgmmaKeys;
-        const T* sK = stage_k((n_block - n_begin) % 2);
-        const T* sV = stage_v((n_block - n_begin) % 2);
+        // Descriptors built once per tile and advanced by constant offsets within it.
+        const unsigned long long k_desc = ptx::wgmma_descriptor(stage_k((n_block - n_begin) % 2), Tile::kLbo, Tile::kSbo);
+        // V read MN-major: the 8-key core-matrix rows (Tile's SBO apart) are the K direction
+        // (LBO), the 8-dim core matrices (Tile's LBO apart) the N direction (SBO).
+        const unsigned long long v_desc = ptx::wgmma_descriptor(stage_v((n_block - n_begin) % 2), Tile::kSbo, Tile::kLbo);
         ptx::cp_async_wait<0>();    // this thread's copies of this tile (and of Q) have landed
         ptx::fence_proxy_async();   // and are visible to wgmma
-        // Everyone's copies have landed, and every warp is done with the previous tile: its Vᵀ,
-        // and the stage the next prefetch overwrites.
+        // Everyone's copies have landed, and every warp is done with the previous tile, whose
+        // stage the next prefetch overwrites.
         __syncthreads();
-        if (n_block + 1 < n_end) stage_keys(n_block + 1);
 
         // S = Q·Kᵀ (64 rows x 64 keys for the warpgroup), 16 head dims per instruction.
         float s[kNTiles][4];
@@ -89,17 +89,13 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q,
         ptx::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk)
-            ptx::wgmma_m64k16_ss<T, kWgmmaKeys>(s_flat,
-                                       ptx::wgmma_descriptor(sQ + kk * 128, QK::kLbo, QK::kSbo),
-                                       ptx::wgmma_descriptor(sK + kk * 128, QK::kLbo, QK::kSbo), kk > 0);
+            ptx::wgmma_m64k16_ss<T, kWgmmaKeys, ptx::Major::K>(
+                s_flat, ptx::descriptor_plus(q_desc, sizeof(T) * Tile::offset(0, 16 * kk)),
+                ptx::descriptor_plus(k_desc, sizeof(T) * Tile::offset(0, 16 * kk)), kk > 0);
         ptx::wgmma_commit();
-
-        // Vᵀ while the tensor cores work.
-        transpose_into_core<kWgmmaKeys, kHeadDim, PaddedRowLayout<kHeadDim>>(sVt, sV);
-        ptx::fence_proxy_async();
+        if (n_block + 1 < n_end) stage_keys(n_block + 1);  // while the tensor cores compute S
         ptx::wgmma_wait<0>();  // S is in registers
         ptx::fence_operands(s_flat);
-        __syncthreads();       // every thread's part of Vᵀ is in place
 
         const int checks = b.tile_checks(p, m0, kTcBlockM, n0, kWgmmaKeys);
         softmax_tile(s, o, softmax, p, b, score, dropout, row_lo, n0, t, checks);
@@ -117,9 +113,9 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q,
         for (int kk = 0; kk < kWgmmaKeys / 16; ++kk)
 #pragma unroll
             for (int c = 0; c < kHeadDim / kWgmmaDims; ++c)
-                ptx::wgmma_m64k16_rs<T, kWgmmaDims>(reinterpret_cast<float(&)[32]>(o_flat[c * kWgmmaDims / 2]), pa[kk],
-                                           ptx::wgmma_descriptor(sVt + c * kWgmmaDims * kWgmmaKeys + kk * 128,
-                                                                 VT::kLbo, VT::kSbo), 1);
+                ptx::wgmma_m64k16_rs<T, kWgmmaDims, ptx::Major::MN>(
+                    reinterpret_cast<float(&)[32]>(o_flat[c * kWgmmaDims / 2]), pa[kk],
+                    ptx::descriptor_plus(v_desc, sizeof(T) * Tile::offset(16 * kk, c * kWgmmaDims)), 1);
         ptx::wgmma_commit();
         ptx::wgmma_wait<0>();  // O is in registers before the next tile rescales it
         ptx::fence_operands(o_flat);
@@ -132,8 +128,7 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q,
 }  // namespace attn
 
 // grid (ceil(Sq / 64), H, B), block 128 threads (one warpgroup), dynamic shared memory: Q and
-// two stages of K (64 x kHeadDim each), two stages of V (64 x (kHeadDim + 8)) and Vᵀ
-// (kHeadDim x 64), 16-bit. vectorised: bit 0/1/2 set when q/k/v rows may be copied in 16-byte
+// two stages of K and of V (64 x kHeadDim each), 16-bit. vectorised: bit 0/1/2 set when q/k/v rows may be copied in 16-byte
 // chunks. Compiled for sm_90a only.
 template <class T, int kHeadDim>
 __global__ void __launch_bounds__(attn::kThreads, 1)

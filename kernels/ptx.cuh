@@ -102,19 +102,24 @@ struct WgmmaOperand {
     unsigned long long a_desc;   // or A in shared memory (SS form)
     unsigned long long b_desc;
     bool a_in_registers;
+    bool b_mn_major;             // B's core matrices hold 8 k-rows of 8 consecutive n (imm-trans-b)
     int scale_d;                 // 0: D = A·B, else D = A·B + D
     int warp_in_group;
     float* d;                    // N / 2 accumulators of this lane
 };
 
-// Element (row, k) of a K-major operand without swizzle: 8x8 core matrices of 128 contiguous
-// bytes (8 rows of 16 bytes), LBO bytes apart along k, SBO bytes apart along the rows.
+// Element (row, k) of an operand without swizzle (row: its M or N index): 8x8 core matrices of
+// 128 contiguous bytes, LBO bytes apart along k and SBO bytes apart along the rows (the PTX ISA's
+// canonical layouts ((8,m),(T,2k)):((1T,SBO),(1,LBO)) for K-major and ((T,1,m),(8,k)):((1,T,SBO),
+// (1T,LBO)) for MN-major). K-major: a core matrix's 16-byte lines are rows, 8 consecutive k each;
+// MN-major: its lines are k, 8 consecutive rows each.
 template <class T>
-inline float descriptor_element(unsigned long long desc, int row, int k) {
+inline float descriptor_element(unsigned long long desc, int row, int k, bool mn_major) {
     if (desc >> 62) ::emu::fail("wgmma: only descriptors without swizzle (mode 0) are emulated");
     if ((desc >> 49) & 7u) ::emu::fail("wgmma: a non-zero matrix base offset is not emulated");
     const size_t start = (desc & 0x3fffu) << 4, lbo = ((desc >> 16) & 0x3fffu) << 4, sbo = ((desc >> 32) & 0x3fffu) << 4;
-    const size_t offset = start + (row / 8) * sbo + (row % 8) * 16 + (k / 8) * lbo + (k % 8) * 2;
+    const size_t in_core = mn_major ? (k % 8) * 16 + (row % 8) * 2 : (row % 8) * 16 + (k % 8) * 2;
+    const size_t offset = start + (row / 8) * sbo + (k / 8) * lbo + in_core;
     T value;
     memcpy(&value.__x, ::emu::shared_pointer(offset, 2, "wgmma operand"), 2);
     return float(value);
@@ -126,18 +131,19 @@ inline void wgmma_fn(void* const* lanes, unsigned) {
     const WgmmaOperand& first = *op(0);
     for (int lane = 1; lane < 32; ++lane)
         if (op(lane)->b_desc != first.b_desc || op(lane)->a_in_registers != first.a_in_registers ||
-            (!first.a_in_registers && op(lane)->a_desc != first.a_desc) || op(lane)->scale_d != first.scale_d)
+            (!first.a_in_registers && op(lane)->a_desc != first.a_desc) || op(lane)->scale_d != first.scale_d ||
+            op(lane)->b_mn_major != first.b_mn_major)
             ::emu::fail("wgmma: the lanes of a warp passed different descriptors or scale-d");
     float A[16][16], B[16][N];
     for (int k = 0; k < 16; ++k)
-        for (int n = 0; n < N; ++n) B[k][n] = descriptor_element<T>(first.b_desc, n, k);
+        for (int n = 0; n < N; ++n) B[k][n] = descriptor_element<T>(first.b_desc, n, k, first.b_mn_major);
     for (int lane = 0; lane < 32; ++lane) {
         const int g = lane >> 2, t = lane & 3;
         for (int r = 0; r < 4; ++r)
             for (int e = 0; e < 2; ++e) {
                 const int row = g + 8 * (r & 1), k = 2 * t + e + 8 * (r >> 1);
                 A[row][k] = first.a_in_registers ? unpack<T>(op(lane)->a[r], e)
-                                                 : descriptor_element<T>(first.a_desc, 16 * first.warp_in_group + row, k);
+                                                 : descriptor_element<T>(first.a_desc, 16 * first.warp_in_group + row, k, false);
             }
     }
     for (int lane = 0; lane < 32; ++lane) {
@@ -243,6 +249,30 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// If `enabled`: dst[0] += a and dst[1] += b in global memory (dst 8-byte aligned), with no result
+// read back. On sm_90 one red.global.add.v2.f32 (PTX ISA 8.1) under a predicate; two scalar atomic
+// adds before it. The emulator adds both atomically and counts one 8-byte access, checking the
+// alignment the vector form needs.
+__device__ __forceinline__ void red_add_pair(float* dst, float a, float b, bool enabled PTX_CALL_SITE) {
+#ifdef __CUDA_ARCH__
+#if __CUDA_ARCH__ >= 900
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %3, 0;\n@p red.global.add.v2.f32 [%0], {%1, %2};\n}\n"
+                 :: "l"(dst), "f"(a), "f"(b), "r"(static_cast<int>(enabled)) : "memory");
+#else
+    if (enabled) {
+        atomicAdd(dst, a);
+        atomicAdd(dst + 1, b);
+    }
+#endif
+#else
+    if (!enabled) return;
+    if (reinterpret_cast<unsigned long long>(dst) % 8) ::emu::fail("red.global.add.v2.f32: address not 8-byte aligned");
+    ::emu::count_access(::emu::kGlobal, dst, 8, site_file, site_line);
+    atomicAdd(dst, a);
+    atomicAdd(dst + 1, b);
+#endif
+}
+
 // 2^x with the MUFU unit (about 2 ulp; +-0 -> 1, -inf -> +0). Emulated with exp2f.
 __device__ __forceinline__ float ex2_approx(float x) {
 #ifdef __CUDA_ARCH__
@@ -261,8 +291,9 @@ __device__ __forceinline__ float ex2_approx(float x) {
 // B (16 x N) [+ D] asynchronously: warp w holds rows 16w..16w+15 of D in the mma.m16n8k16
 // accumulator layout, d[4j + e] at row g + 8(e / 2), column 8j + 2t + e % 2 (g = lane / 4,
 // t = lane % 4), so N / 2 floats per lane. B, and A in the SS form, are read from shared memory
-// through matrix descriptors; cupy_attn uses only the K-major layout without swizzle (8x8 core
-// matrices of 128 contiguous bytes; LBO = bytes between core matrices along K, SBO = along M/N).
+// through matrix descriptors; cupy_attn uses layouts without swizzle (8x8 core matrices of 128
+// contiguous bytes; LBO = bytes between core matrices along K, SBO = along M/N): A always K-major,
+// B K-major or MN-major (Major below).
 // The results are defined only after wgmma_wait covers their group; the emulator writes them
 // then. Not modelled by the emulator: the async-proxy fence between generic writes of shared
 // memory and wgmma reads of it (fence_proxy_async), and wgmma_fence's register ordering.
@@ -283,6 +314,14 @@ __device__ __forceinline__ unsigned long long wgmma_descriptor(const void* tile,
     return static_cast<unsigned long long>((address & 0x3ffffu) >> 4) |
            static_cast<unsigned long long>((lbo & 0x3ffffu) >> 4) << 16 |
            static_cast<unsigned long long>((sbo & 0x3ffffu) >> 4) << 32;
+}
+
+// The descriptor of the operand `bytes` (a multiple of 16) further on in shared memory, with the
+// same strides: the start address is the low 14 bits in 16-byte units, and shared addresses stay
+// below 2^18 bytes, so the addition never carries into LBO. One integer add where building the
+// descriptor again would mask, shift and combine every field.
+__device__ __forceinline__ unsigned long long descriptor_plus(unsigned long long desc, u32 bytes) {
+    return desc + (bytes >> 4);
 }
 
 // Order this thread's earlier register writes (accumulators, A fragments) before the next wgmma.
@@ -339,32 +378,39 @@ __device__ __forceinline__ void wgmma_wait() {
 #define WGMMA_SS_32(TYPE) \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" \
                  "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, " \
-                 "%16, %17, p, 1, 1, 0, 0;\n}\n" \
-                 : WGMMA_ACCUMULATORS_32 : "l"(a_desc), "l"(b_desc), "r"(scale_d))
+                 "%16, %17, p, 1, 1, 0, %19;\n}\n" \
+                 : WGMMA_ACCUMULATORS_32 : "l"(a_desc), "l"(b_desc), "r"(scale_d), "n"(kTransB))
 #define WGMMA_SS_64(TYPE) \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
-                 "%32, %33, p, 1, 1, 0, 0;\n}\n" \
-                 : WGMMA_ACCUMULATORS_64 : "l"(a_desc), "l"(b_desc), "r"(scale_d))
+                 "%32, %33, p, 1, 1, 0, %35;\n}\n" \
+                 : WGMMA_ACCUMULATORS_64 : "l"(a_desc), "l"(b_desc), "r"(scale_d), "n"(kTransB))
 #define WGMMA_RS_32(TYPE) \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n" \
                  "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, " \
-                 "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n" \
+                 "{%16, %17, %18, %19}, %20, p, 1, 1, %22;\n}\n" \
                  : WGMMA_ACCUMULATORS_32 \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d))
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d), "n"(kTransB))
 #define WGMMA_RS_64(TYPE) \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" \
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
-                 "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n" \
+                 "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n" \
                  : WGMMA_ACCUMULATORS_64 \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d))
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d), "n"(kTransB))
 
-// SS form: A and B from shared memory; N (32 or 64) columns, N / 2 accumulators per lane.
-// scale_d = 0 overwrites d, 1 accumulates.
-template <class T, int N>
+// How B (16 x N) lies in its core matrices: K-major, each 16-byte line one column n of B with 8
+// consecutive k (K of Q·Kᵀ as it lies in memory), or MN-major, each line one k with 8
+// consecutive n (V of P·V, dO and Q of the backward's Pᵀ·dO and dSᵀ·Q as they lie in memory):
+// the instruction's imm-trans-b, which 16-bit types allow, so no shared-memory transpose is needed.
+enum class Major { K = 0, MN = 1 };
+
+// SS form: A (K-major) and B (kMajorB) from shared memory; N (32 or 64) columns, N / 2
+// accumulators per lane. scale_d = 0 overwrites d, 1 accumulates.
+template <class T, int N, Major kMajorB>
 __device__ __forceinline__ void wgmma_m64k16_ss(float (&d)[N / 2], unsigned long long a_desc, unsigned long long b_desc,
                                                 int scale_d) {
     static_assert(N == 32 || N == 64, "wgmma shapes m64n32k16 and m64n64k16");
+    constexpr int kTransB = kMajorB == Major::MN;
 #ifdef __CUDA_ARCH__
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr bool kHalf = is_same<T, __half>::value;
@@ -378,17 +424,19 @@ __device__ __forceinline__ void wgmma_m64k16_ss(float (&d)[N / 2], unsigned long
 #endif
 #else
     auto op = std::make_shared<emulated::WgmmaOperand>();
-    *op = emulated::WgmmaOperand{{}, a_desc, b_desc, false, scale_d, static_cast<int>(::emu::tl_fiber->linear / 32 % 4), d};
+    *op = emulated::WgmmaOperand{{}, a_desc, b_desc, false, kTransB != 0, scale_d,
+                                 static_cast<int>(::emu::tl_fiber->linear / 32 % 4), d};
     ::emu::defer_warp_op(emulated::wgmma_fn<T, N>, op, "wgmma.mma_async (SS)");
 #endif
 }
 
-// RS form: A from registers (the mma.m16n8k16 A fragment of this warp's 16 rows), B from shared
-// memory. The A registers, like the accumulators, must stay untouched until the wait.
-template <class T, int N>
+// RS form: A from registers (the mma.m16n8k16 A fragment of this warp's 16 rows), B (kMajorB)
+// from shared memory. The A registers, like the accumulators, must stay untouched until the wait.
+template <class T, int N, Major kMajorB>
 __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const u32 (&a)[4], unsigned long long b_desc,
                                                 int scale_d) {
     static_assert(N == 32 || N == 64, "wgmma shapes m64n32k16 and m64n64k16");
+    constexpr int kTransB = kMajorB == Major::MN;
 #ifdef __CUDA_ARCH__
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr bool kHalf = is_same<T, __half>::value;
@@ -402,7 +450,7 @@ __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const u32 (&a
 #endif
 #else
     auto op = std::make_shared<emulated::WgmmaOperand>();
-    *op = emulated::WgmmaOperand{{a[0], a[1], a[2], a[3]}, 0, b_desc, true, scale_d,
+    *op = emulated::WgmmaOperand{{a[0], a[1], a[2], a[3]}, 0, b_desc, true, kTransB != 0, scale_d,
                                  static_cast<int>(::emu::tl_fiber->linear / 32 % 4), d};
     ::emu::defer_warp_op(emulated::wgmma_fn<T, N>, op, "wgmma.mma_async (RS)");
 #endif

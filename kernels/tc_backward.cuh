@@ -37,19 +37,24 @@ __device__ __forceinline__ void probabilities_and_ds(float (&st)[kQTiles][4], fl
     }
 }
 
-// dQ += dS·K·scale by float32 atomics, for the block's dS (kBlockM queries x kBlockN keys, rows
-// kSStride apart) and K (kBlockN x kHeadDim, padded rows) in shared memory: warp w takes 16 rows
-// and every few pairs of 8-dim tiles.
-template <class T, int kHeadDim, int kBlockM, int kBlockN, int kSStride>
-__device__ __forceinline__ void atomic_dq(const Params& p, const BlockInfo& b, const HeadView& at, float* dq_accum,
-                                          const T* ds_tile, const T* k_tile, int m0, int warp, int lane) {
+// This warp's share of dS·K for the block's dS (kBlockM queries x kBlockN keys, rows kSStride
+// apart) and K (kBlockN x kHeadDim, padded rows) in shared memory: 16 rows and every few pairs of
+// 8-dim tiles. For each pair of adjacent products a lane holds (rows g and g + 8 of the warp's
+// 16, dims 2t and 2t + 1 of each 8-dim tile) calls add(pair, row, dim) with row and dim relative
+// to the tile's first row and dim 0. The pairs of dim tiles are unrolled fully (kUnrolled) or not
+// at all (less code, fewer registers for a rarely taken copy).
+template <bool kUnrolled, class T, int kHeadDim, int kBlockM, int kBlockN, int kSStride, class Add>
+__device__ __forceinline__ void dq_products(const T* ds_tile, const T* k_tile, int warp, int lane, Add&& add) {
     constexpr int kStride = TcLayout<kHeadDim>::kStride;
     constexpr int kRowGroups = kBlockM / 16;    // 16-row groups of the dQ tile
     constexpr int kDimGroups = 4 / kRowGroups;  // warps sharing one row group's dimensions
     static_assert(kBlockM % 16 == 0 && 4 % kRowGroups == 0, "dQ rows split over the 4 warps");
+    constexpr int kSteps = kHeadDim / 8 / (2 * kDimGroups);  // pairs of 8-dim tiles per warp
+    constexpr int kUnroll = kUnrolled ? kSteps : 1;
     const int g = lane / 4, t = lane % 4, rows = (warp % kRowGroups) * 16;
-#pragma unroll
-    for (int d = 2 * (warp / kRowGroups); d < kHeadDim / 8; d += 2 * kDimGroups) {
+#pragma unroll kUnroll
+    for (int step = 0; step < kSteps; ++step) {
+        const int d = 2 * (warp / kRowGroups) + step * 2 * kDimGroups;
         float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
@@ -60,40 +65,72 @@ __device__ __forceinline__ void atomic_dq(const Params& p, const BlockInfo& b, c
             ptx::mma_m16n8k16<T>(c1, a, {bk[2], bk[3]}, c1);
         }
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const int i = m0 + rows + g + 8 * ((e % 4) / 2), col = (d + e / 4) * 8 + 2 * t + (e & 1);
-            const float value = e < 4 ? c0[e] : c1[e - 4];
-            if (i < b.q_rows(p) && col < p.head_dim) {
-                ATTN_COUNT_GLOBAL(dq_accum + (at.stats + i) * p.head_dim + col, 4);
-                atomicAdd(dq_accum + (at.stats + i) * p.head_dim + col, value * p.scale);
-            }
-        }
+        for (int e = 0; e < 8; e += 2)
+            add(e < 4 ? c0 + e : c1 + e - 4, rows + g + 8 * ((e % 4) / 2), (d + e / 4) * 8 + 2 * t);
     }
 }
 
+// dQ += dS·K·scale by float32 reductions of dq_products' pairs: with every dim present
+// (head_dim = kHeadDim, even, so each pair is 8-byte aligned) one 8-byte reduction per pair,
+// predicated on its row being inside the sequence, unrolled; else element by element inside the
+// sequence and the head, rolled.
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kSStride>
+__device__ __forceinline__ void atomic_dq(const Params& p, const BlockInfo& b, const HeadView& at, float* dq_accum,
+                                          const T* ds_tile, const T* k_tile, int m0, int warp, int lane) {
+    const int rows_left = b.q_rows(p) - m0;
+    auto dq = [&](int row, int dim) { return dq_accum + (at.stats + m0 + row) * p.head_dim + dim; };
+    if (p.head_dim == kHeadDim) {
+        dq_products<true, T, kHeadDim, kBlockM, kBlockN, kSStride>(
+            ds_tile, k_tile, warp, lane, [&](const float* pair, int row, int dim) {
+                ptx::red_add_pair(dq(row, dim), pair[0] * p.scale, pair[1] * p.scale, row < rows_left);
+            });
+        return;
+    }
+    dq_products<false, T, kHeadDim, kBlockM, kBlockN, kSStride>(ds_tile, k_tile, warp, lane, [&](const float* pair, int row, int dim) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (row < rows_left && dim + h < p.head_dim) {
+                ATTN_COUNT_GLOBAL(dq(row, dim + h), 4);
+                atomicAdd(dq(row, dim + h), pair[h] * p.scale);
+            }
+        }
+    });
+}
+
 // Write this warp's rows of dK (times scale) and dV: keys n0 + key0 + (g, g + 8), dims
-// dim0 + 8d + 2t (+1). Every key row inside the sequence is written, those no query could see
-// included (as 0).
+// dim0 + 8d + 2t (+1), each pair as one 8-byte store where both dims exist (head_dim and
+// head_dim_v even keep the float32 rows 8-byte aligned). Every key row inside the sequence is
+// written, those no query could see included (as 0).
 template <int kDTiles>
 __device__ __forceinline__ void store_dkdv(const Params& p, const BlockInfo& b, float* dk_part, float* dv_part,
                                            const float (&dk)[kDTiles][4], const float (&dv)[kDTiles][4], int n0,
                                            int key0, int dim0, int g, int t) {
     const long long key_rows = b.key_stats(p) + n0;
+    auto store = [](float* dst, int col, int dims, float lo, float hi) {
+        if (col + 1 < dims && dims % 2 == 0) {
+            ATTN_COUNT_GLOBAL(dst, 8);
+            *reinterpret_cast<float2*>(dst) = make_float2(lo, hi);
+            return;
+        }
+        if (col < dims) {
+            ATTN_COUNT_GLOBAL(dst, 4);
+            dst[0] = lo;
+        }
+        if (col + 1 < dims) {
+            ATTN_COUNT_GLOBAL(dst + 1, 4);
+            dst[1] = hi;
+        }
+    };
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        const int key = key0 + g + 8 * (e / 2);
+    for (int r = 0; r < 2; ++r) {
+        const int key = key0 + g + 8 * r;
         if (n0 + key >= b.kv_rows(p)) continue;
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
-            const int col = dim0 + d * 8 + 2 * t + (e & 1);
-            if (col < p.head_dim) {
-                ATTN_COUNT_GLOBAL(dk_part + (key_rows + key) * p.head_dim + col, 4);
-                dk_part[(key_rows + key) * p.head_dim + col] = dk[d][e] * p.scale;
-            }
-            if (col < p.head_dim_v) {
-                ATTN_COUNT_GLOBAL(dv_part + (key_rows + key) * p.head_dim_v + col, 4);
-                dv_part[(key_rows + key) * p.head_dim_v + col] = dv[d][e];
-            }
+            const int col = dim0 + d * 8 + 2 * t;
+            store(dk_part + (key_rows + key) * p.head_dim + col, col, p.head_dim, dk[d][2 * r] * p.scale,
+                  dk[d][2 * r + 1] * p.scale);
+            store(dv_part + (key_rows + key) * p.head_dim_v + col, col, p.head_dim_v, dv[d][2 * r], dv[d][2 * r + 1]);
         }
     }
 }

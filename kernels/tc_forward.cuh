@@ -8,6 +8,7 @@
 #include "mask.cuh"
 #include "numeric.cuh"
 #include "softmax.cuh"
+#include "tc_tile.cuh"
 
 namespace attn {
 
@@ -40,11 +41,13 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNTiles][4], float (&o)[
 
 // Normalise once and write this lane's two rows of O (and, from one lane per quad, their lse);
 // rows that attended nothing (row_sum 0) give 0, not 0/0. Every row inside the sequence is
-// written.
+// written. The lane's two adjacent dims of each 8-dim tile go out as one 4-byte store where out's
+// rows allow it (4-byte aligned) and both dims exist, element by element otherwise.
 template <class T, int kDTiles>
 __device__ __forceinline__ void store_rows(const Params& p, const BlockInfo& b, const HeadView& at, T* out,
                                            float* lse, const float (&o)[kDTiles][4],
                                            OnlineSoftmax<4> (&softmax)[2], int row_lo, int t) {
+    const bool pairs = reinterpret_cast<unsigned long long>(out + at.o) % 4 == 0 && at.o_row % 2 == 0;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int i = row_lo + 8 * r;
@@ -54,13 +57,19 @@ __device__ __forceinline__ void store_rows(const Params& p, const BlockInfo& b, 
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
             const int col = d * 8 + 2 * t;
+            T* dst = out + at.o + i * at.o_row + col;
+            if (pairs && col + 1 < p.head_dim_v) {
+                ATTN_COUNT_GLOBAL(dst, 4);
+                *reinterpret_cast<unsigned*>(dst) = pack_pair<T>(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
+                continue;
+            }
             if (col < p.head_dim_v) {
-                ATTN_COUNT_GLOBAL(out + at.o + i * at.o_row + col, sizeof(T));
-                out[at.o + i * at.o_row + col] = from_float<T>(o[d][2 * r] * inv);
+                ATTN_COUNT_GLOBAL(dst, sizeof(T));
+                dst[0] = from_float<T>(o[d][2 * r] * inv);
             }
             if (col + 1 < p.head_dim_v) {
-                ATTN_COUNT_GLOBAL(out + at.o + i * at.o_row + col + 1, sizeof(T));
-                out[at.o + i * at.o_row + col + 1] = from_float<T>(o[d][2 * r + 1] * inv);
+                ATTN_COUNT_GLOBAL(dst + 1, sizeof(T));
+                dst[1] = from_float<T>(o[d][2 * r + 1] * inv);
             }
         }
         if (t == 0) lse[at.stats + i] = softmax[r].lse();

@@ -60,57 +60,59 @@ struct PaddedRowLayout {
     }
 };
 
-// Stage rows [row0, row0 + kRows) x kHeadDim of a 16-bit matrix in shared memory laid out by
-// Layout: 16-byte chunks by cp.async where the source allows it (`vectorised`: aligned base and
-// strides), element by element otherwise; zeros past `rows` and `dims`. The caller commits and
-// waits. Each thread computes its addresses once and advances them by constants.
-template <int kRows, int kHeadDim, class Layout = PaddedRowLayout<kHeadDim>, class T>
-__device__ __forceinline__ void stage_async(T* dst, const T* src, long long row_stride, int row0, int rows, int dims,
-                                            bool vectorised) {
+// Call chunk(d, s, dr, dc) for each 16-byte chunk this thread moves of a kRows x kHeadDim tile laid
+// out by Layout: d and s its shared and global addresses, (dr, dc) its offset from the thread's
+// first chunk (Layout::first_chunk). Addresses are computed once and advanced by constants.
+// The passes are unrolled fully (kUnrolled) or not at all (less code, fewer registers for a
+// rarely taken copy).
+template <int kRows, int kHeadDim, class Layout, bool kUnrolled, class T, class Chunk>
+__device__ __forceinline__ void for_each_chunk(T* dst, const T* src, long long row_stride, int r0, int c0, Chunk&& chunk) {
     static_assert(Layout::kRowsPerPass > 0 && kRows % Layout::kRowsPerPass == 0 &&
                   Layout::kColumnPasses * Layout::kChunksPerPass * 8 == kHeadDim, "whole passes cover the tile");
-    int r0, c0;
-    Layout::first_chunk(threadIdx.x, r0, c0);
     T* const d0 = dst + Layout::offset(r0, c0);
-    const T* const s0 = src + (row0 + r0) * row_stride + c0;
-#pragma unroll
+    const T* const s0 = src + r0 * row_stride + c0;
+    // One running source pointer per column pass, bumped by a pass's rows: the passes' addresses
+    // are not all held at once (which cost registers ptxas then spilled).
+    const long long pass_stride = Layout::kRowsPerPass * row_stride;
+    constexpr int kUnrollColumns = kUnrolled ? Layout::kColumnPasses : 1;
+    constexpr int kUnrollRows = kUnrolled ? kRows / Layout::kRowsPerPass : 1;
+#pragma unroll kUnrollColumns
     for (int pass_c = 0; pass_c < Layout::kColumnPasses; ++pass_c) {
-#pragma unroll
-        for (int pass_r = 0; pass_r < kRows / Layout::kRowsPerPass; ++pass_r) {
-            const int dr = pass_r * Layout::kRowsPerPass, dc = pass_c * Layout::kChunksPerPass * 8;
-            T* d = d0 + Layout::offset(dr, dc);
-            const T* s = s0 + dr * row_stride + dc;
-            const bool row_in = row0 + r0 + dr < rows;
-            if (vectorised && row_in && c0 + dc + 8 <= dims) {
-                ptx::cp_async<16>(d, s);
-            } else {
-                for (int e = 0; e < 8; ++e) d[e] = (row_in && c0 + dc + e < dims) ? s[e] : from_float<T>(0.f);
-            }
+        const int dc = pass_c * Layout::kChunksPerPass * 8;
+        const T* s = s0 + dc;
+#pragma unroll kUnrollRows
+        for (int pass_r = 0; pass_r < kRows / Layout::kRowsPerPass; ++pass_r, s += pass_stride) {
+            const int dr = pass_r * Layout::kRowsPerPass;
+            chunk(d0 + Layout::offset(dr, dc), s, dr, dc);
         }
     }
 }
 
-// The transpose of a kRows x kCols tile laid out by SrcLayout, written as a kCols x kRows tile
-// in wgmma's K-major layout (CoreMatrixLayout<kRows>): each thread gathers 8 rows of one column
-// and stores them as 16 bytes. The caller synchronises.
-template <int kRows, int kCols, class SrcLayout, class T>
-__device__ __forceinline__ void transpose_into_core(T* dst, const T* src) {
-    for (int idx = threadIdx.x; idx < kCols * (kRows / 8); idx += kThreads) {
-        const int col = idx % kCols, row0 = (idx / kCols) * 8;
-        unsigned words[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            unsigned short lo, hi;
-            ATTN_COUNT_SHARED(src + SrcLayout::offset(row0 + 2 * e, col), 2);
-            memcpy(&lo, src + SrcLayout::offset(row0 + 2 * e, col), 2);
-            ATTN_COUNT_SHARED(src + SrcLayout::offset(row0 + 2 * e + 1, col), 2);
-            memcpy(&hi, src + SrcLayout::offset(row0 + 2 * e + 1, col), 2);
-            words[e] = static_cast<unsigned>(lo) | static_cast<unsigned>(hi) << 16;
-        }
-        ATTN_COUNT_SHARED(dst + CoreMatrixLayout<kRows>::offset(col, row0), 16);
-        *reinterpret_cast<uint4*>(dst + CoreMatrixLayout<kRows>::offset(col, row0)) =
-            make_uint4(words[0], words[1], words[2], words[3]);
+// Stage rows [row0, row0 + kRows) x kHeadDim of a 16-bit matrix in shared memory laid out by
+// Layout: 16-byte chunks by cp.async where the source allows it (`vectorised`: aligned base and
+// strides), element by element otherwise; zeros past `rows` and `dims`. The caller commits and
+// waits. A whole tile (every row inside, every dim present, aligned: all but a sequence's last
+// tile) is copied with no test per chunk, fully unrolled; only the others check each chunk, in
+// rolled passes.
+template <int kRows, int kHeadDim, class Layout = PaddedRowLayout<kHeadDim>, class T>
+__device__ __forceinline__ void stage_async(T* dst, const T* src, long long row_stride, int row0, int rows, int dims,
+                                            bool vectorised) {
+    int r0, c0;
+    Layout::first_chunk(threadIdx.x, r0, c0);
+    src += row0 * row_stride;
+    if (vectorised && row0 + kRows <= rows && dims >= kHeadDim) {
+        for_each_chunk<kRows, kHeadDim, Layout, true>(dst, src, row_stride, r0, c0,
+                                                      [](T* d, const T* s, int, int) { ptx::cp_async<16>(d, s); });
+        return;
     }
+    for_each_chunk<kRows, kHeadDim, Layout, false>(dst, src, row_stride, r0, c0, [&](T* d, const T* s, int dr, int dc) {
+        const bool row_in = row0 + r0 + dr < rows;
+        if (vectorised && row_in && c0 + dc + 8 <= dims) {
+            ptx::cp_async<16>(d, s);
+        } else {
+            for (int e = 0; e < 8; ++e) d[e] = (row_in && c0 + dc + e < dims) ? s[e] : from_float<T>(0.f);
+        }
+    });
 }
 
 template <class T>

@@ -383,26 +383,30 @@ def test_ldmatrix(primitives, count, trans):
     check_or_expect_failure(wrong, lambda: np.testing.assert_array_equal(got, want))
 
 
-WGMMA_NAMES = [f"wgmma<{t}, {r}, {n}>" for t in ("__half", "__nv_bfloat16") for r in ("false", "true") for n in (32, 64)]
+WGMMA_NAMES = [f"wgmma<{t}, {r}, {n}, {m}>" for t in ("__half", "__nv_bfloat16") for r in ("false", "true")
+               for n in (32, 64) for m in ("false", "true")]
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["layout", "wrong_layout"])
+@pytest.fixture(scope="module", params=[None, "-DWRONG_LAYOUT", "-DWRONG_MAJOR"],
+                ids=["layout", "wrong_layout", "wrong_major"])
 def wgmma_module(request):
-    options = ["-DWRONG_LAYOUT"] if request.param else []
-    return request.param, module("wgmma.cu", options, names=WGMMA_NAMES)
+    options = [request.param] if request.param else []
+    return request.param is not None, module("wgmma.cu", options, names=WGMMA_NAMES)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("a_from", ["shared", "registers"])
 @pytest.mark.parametrize("n", [32, 64])
-def test_wgmma_m64k16(wgmma_module, dtype, a_from, n):
+@pytest.mark.parametrize("b_major", ["k", "mn"])
+def test_wgmma_m64k16(wgmma_module, dtype, a_from, n, b_major):
     wrong, mod = wgmma_module
     rng = np.random.default_rng(6)
     A = rng.standard_normal((64, 16)).astype(dtype)
     B = rng.standard_normal((16, n)).astype(dtype)
     C = rng.standard_normal((64, n)).astype(np.float32)
     D = np.full((64, n), np.nan, np.float32)
-    name = f"wgmma<{'__half' if dtype == np.float16 else '__nv_bfloat16'}, {str(a_from == 'registers').lower()}, {n}>"
+    name = (f"wgmma<{'__half' if dtype == np.float16 else '__nv_bfloat16'}, {str(a_from == 'registers').lower()}, {n}, "
+            f"{str(b_major == 'mn').lower()}>")
     # 16 KB: the operands take 8 KB; a wrong layout reads into the (poisoned) rest.
     mod.get_function(name)(1, 128, (A, B, C, D, I32(1)), shared_mem=16384)
     want = A.astype(np.float64) @ B.astype(np.float64) + C
@@ -415,7 +419,7 @@ def test_wgmma_results_land_only_at_the_wait():
     A, B = (rng.standard_normal(shape).astype(np.float16) for shape in ((64, 16), (16, 64)))
     C = rng.standard_normal((64, 64)).astype(np.float32)
     D = np.full((64, 64), np.nan, np.float32)
-    mod.get_function("wgmma<__half, false, 64>")(1, 128, (A, B, C, D, I32(0)), shared_mem=8192)
+    mod.get_function("wgmma<__half, false, 64, false>")(1, 128, (A, B, C, D, I32(0)), shared_mem=8192)
     np.testing.assert_array_equal(D, C)  # without wgmma.wait_group the accumulators are not written
 
 
@@ -425,7 +429,29 @@ def test_wgmma_operand_beyond_shared_memory_fails():
     A, B = np.ones((64, 16), np.float16), np.ones((16, 64), np.float16)
     C, D = np.zeros((64, 64), np.float32), np.zeros((64, 64), np.float32)
     with pytest.raises(EmulatorError, match="wgmma operand reads shared bytes .* beyond the block's 8192"):
-        mod.get_function("wgmma<__half, false, 64>")(1, 128, (A, B, C, D, I32(1)), shared_mem=8192)
+        mod.get_function("wgmma<__half, false, 64, false>")(1, 128, (A, B, C, D, I32(1)), shared_mem=8192)
+
+
+def test_red_add_pair_adds_enabled_pairs_atomically():
+    mod = module("primitives.cu")
+    rng = np.random.default_rng(8)
+    slot = rng.integers(0, 8, 32).astype(np.int32)  # collisions: several lanes add to one pair
+    values = rng.standard_normal(64).astype(np.float32)
+    enabled = (rng.random(32) < 0.75).astype(np.int32)
+    dst = np.zeros(17, np.float32)
+    mod.get_function("red_pairs")(1, 32, (dst, slot, values, enabled, I32(0)))
+    want = np.zeros(17, np.float64)
+    for lane in np.flatnonzero(enabled):
+        want[2 * slot[lane]:2 * slot[lane] + 2] += values[2 * lane:2 * lane + 2]
+    np.testing.assert_allclose(dst, want, rtol=1e-6, atol=1e-6)
+
+
+def test_red_add_pair_refuses_an_unaligned_address():
+    mod = module("primitives.cu")
+    ones = np.ones(64, np.float32)
+    with pytest.raises(EmulatorError, match="red.global.add.v2.f32: address not 8-byte aligned"):
+        mod.get_function("red_pairs")(1, 32, (np.zeros(17, np.float32), np.zeros(32, np.int32), ones,
+                                               np.ones(32, np.int32), I32(1)))
 
 
 @pytest.mark.parametrize("waits", [0, 1, 2])

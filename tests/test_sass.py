@@ -43,6 +43,34 @@ NESTED = """
 """
 
 
+# A loop (0x10..0xd0) with the same tile copy two ways, chosen by a branch at 0x20: a checked copy
+# (0x30..0x70: a test per chunk around each LDGSTS) and an unchecked one (0x90, 0xa0), then dQ's
+# reduction as two scalar REDs (0xb0, 0xc0) or, behind a branch, nothing; the fastest path copies
+# the tile the short way and keeps the reductions, whose bytes are steady work.
+ALTERNATIVE_COPIES = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0020*/              @P0 BRA `(.L_x_2) ;
+        /*0030*/                   ISETP.GE.AND P1, PT, R0, R1, PT ;
+        /*0040*/              @!P1 LDGSTS.E.BYPASS.128 [R6], desc[UR4][R10.64] ;
+        /*0050*/                   ISETP.GE.AND P1, PT, R2, R1, PT ;
+        /*0060*/              @!P1 LDGSTS.E.BYPASS.128 [R6+0x10], desc[UR4][R10.64+0x10] ;
+        /*0070*/                   BRA `(.L_x_3) ;
+.L_x_2:
+        /*0080*/                   NOP ;
+        /*0090*/                   LDGSTS.E.BYPASS.128 [R6], desc[UR4][R10.64] ;
+        /*00a0*/                   LDGSTS.E.BYPASS.128 [R6+0x10], desc[UR4][R10.64+0x10] ;
+.L_x_3:
+        /*00b0*/              @P2 BRA `(.L_x_4) ;
+        /*00c0*/                   RED.E.ADD.F32.FTZ.RN.STRONG.GPU desc[UR4][R8.64], R9 ;
+        /*00d0*/                   RED.E.ADD.F32.FTZ.RN.STRONG.GPU desc[UR4][R8.64+0x4], R5 ;
+.L_x_4:
+        /*00e0*/              @P3 BRA `(.L_x_0) ;
+        /*00f0*/                   EXIT ;
+"""
+
+
 def report(text, arch):
     return _sass.hot_loop_report(*_sass.parse(text), arch)
 
@@ -122,3 +150,25 @@ def test_garbage_is_refused():
         _sass.parse("not a disassembly")
     with pytest.raises(_sass.SassError, match="no cubin"):
         _sass.disassemble(b"")
+
+
+def test_fastest_path_takes_the_shorter_of_two_copies_and_keeps_the_reductions():
+    r = report(ALTERNATIVE_COPIES, "sm_80")
+    # HMMA, BRA, NOP, 2 LDGSTS (the unchecked copy), BRA, 2 RED, BRA
+    assert (r.loop_instructions, r.path_instructions) == (14, 9)
+    assert r.counts == {"ldgsts": 2, "atomics": 2}
+    # a vector reduction moving the same bytes replaces the two scalar ones: one instruction fewer
+    vector = ALTERNATIVE_COPIES.replace(
+        "/*00c0*/                   RED.E.ADD.F32.FTZ.RN.STRONG.GPU desc[UR4][R8.64], R9 ;",
+        "/*00c0*/                   REDG.E.ADD.F32x2.FTZ.RN.STRONG.GPU desc[UR4][R8.64], R4 ;").replace(
+        "/*00d0*/                   RED.E.ADD.F32.FTZ.RN.STRONG.GPU desc[UR4][R8.64+0x4], R5 ;\n", "")
+    assert report(vector, "sm_80").path_instructions == 8
+
+
+@pytest.mark.parametrize("opcode, expected", [("LDGSTS.E.BYPASS.128", 16), ("LDGSTS.E.64", 8), ("LDGSTS.E", 4),
+                                              ("STS.128", 16), ("STS.U16", 0), ("RED.E.ADD.F32.FTZ.RN.STRONG.GPU", 4),
+                                              ("REDG.E.ADD.F32x2.FTZ.RN.STRONG.GPU", 8), ("REDG.E.ADD.F32x4.FTZ", 16),
+                                              ("FFMA", 0)])
+def test_steady_bytes(opcode, expected):
+    assert _sass.steady_bytes(_sass.Instruction(0, opcode)) == expected
+    assert _sass.steady_bytes(_sass.Instruction(0, opcode, never=True)) == 0

@@ -67,3 +67,11 @@ extern "C" __global__ void copy_async(const float4* in, float4* out, int waits) 
 }
 
 extern "C" __global__ void ex2(const float* x, float* y) { y[threadIdx.x] = ptx::ex2_approx(x[threadIdx.x]); }
+
+// Each lane adds its pair (values[2 lane], values[2 lane + 1]) to dst's pair `slot[lane]` (lanes
+// may share a slot) if enabled[lane]; `offset` floats shift every address, and 1 breaks the 8-byte
+// alignment the vector reduction needs.
+extern "C" __global__ void red_pairs(float* dst, const int* slot, const float* values, const int* enabled, int offset) {
+    const int lane = threadIdx.x;
+    ptx::red_add_pair(dst + 2 * slot[lane] + offset, values[2 * lane], values[2 * lane + 1], enabled[lane] != 0);
+}

@@ -1,14 +1,29 @@
 #include "ptx.cuh"
 // wgmma.mma_async m64nNk16 (N = 32, 64) in both forms, one warpgroup. Operands are placed in shared memory
-// with plain C++ following the K-major, no-swizzle canonical layout, with deliberately unusual
-// strides (A: LBO 256, SBO 512 bytes; B: LBO 1024, SBO 128 bytes) so the descriptor decoding is
-// exercised; -DWRONG_LAYOUT passes LBO and SBO swapped, which must give a wrong result.
+// with plain C++ following the no-swizzle canonical layouts (A K-major, B K-major or MN-major),
+// with deliberately unusual strides (A: LBO 256, SBO 512 bytes; B: LBO 1024, SBO 128 bytes) so the
+// descriptor decoding is exercised; -DWRONG_LAYOUT passes LBO and SBO swapped, -DWRONG_MAJOR tells
+// the instruction the other major-ness of B than the one it was placed in: both must give a wrong
+// result.
 constexpr unsigned kLboA = 256, kSboA = 512, kLboB = 1024, kSboB = 128;
 
-// Byte offset of element (row, k) in the K-major layout with these strides.
+// Byte offset of element (row, k) in the K-major layout with these strides (row: the M or N index).
 __device__ unsigned k_major(int row, int k, unsigned lbo, unsigned sbo) {
     return (row / 8) * sbo + (row % 8) * 16 + (k / 8) * lbo + (k % 8) * 2;
 }
+
+// Byte offset of element (row, k) in the MN-major layout: a core matrix's 16-byte lines are k.
+__device__ unsigned mn_major(int row, int k, unsigned lbo, unsigned sbo) {
+    return (row / 8) * sbo + (row % 8) * 2 + (k / 8) * lbo + (k % 8) * 16;
+}
+
+template <bool kMnMajorB>
+constexpr ptx::Major kInstructionMajor =
+#ifdef WRONG_MAJOR
+    kMnMajorB ? ptx::Major::K : ptx::Major::MN;
+#else
+    kMnMajorB ? ptx::Major::MN : ptx::Major::K;
+#endif
 
 __device__ unsigned long long descriptor(const void* tile, unsigned lbo, unsigned sbo) {
 #ifdef WRONG_LAYOUT
@@ -19,8 +34,9 @@ __device__ unsigned long long descriptor(const void* tile, unsigned lbo, unsigne
 }
 
 // A (64, 16) row-major, B (16, N) with B[k][n] at b[k * N + n], C and D (64, N) row-major.
-// kRegisterA: A from registers (RS) instead of shared memory (SS). waits = 0 skips the wait.
-template <class T, bool kRegisterA, int N>
+// kRegisterA: A from registers (RS) instead of shared memory (SS); kMnMajorB: B placed MN-major.
+// waits = 0 skips the wait.
+template <class T, bool kRegisterA, int N, bool kMnMajorB>
 __global__ void wgmma(const T* A, const T* B, const float* C, float* D, int waits) {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char* sA = smem;          // 8 row groups x 512 bytes
@@ -29,7 +45,8 @@ __global__ void wgmma(const T* A, const T* B, const float* C, float* D, int wait
     for (int i = tid; i < 64 * 16; i += 128) {
         const int m = i / 16, k = i % 16;
         memcpy(sA + k_major(m, k, kLboA, kSboA), &A[m * 16 + k], 2);
-        if (m < N) memcpy(sB + k_major(m, k, kLboB, kSboB), &B[k * N + m], 2);  // row m of Bᵀ = column m of B
+        // element (n = m, k) of B, at B[k][m]
+        if (m < N) memcpy(sB + (kMnMajorB ? mn_major : k_major)(m, k, kLboB, kSboB), &B[k * N + m], 2);
     }
     __syncthreads();
     float d[N / 2];
@@ -42,9 +59,10 @@ __global__ void wgmma(const T* A, const T* B, const float* C, float* D, int wait
             const int row = 16 * warp + g + 8 * (r & 1), col = 2 * t + 8 * (r >> 1);
             a[r] = static_cast<unsigned>(A[row * 16 + col].__x) | static_cast<unsigned>(A[row * 16 + col + 1].__x) << 16;
         }
-        ptx::wgmma_m64k16_rs<T, N>(d, a, descriptor(sB, kLboB, kSboB), 1);
+        ptx::wgmma_m64k16_rs<T, N, kInstructionMajor<kMnMajorB>>(d, a, descriptor(sB, kLboB, kSboB), 1);
     } else {
-        ptx::wgmma_m64k16_ss<T, N>(d, descriptor(sA, kLboA, kSboA), descriptor(sB, kLboB, kSboB), 1);
+        ptx::wgmma_m64k16_ss<T, N, kInstructionMajor<kMnMajorB>>(d, descriptor(sA, kLboA, kSboA),
+                                                                  descriptor(sB, kLboB, kSboB), 1);
     }
     ptx::wgmma_commit();
     if (waits) ptx::wgmma_wait<0>();
