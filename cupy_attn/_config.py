@@ -286,7 +286,8 @@ FEATURE_NAMES = {"plain": PLAIN_FEATURES, "all": ALL_FEATURES, "dropout": DROPOU
 # 2026-11-30) the mma.sync kernels beat the wgmma ones in all 80 benchmark cases (wgmma at
 # 0.88-0.99x forward, 0.79-0.95x backward: fewer tensor-pipe cycles, bank-conflicted transposes),
 # so compute capability 9.0 runs the 8.0 kernels until the wgmma ones win a measurement;
-# CUPY_ATTN_COMPUTE_CAPABILITY=90 asks for the wgmma kernels.
+# CUPY_ATTN_COMPUTE_CAPABILITY=90 asks for the wgmma kernels. (Measured before the wgmma kernels
+# lost their transposes and halved their issue count, 2026-12-01: the next GPU run decides again.)
 DEFAULT_KERNELS_FOR = {90: 80}
 
 # Kernel files that only compile for one architecture, and that architecture.

@@ -191,7 +191,7 @@ def steady_bytes(instruction: Instruction) -> int:
         return 16 if ".128" in op else 8 if ".64" in op else 4
     if op == "STS.128":
         return 16
-    if op.startswith(("RED", "ATOMG")):
+    if op.split(".")[0] in ("RED", "REDG", "ATOM", "ATOMG"):  # not REDUX, a warp reduction
         return 4 * (4 if "x4" in op else 2 if "x2" in op else 1)
     return 0
 

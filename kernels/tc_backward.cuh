@@ -50,6 +50,7 @@ __device__ __forceinline__ void dq_products(const T* ds_tile, const T* k_tile, i
     constexpr int kDimGroups = 4 / kRowGroups;  // warps sharing one row group's dimensions
     static_assert(kBlockM % 16 == 0 && 4 % kRowGroups == 0, "dQ rows split over the 4 warps");
     constexpr int kSteps = kHeadDim / 8 / (2 * kDimGroups);  // pairs of 8-dim tiles per warp
+    static_assert(kHeadDim / 8 % (2 * kDimGroups) == 0, "the warps sharing a row group split its dim tiles evenly");
     constexpr int kUnroll = kUnrolled ? kSteps : 1;
     const int g = lane / 4, t = lane % 4, rows = (warp % kRowGroups) * 16;
 #pragma unroll kUnroll

@@ -168,7 +168,7 @@ def test_fastest_path_takes_the_shorter_of_two_copies_and_keeps_the_reductions()
 @pytest.mark.parametrize("opcode, expected", [("LDGSTS.E.BYPASS.128", 16), ("LDGSTS.E.64", 8), ("LDGSTS.E", 4),
                                               ("STS.128", 16), ("STS.U16", 0), ("RED.E.ADD.F32.FTZ.RN.STRONG.GPU", 4),
                                               ("REDG.E.ADD.F32x2.FTZ.RN.STRONG.GPU", 8), ("REDG.E.ADD.F32x4.FTZ", 16),
-                                              ("FFMA", 0)])
+                                              ("REDUX.SUM", 0), ("FFMA", 0)])
 def test_steady_bytes(opcode, expected):
     assert _sass.steady_bytes(_sass.Instruction(0, opcode)) == expected
     assert _sass.steady_bytes(_sass.Instruction(0, opcode, never=True)) == 0
