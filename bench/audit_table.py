@@ -38,19 +38,29 @@ def blocks_per_sm(registers: int, shared: int) -> int:
     return min(warps * 32 // _config.THREADS, (228 * 1024) // (shared + 1024), 32)
 
 
+# The tensor-core kernels the tables show: (audit table label, resource table label, name prefix).
+KERNELS = (("forward (mma.sync)", "forward (mma.sync)", "attention_fwd_tc<"),
+           ("forward (wgmma)", "forward (wgmma)", "attention_fwd_wgmma<"),
+           ("dK/dV (mma.sync)", "dK/dV (mma.sync)", "attention_bwd_dkdv_tc<"),
+           ("dK/dV (wgmma)", "dK/dV (wgmma)", "attention_bwd_dkdv_wgmma<"),
+           ("dQ (mma.sync)", "deterministic dQ", "attention_bwd_dq_tc<"))
+
+
+def is_fp16_variant(name: str, prefix: str, head_dim: int) -> bool:
+    """Whether name is the fp16 instantiation of kernel `prefix` for head-dim tile head_dim."""
+    head = f"{prefix}__half, {head_dim}"
+    return name.startswith(head) and name[len(head)] in ",>"
+
+
 def table(rows: list[dict]) -> str:
     sizes = shared_bytes()
-    kinds = (("forward", "attention_fwd_tc<", "mma.sync"), ("forward", "attention_fwd_wgmma<", "wgmma"),
-             ("dK/dV", "attention_bwd_dkdv_tc<", "mma.sync"), ("dK/dV", "attention_bwd_dkdv_wgmma<", "wgmma"),
-             ("dQ", "attention_bwd_dq_tc<", "mma.sync"))
     lines = ["| kernel | D | arch | path / loop instructions | with softcap, ALiBi, masks built in | tensor instructions "
              "| ldsm | lds | sts | bar | mufu | issue_per_tensor | registers | blocks (warps) per SM |", "|" + "---|" * 14]
     general = {(r["name"], r["arch"]): r for r in rows if r.get("features") == "all"}
-    for pass_, prefix, family in kinds:
+    for kind, _, prefix in KERNELS:
         for d in (64, 128, 256):
             for r in rows:
-                head = f"{prefix}__half, {d}"
-                if r["dtype"] != "float16" or not r["name"].startswith(head) or r["name"][len(head)] not in ",>":
+                if r["dtype"] != "float16" or not is_fp16_variant(r["name"], prefix, d):
                     continue
                 if r.get("features", "plain") != "plain":
                     continue
@@ -59,7 +69,7 @@ def table(rows: list[dict]) -> str:
                 tensors = ", ".join(f"{n} {op}" for op, n in r["tensor_instructions"].items())
                 blocks = blocks_per_sm(r["registers"], sizes[r["name"]])
                 occupancy = f"{blocks} ({blocks * _config.THREADS // 32})" if r["arch"] != "sm_80" else "—"
-                lines.append(f"| {pass_} ({family}) | {d} | {r['arch']} | {r['path_instructions']} / {r['loop_instructions']} "
+                lines.append(f"| {kind} | {d} | {r['arch']} | {r['path_instructions']} / {r['loop_instructions']} "
                              f"| {built_in} | {tensors} | {r['ldsm']} | {r['lds']} | {r['sts']} | {r['bar']} | {r['mufu']} "
                              f"| {r['issue_per_tensor']:.2f} | {r['registers']} | {occupancy} |")
     return "\n".join(lines)
@@ -69,26 +79,21 @@ def resources_table(rows: list[dict]) -> str:
     """README's resource table: registers of the plain build (the general one's in brackets) on
     sm_80 and sm_90 (sm_90a for wgmma), shared memory from the tile table, blocks per SM on sm_90."""
     sizes = shared_bytes()
-    kinds = (("forward (mma.sync)", "attention_fwd_tc<"), ("forward (wgmma)", "attention_fwd_wgmma<"),
-             ("dK/dV (mma.sync)", "attention_bwd_dkdv_tc<"), ("dK/dV (wgmma)", "attention_bwd_dkdv_wgmma<"),
-             ("deterministic dQ", "attention_bwd_dq_tc<"))
     registers = {(r["name"], r["arch"], r.get("features", "plain")): r["registers"] for r in rows
                  if r["dtype"] == "float16"}
     lines = ["| kernel (fp16) | registers sm_80 / sm_90, plain build (general build) | shared memory "
              "| blocks of 4 warps per SM on sm_90, plain (general) |", "|---|---|---|---|"]
-    for kind, prefix in kinds:
+    def regs(name, arch):
+        plain, general = registers.get((name, arch, "plain")), registers.get((name, arch, "all"))
+        return "—" if plain is None else f"{plain} ({general})"
+
+    for _, kind, prefix in KERNELS:
         for d in (64, 128, 256):
-            head = f"{prefix}__half, {d}"
-            names = sorted({n for n, _, _ in registers if n.startswith(head) and n[len(head)] in ",>"})
-            for name in names:
-                def regs(arch):
-                    plain, general = registers.get((name, arch, "plain")), registers.get((name, arch, "all"))
-                    return "—" if plain is None else f"{plain} ({general})"
+            for name in sorted({n for n, _, _ in registers if is_fp16_variant(n, prefix, d)}):
                 hopper = "_wgmma<" in name
-                sm90 = regs("sm_90a" if hopper else "sm_90")
-                blocks = [blocks_per_sm(registers[(name, "sm_90a" if hopper else "sm_90", f)], sizes[name])
-                          for f in ("plain", "all")]
-                lines.append(f"| {kind}, D = {d} | {regs('sm_80')} / {sm90}{' (sm_90a)' if hopper else ''} "
+                sm90 = "sm_90a" if hopper else "sm_90"
+                blocks = [blocks_per_sm(registers[(name, sm90, f)], sizes[name]) for f in ("plain", "all")]
+                lines.append(f"| {kind}, D = {d} | {regs(name, 'sm_80')} / {regs(name, sm90)}{' (sm_90a)' if hopper else ''} "
                              f"| {round(sizes[name] / 1024)} KB | {blocks[0]} ({blocks[1]}) |")
     return "\n".join(lines)
 
