@@ -52,7 +52,7 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     int n_begin, n_end;
     b.key_tiles(p, m0, kTcBlockM, kBlockN, &n_begin, &n_end);
     auto stage_keys = [&](int n_block) {
-        const int stage = (n_block - n_begin) % 2;
+        const int stage = static_cast<unsigned>(n_block - n_begin) % 2;
         stage_async<kBlockN, kHeadDim>(stage_k(stage), k + at.k, at.k_row, n_block * kBlockN, b.kv_rows(p), p.head_dim, vk);
         stage_async<kBlockN, kHeadDimV>(stage_v(stage), v + at.v, at.v_row, n_block * kBlockN, b.kv_rows(p), p.head_dim_v, vv);
         ptx::cp_async_commit();
@@ -60,8 +60,8 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     if (n_begin < n_end) stage_keys(n_begin);
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         const int n0 = n_block * kBlockN;
-        const T* sK = stage_k((n_block - n_begin) % 2);
-        const T* sV = stage_v((n_block - n_begin) % 2);
+        const T* sK = stage_k(static_cast<unsigned>(n_block - n_begin) % 2);
+        const T* sV = stage_v(static_cast<unsigned>(n_block - n_begin) % 2);
         ptx::cp_async_wait<0>();  // this thread's copies of this tile (and of Q) have landed
         // Everyone's copies have landed, and every warp is done with the previous tile, whose
         // stage the next prefetch overwrites.

@@ -61,7 +61,7 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q,
     int n_begin, n_end;
     b.key_tiles(p, m0, kTcBlockM, kWgmmaKeys, &n_begin, &n_end);
     auto stage_keys = [&](int n_block) {
-        const int stage = (n_block - n_begin) % 2;
+        const int stage = static_cast<unsigned>(n_block - n_begin) % 2;
         stage_async<kWgmmaKeys, kHeadDim, Tile>(stage_k(stage), k + at.k, at.k_row, n_block * kWgmmaKeys, b.kv_rows(p),
                                                 p.head_dim, vk);
         stage_async<kWgmmaKeys, kHeadDim, Tile>(stage_v(stage), v + at.v, at.v_row, n_block * kWgmmaKeys, b.kv_rows(p),
@@ -72,10 +72,10 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q,
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         const int n0 = n_block * kWgmmaKeys;
         // Descriptors built once per tile and advanced by constant offsets within it.
-        const unsigned long long k_desc = ptx::wgmma_descriptor(stage_k((n_block - n_begin) % 2), Tile::kLbo, Tile::kSbo);
+        const unsigned long long k_desc = ptx::wgmma_descriptor(stage_k(static_cast<unsigned>(n_block - n_begin) % 2), Tile::kLbo, Tile::kSbo);
         // V read MN-major: the 8-key core-matrix rows (Tile's SBO apart) are the K direction
         // (LBO), the 8-dim core matrices (Tile's LBO apart) the N direction (SBO).
-        const unsigned long long v_desc = ptx::wgmma_descriptor(stage_v((n_block - n_begin) % 2), Tile::kSbo, Tile::kLbo);
+        const unsigned long long v_desc = ptx::wgmma_descriptor(stage_v(static_cast<unsigned>(n_block - n_begin) % 2), Tile::kSbo, Tile::kLbo);
         ptx::cp_async_wait<0>();    // this thread's copies of this tile (and of Q) have landed
         ptx::fence_proxy_async();   // and are visible to wgmma
         // Everyone's copies have landed, and every warp is done with the previous tile, whose
