@@ -6,7 +6,8 @@ counters, occupancy by calculation.
     python bench/audit_table.py kernels.json memory.json
 
 fp16, D = 64/128/256, each tensor-core kernel family; the plain build (what a call without
-softcap, ALiBi or a mask runs), with the general build's instruction counts beside it. Occupancy on sm_90 (65,536 registers,
+softcap, ALiBi or a mask runs), with the counts of the build for softcap, ALiBi and a float mask
+together (the report's "all") beside it. Occupancy on sm_90 (65,536 registers,
 228 KB shared memory per SM, 1 KB of it reserved per block, registers allocated per warp in
 units of 256): blocks of 4 warps per SM, the lesser of what registers and shared memory allow.
 """
@@ -54,7 +55,7 @@ def is_fp16_variant(name: str, prefix: str, head_dim: int) -> bool:
 
 def table(rows: list[dict]) -> str:
     sizes = shared_bytes()
-    lines = ["| kernel | D | arch | path / loop instructions | with softcap, ALiBi, masks built in | tensor instructions "
+    lines = ["| kernel | D | arch | path / loop instructions | with softcap, ALiBi and a float mask | tensor instructions "
              "| ldsm | lds | sts | bar | mufu | issue_per_tensor | registers | blocks (warps) per SM |", "|" + "---|" * 14]
     general = {(r["name"], r["arch"]): r for r in rows if r.get("features") == "all"}
     for kind, _, prefix in KERNELS:
@@ -76,13 +77,13 @@ def table(rows: list[dict]) -> str:
 
 
 def resources_table(rows: list[dict]) -> str:
-    """README's resource table: registers of the plain build (the general one's in brackets) on
+    """README's resource table: registers of the plain build (softcap, ALiBi and a float mask's in brackets) on
     sm_80 and sm_90 (sm_90a for wgmma), shared memory from the tile table, blocks per SM on sm_90."""
     sizes = shared_bytes()
     registers = {(r["name"], r["arch"], r.get("features", "plain")): r["registers"] for r in rows
                  if r["dtype"] == "float16"}
-    lines = ["| kernel (fp16) | registers sm_80 / sm_90, plain build (general build) | shared memory "
-             "| blocks of 4 warps per SM on sm_90, plain (general) |", "|---|---|---|---|"]
+    lines = ["| kernel (fp16) | registers sm_80 / sm_90, plain build (softcap, ALiBi, float mask) | shared memory "
+             "| blocks of 4 warps per SM on sm_90, plain (softcap, ALiBi, float mask) |", "|---|---|---|---|"]
     def regs(name, arch):
         plain, general = registers.get((name, arch, "plain")), registers.get((name, arch, "all"))
         return "—" if plain is None else f"{plain} ({general})"

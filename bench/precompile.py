@@ -59,9 +59,10 @@ def main(argv=None) -> int:
         import cupy
 
         arch, work = f"sm_{cupy.cuda.Device().compute_capability}", compile_on_gpu
-    # Every score-feature build of every variant (plain calls; softcap, ALiBi, masks or sinks; dropout).
+    # The compile report's builds of every variant (plain; softcap, ALiBi and a float mask; those and dropout):
+    # a call compiles the build of exactly its features (_config.FEATURE_SETS) on first use.
     variants = [(filename, name, features) for filename, name, _ in _config.kernel_variants(arch)
-                for features in _config.FEATURE_LEVELS]
+                for features in _config.FEATURE_LEVELS if _config.selectable(filename, name, features)]
     if args.dry_run:
         variants = variants[:2]
     seconds = compile_in_parallel(work, variants, args.jobs, verbose=True)

@@ -29,12 +29,13 @@ CUPY_ADDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
 def feature_options(features: int, packed: bool = False) -> tuple:
     """The -D that build a module for a set of score features (kernels/mask.cuh) and a batch
     layout (kernels/block_info.cuh: padded, or packed for attention_varlen)."""
-    if features not in _config.FEATURE_LEVELS:
-        raise ValueError(f"features must be one of _config.FEATURE_LEVELS {_config.FEATURE_LEVELS}, got {features!r}")
+    if features not in _config.FEATURE_SETS:
+        raise ValueError(f"features must be a set of _config.FEATURE_BITS with at most one mask kind "
+                         f"(one of _config.FEATURE_SETS), got {features!r}")
     return (f"-DATTN_SCORE_FEATURES={features}",) + (("-DATTN_PACKED=1",) if packed else ())
 
 
-def nvrtc_options(filename: str, features: int = _config.ALL_FEATURES, packed: bool = False) -> tuple:
+def nvrtc_options(filename: str, features: int = _config.PLAIN_FEATURES, packed: bool = False) -> tuple:
     """NVRTC options cupy.RawModule is given for kernels/filename: the score features and batch
     layout, and for files bound to one architecture (the wgmma kernels, sm_90a) that
     architecture; CuPy's own -arch for the device is added after ours, and NVRTC builds for
@@ -43,7 +44,7 @@ def nvrtc_options(filename: str, features: int = _config.ALL_FEATURES, packed: b
     return NVRTC_OPTIONS + ((f"-arch={arch}",) if arch else ()) + feature_options(features, packed)
 
 
-def gpu_build_options(filename: str, features: int = _config.ALL_FEATURES, packed: bool = False) -> tuple:
+def gpu_build_options(filename: str, features: int = _config.PLAIN_FEATURES, packed: bool = False) -> tuple:
     """Every code-changing NVRTC option a GPU build of kernels/filename gets: ours and CuPy's. The
     compile report, the precompile check and the compile-time benchmark build with these, so their
     registers and spills are those of the code that runs."""
@@ -86,15 +87,15 @@ def _function(target: str, filename: str, name_expression: str, features: int, p
             raise
         raise ModCompileError(f"a score_mod or mask_mod did not compile into {name_expression}:\n{exc}\n\n"
                               f"the snippets (lines as the compiler numbers them):\n{mods.listing}") from None
-    log.info("compiled %s (score features %d%s%s) for %s in %.2f s", name_expression, features, ", packed" if packed else "",
+    log.info("compiled %s (score features %s%s%s) for %s in %.2f s", name_expression, _config.feature_words(features), ", packed" if packed else "",
              ", with mods" if mods else "", target if target == "emulator" else f"GPU {device}", time.perf_counter() - start)
     return function
 
 
-def function(target: str, filename: str, name_expression: str, features: int = _config.ALL_FEATURES,
+def function(target: str, filename: str, name_expression: str, features: int = _config.PLAIN_FEATURES,
              packed: bool = False, mods=None):
     """The kernel ``name_expression`` of ``kernels/filename`` for "cuda" or "emulator", built for
-    ``features`` (one of _config.FEATURE_LEVELS), a padded or, with ``packed``, a packed (varlen)
+    ``features`` (one of _config.FEATURE_SETS), a padded or, with ``packed``, a packed (varlen)
     batch, and with ``mods`` (a _mods_source.ModSource) a call's score_mod and mask_mod."""
     return _function(target, filename, name_expression, features, bool(packed),
                      _device_id() if target == "cuda" else -1, mods)

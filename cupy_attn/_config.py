@@ -270,15 +270,28 @@ HOPPER_BACKWARD_TILES = (
     HopperBackwardTile(64, 64, "64 + 64 accumulators per thread; 67 KB shared"),
     HopperBackwardTile(128, 32, "128 + 32 accumulators per thread; 86 KB shared"),
 )
-# Score features a module is built for (-DATTN_SCORE_FEATURES, kernels/mask.cuh): a call with no
-# softcap, ALiBi, mask or attention sinks runs the PLAIN module, whose loops carry no trace of them (the SASS audit's
-# fastest path at D = 128 on sm_90: 815 instructions per key tile instead of 1037); any of them
-# selects the module that decides each at run time; dropout the one that also carries Philox (its
-# 10 rounds per 4 keys would otherwise add registers to every general build). Three builds per
-# kernel at most, not one per combination: each build costs a compile (and on the emulator a g++ run).
-PLAIN_FEATURES, ALL_FEATURES, DROPOUT_FEATURES = 0, 15, 31
-FEATURE_LEVELS = (PLAIN_FEATURES, ALL_FEATURES, DROPOUT_FEATURES)
+# Score features a module is built for (-DATTN_SCORE_FEATURES, kernels/mask.cuh): exactly those a
+# call uses, one bit each (attention sinks are none: read once per row, after the key loop), so a call's loops carry no trace of a feature it lacks and no run-time
+# test of one it has (the SASS audit's fastest path of the fp16 mma.sync forward at D = 128 on
+# sm_80: 595 instructions per key tile plain, against 813 when every feature was decided at run
+# time). Each combination is its own build: a compile on first use (on the emulator a g++ run),
+# cached on disk; a process compiles only the combinations it calls.
+SOFTCAP, ALIBI, BOOL_MASK, FLOAT_MASK, DROPOUT = 1, 2, 4, 8, 16
+PLAIN_FEATURES = 0
+FEATURE_BITS = {"softcap": SOFTCAP, "alibi": ALIBI, "bool_mask": BOOL_MASK, "float_mask": FLOAT_MASK, "dropout": DROPOUT}
+# Every set the launcher can choose: any features, with at most one mask kind.
+FEATURE_SETS = tuple(f for f in range(32) if f & (BOOL_MASK | FLOAT_MASK) != BOOL_MASK | FLOAT_MASK)
+# The builds the compile report lists for every kernel: none, every score feature at once (the
+# float mask: a load and an add per score, the costlier kind), and that with dropout.
+ALL_FEATURES = SOFTCAP | ALIBI | FLOAT_MASK
+DROPOUT_FEATURES = ALL_FEATURES | DROPOUT
 FEATURE_NAMES = {"plain": PLAIN_FEATURES, "all": ALL_FEATURES, "dropout": DROPOUT_FEATURES}
+FEATURE_LEVELS = tuple(FEATURE_NAMES.values())
+
+
+def feature_words(features: int) -> str:
+    """The names of a feature set's bits, e.g. 'softcap+bool_mask' ('plain' for none)."""
+    return "+".join(name for name, bit in FEATURE_BITS.items() if features & bit) or "plain"
 
 
 # The compute capability whose kernels a GPU runs when CUPY_ATTN_COMPUTE_CAPABILITY is unset,
@@ -411,13 +424,32 @@ def _pick(tiles, head_dim: int, head_dim_v: int):
     )
 
 
-def forward_tile(head_dim: int, head_dim_v: int, dtype=np.float32, compute_capability: int = 80):
-    """The forward configuration: wgmma on compute capability 9.0 (up to its widest tile) and
-    mma.sync otherwise for fp16/bf16, CUDA cores for fp32."""
+# The wgmma forward's D = 256 tile holds 128 O accumulators per thread, which leaves dropout's
+# Philox no registers: with dropout and a mask ptxas spills (measured 2026-12-01, NVRTC 13.5: 255
+# registers and 8-64 bytes spilled for every such set but one; dropout alone takes 255). Calls
+# with dropout therefore run the wgmma forward up to this head dim only, the mma.sync one above.
+HOPPER_DROPOUT_HEAD_DIM = 128
+
+
+def forward_tile(head_dim: int, head_dim_v: int, dtype=np.float32, compute_capability: int = 80,
+                 features: int = PLAIN_FEATURES):
+    """The forward configuration for a call with these score features: wgmma on compute capability
+    9.0 (up to its widest tile, or HOPPER_DROPOUT_HEAD_DIM with dropout) and mma.sync otherwise for
+    fp16/bf16, CUDA cores for fp32."""
     if np.dtype(dtype) in TENSOR_CORE_DTYPES:
-        hopper = compute_capability == 90 and max(head_dim, head_dim_v) <= HOPPER_TILES[-1].head_dim
+        widest = HOPPER_DROPOUT_HEAD_DIM if features & DROPOUT else HOPPER_TILES[-1].head_dim
+        hopper = compute_capability == 90 and max(head_dim, head_dim_v) <= widest
         return _pick(HOPPER_TILES if hopper else TENSOR_CORE_TILES, head_dim, head_dim_v)
     return _pick(FORWARD_TILES, head_dim, head_dim_v)
+
+
+def selectable(filename: str, name_expression: str, features: int) -> bool:
+    """Whether forward_tile can choose this variant for a call with these features: all but the
+    wgmma forwards above HOPPER_DROPOUT_HEAD_DIM for a call with dropout."""
+    if not features & DROPOUT or filename != "attention_fwd_wgmma.cu":
+        return True
+    return all(t.head_dim <= HOPPER_DROPOUT_HEAD_DIM for t in HOPPER_TILES for dtype in TENSOR_CORE_DTYPES
+               if t.name_expression(dtype) == name_expression)
 
 
 def tensor_core_dq_tile(head_dim: int, head_dim_v: int):

@@ -94,13 +94,14 @@ def _lengths(problem: Problem, lengths, full: int):
 
 
 def score_features(problem: Problem) -> int:
-    """The module a call needs: PLAIN without softcap, ALiBi, mask, sinks and dropout; DROPOUT with
-    dropout; else ALL (kernels/mask.cuh)."""
-    p = problem
-    if p.dropout is not None:
-        return _config.DROPOUT_FEATURES
-    used = p.softcap is not None or p.alibi_slopes is not None or p.mask is not None or p.sinks is not None
-    return _config.ALL_FEATURES if used else _config.PLAIN_FEATURES
+    """The score features a call's modules are built for (kernels/mask.cuh): exactly those it uses.
+    Dropout counts when it drops anything (a threshold above 0: p ≥ 2⁻³²)."""
+    p, c = problem, _config
+    bits = (c.SOFTCAP if p.softcap is not None else 0) | (c.ALIBI if p.alibi_slopes is not None else 0) \
+        | (c.DROPOUT if p.dropout is not None and p.dropout.threshold > 0 else 0)
+    if p.mask is not None:
+        bits |= c.BOOL_MASK if p.mask.dtype == np.bool_ else c.FLOAT_MASK
+    return bits
 
 
 def _module(problem: Problem) -> dict:
@@ -113,7 +114,7 @@ def _module(problem: Problem) -> dict:
 
 
 def _launch(target: str, filename: str, name: str, grid, args, shared_bytes: int = 0, *,
-            features: int = _config.ALL_FEATURES, packed: bool = False, mods=None):
+            features: int = _config.PLAIN_FEATURES, packed: bool = False, mods=None):
     if 0 in grid:
         return  # nothing to compute (an empty batch, head or sequence axis)
     if target == "cuda" and shared_bytes > 48 * 1024:
@@ -242,7 +243,7 @@ def compute_capability(target: str) -> int:
 def forward(problem: Problem, q, k, v, *, target: str):
     p, xp = problem, problem.xp
     check_supported(p, target)
-    tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype, compute_capability(target))
+    tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype, compute_capability(target), score_features(p))
     q, k, v = (_last_dim_contiguous(xp, x) for x in (q, k, v))
     out = _empty(xp, p.out_shape, p.dtype)
     lse = _empty(xp, p.lse_shape, np.float32)

@@ -140,6 +140,8 @@ def kernels(args) -> int:
     levels = _config.FEATURE_NAMES
     for requested in args.arch:
         for (filename, name, dtype), features in itertools.product(_config.kernel_variants(requested), args.features):
+            if str(dtype) not in args.dtypes or not _config.selectable(filename, name, levels[features]):
+                continue  # not asked for, or no call runs it (_config.HOPPER_DROPOUT_HEAD_DIM)
             arch = _config.FILE_ARCH.get(filename, requested)
             c, attempts = _nvrtc.compile_kernel_least_spills(_compile.kernel_source(filename), name, arch,
                                                              _compile.gpu_build_options(filename, levels[features]))
@@ -193,8 +195,11 @@ def main(argv=None) -> int:
     k.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     k.add_argument("--ptx-dir", type=Path, help="write each variant's PTX here")
     k.add_argument("--features", nargs="+", default=["plain", "all", "dropout"], choices=("plain", "all", "dropout"),
-                   help="score-feature builds to compile: plain (no softcap, ALiBi, mask, sinks or dropout: what a "
-                        "plain call runs), all (decided at run time) and dropout (all, and Philox dropout)")
+                   help="score-feature builds to compile (a call runs the build of exactly its features): plain (no "
+                        "softcap, ALiBi, mask or dropout), all (softcap, ALiBi and a float mask) and dropout (those and "
+                        "Philox dropout)")
+    k.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16", "float32"], choices=("float16", "bfloat16", "float32"),
+                   help="input types of the variants to compile")
     k.add_argument("--memory", action="store_true",
                    help="run the tensor-core kernels (fp16, D = 64 and 128, both families) and the decoding kernel on the "
                         "emulator and report shared-memory wavefronts and global sectors against their minimum, per kernel "

@@ -94,7 +94,7 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
 // kMinBlocks: the blocks per SM ptxas is asked to leave registers for in the plain build (the tile
 // table's min_blocks; builds with more features need more registers and are left to ptxas).
 template <class T, int kHeadDim, int kBlockN, int kHeadDimV = kHeadDim, int kMinBlocks = 1>
-__global__ void __launch_bounds__(attn::kThreads, attn::ScoreTransform::kDeferScale ? kMinBlocks : 1)
+__global__ void __launch_bounds__(attn::kThreads, attn::ScoreTransform::kPlain ? kMinBlocks : 1)
 attention_fwd_tc(const T* q, const T* k, const T* v, T* out, float* lse, int vectorised, ATTN_PARAMS) {
     ATTN_UNPACK_PARAMS;
     attn::forward_tc_block<T, kHeadDim, kBlockN, kHeadDimV>(p, q, k, v, out, lse, strides, vectorised);

@@ -34,19 +34,18 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, unsigned key0, unsigned 
 struct Dropout {
     unsigned key0, key1, offset, head, threshold;
     float scale;  // 1 / (1 − p)
-    bool on;
 
     __device__ __forceinline__ Dropout(const Params& p, const BlockInfo& b)
         : key0(static_cast<unsigned>(p.dropout_seed)), key1(static_cast<unsigned>(p.dropout_seed >> 32)),
           offset(p.dropout_offset), head(static_cast<unsigned>(b.bidb) * p.heads + b.bidh),
-          threshold(p.dropout_threshold), scale(p.dropout_scale), on(kDropoutBuilt && p.dropout_threshold > 0) {}
+          threshold(p.dropout_threshold), scale(p.dropout_scale) {}
 
     // What the probability of query row i and key j is multiplied by: 1 / (1 − p) if kept, 0 if
     // dropped (1 without dropout). A lane holding keys j and j + 1 of one group of 4 makes the same
     // Philox call for each (the rounds are a rolled loop, which the compiler does not merge):
     // sharing it is left for a GPU measurement to justify.
     __device__ __forceinline__ float factor(int i, int j) const {
-        if (!on) return 1.f;
+        if (!kDropoutBuilt) return 1.f;
         const uint4 words = philox4x32_10(make_uint4(static_cast<unsigned>(j) >> 2, i, head, offset), key0, key1);
         const int lane = j & 3;
         const unsigned word = lane == 0 ? words.x : lane == 1 ? words.y : lane == 2 ? words.z : words.w;

@@ -8,24 +8,30 @@
 namespace attn {
 
 // The score features a module is compiled with (-DATTN_SCORE_FEATURES, chosen per call by the
-// launcher): a call without softcap, ALiBi, a mask or sinks runs a module built with 0, whose loops
-// carry no trace of them; any of them selects the module that decides each at run time (15), and
-// dropout the one that also carries Philox (31: kernels/dropout.cuh). A module asked to compute
-// a feature it was built without traps rather than ignore it.
-enum : int { kFeatureSoftcap = 1, kFeatureAlibi = 2, kFeatureMask = 4, kFeatureSinks = 8, kFeatureDropout = 16 };
+// launcher: exactly those the call uses). A loop carries no trace of a feature its call lacks and
+// no run-time test of one it has; a module asked to compute with other features than its own
+// traps rather than ignore one or read arrays that were not passed. The mask's kind is part of
+// the build: a bool mask is a byte load and a select per score, a float mask a float load and an
+// add. (Attention sinks are not a build feature: a forward reads its row's sink once, after the
+// key loop.)
+enum : int { kFeatureSoftcap = 1, kFeatureAlibi = 2, kFeatureBoolMask = 4, kFeatureFloatMask = 8, kFeatureDropout = 16 };
 #ifndef ATTN_SCORE_FEATURES
-#define ATTN_SCORE_FEATURES 31
+#define ATTN_SCORE_FEATURES 0
 #endif
 constexpr int kScoreFeatures = ATTN_SCORE_FEATURES;
+static_assert((kScoreFeatures & ~31) == 0 && (~kScoreFeatures & (kFeatureBoolMask | kFeatureFloatMask)),
+              "ATTN_SCORE_FEATURES: unknown bits, or both mask kinds");
 constexpr bool kSoftcapBuilt = kScoreFeatures & kFeatureSoftcap, kAlibiBuilt = kScoreFeatures & kFeatureAlibi,
-               kMaskBuilt = kScoreFeatures & kFeatureMask, kSinksBuilt = kScoreFeatures & kFeatureSinks,
                kDropoutBuilt = kScoreFeatures & kFeatureDropout;
+constexpr int kMaskBuilt = kScoreFeatures & kFeatureBoolMask    ? kMaskBool
+                           : kScoreFeatures & kFeatureFloatMask ? kMaskFloat
+                                                                : kMaskNone;
 
 // This head's attention sink in base 2, or -inf (none), which each forward row folds into its
 // softmax after the key loop (OnlineSoftmax::add_sink). Only the forwards read it (the
 // backward's lse already holds the sink).
 __device__ __forceinline__ float sink_log2(const Params& p, const BlockInfo& b) {
-    return kSinksBuilt && p.has_sinks ? p.sinks[b.bidh] * kLog2e : -infinity();
+    return p.has_sinks ? p.sinks[b.bidh] * kLog2e : -infinity();
 }
 
 // Programmable attention (cupy_attn.mods): a module built for a call with score_mod or mask_mod
@@ -48,30 +54,35 @@ __device__ __forceinline__ bool mask_mod(int b, int h, int q_idx, int kv_idx, co
 
 struct ScoreTransform {
     float scale_log2;      // scale · log2 e (no softcap)
-    // A build whose scores need nothing but the scale (plain: no softcap, ALiBi, mask, sinks,
-    // dropout or mods) returns them unscaled; the softmax applies the scale in its FFMA.
-    static constexpr bool kDeferScale = kScoreFeatures == 0 && !ATTN_MODS;
+    // A build whose scores need nothing but the scale (no softcap, ALiBi, mask or mods) returns
+    // them unscaled; the softmax applies the scale in its FFMA. (Dropout and sinks act on what follows.)
+    static constexpr bool kDeferScale = !kSoftcapBuilt && !kAlibiBuilt && kMaskBuilt == kMaskNone && !ATTN_MODS;
+    // A build with no feature at all: the one whose registers the tile table's min_blocks is for.
+    static constexpr bool kPlain = kScoreFeatures == 0 && !ATTN_MODS;
     float scale_over_cap;  // scale / c
     float cap_log2;        // c · log2 e
     float slope_log2;      // ALiBi slope of this (batch, head) · log2 e
+    // kSoftcapBuilt, held as a member: read from the constant where it is used, the same code
+    // compiled worse (measured 2026-12-01: the CUDA-core dQ at D = 64, attention_bwd_dq<float, 64,
+    // 64, 64, 2>, plain on sm_90, took 72 registers and spilled 28 bytes, against 94 and none).
     bool softcap;
 
     __device__ __forceinline__ ScoreTransform(const Params& p, const BlockInfo& b) {
-        if ((!kSoftcapBuilt && p.softcap > 0.f) || (!kAlibiBuilt && p.has_alibi) || (!kMaskBuilt && p.mask_kind != kMaskNone) ||
-            (!kSinksBuilt && p.has_sinks) || (!kDropoutBuilt && p.dropout_threshold > 0))
+        if (kSoftcapBuilt != (p.softcap > 0.f) || kAlibiBuilt != (p.has_alibi != 0) || kMaskBuilt != p.mask_kind ||
+            kDropoutBuilt != (p.dropout_threshold > 0))
             __trap();
-        softcap = kSoftcapBuilt && p.softcap > 0.f;
+        softcap = kSoftcapBuilt;
         scale_log2 = p.scale * kLog2e;
-        scale_over_cap = softcap ? p.scale / p.softcap : 0.f;
+        scale_over_cap = kSoftcapBuilt ? p.scale / p.softcap : 0.f;
         cap_log2 = p.softcap * kLog2e;
-        slope_log2 = kAlibiBuilt && p.has_alibi ? p.alibi_slopes[b.bidb * p.heads + b.bidh] * kLog2e : 0.f;
+        slope_log2 = kAlibiBuilt ? p.alibi_slopes[b.bidb * p.heads + b.bidh] * kLog2e : 0.f;
     }
 
     // The base-2 score of q·k = qk for query row i and key j with softcap and ALiBi applied: what
     // a score_mod modifies.
     __device__ __forceinline__ float capped(const Params& p, const BlockInfo& b, float qk, int i, int j) const {
         float s = softcap ? cap_log2 * tanhf(qk * scale_over_cap) : kDeferScale ? qk : qk * scale_log2;
-        if (kAlibiBuilt && p.has_alibi) s -= slope_log2 * fabsf(static_cast<float>(i + b.diag_offset - j));
+        if (kAlibiBuilt) s -= slope_log2 * fabsf(static_cast<float>(i + b.diag_offset - j));
         return s;
     }
 
@@ -115,9 +126,9 @@ struct ScoreTransform {
 #if ATTN_SCORE_MOD
         s = mods::score_mod(s * kLn2, b.bidb, b.bidh, i, j, p.mod_words) * kLog2e;  // natural-log units
 #endif
-        if (kMaskBuilt && p.mask_kind != kMaskNone) {
+        if (kMaskBuilt != kMaskNone) {
             long long at = b.bidb * p.mask_stride_b + b.bidh * p.mask_stride_h + i * p.mask_stride_q + j * p.mask_stride_k;
-            if (p.mask_kind == kMaskBool) {
+            if (kMaskBuilt == kMaskBool) {
                 if (!static_cast<const unsigned char*>(p.mask)[at]) return -infinity();
             } else {
                 s += static_cast<const float*>(p.mask)[at] * kLog2e;  // -inf stays -inf

@@ -10,14 +10,27 @@ from helpers import BF16
 
 
 BUDGETS = Path(__file__).with_name("sass_budgets.json")
+# The builds CI compiles: every variant's plain build, and the fp16 and fp32 variants' two others.
+# A bf16 variant's code differs from its fp16 twin's only in conversions and the MMA's input
+# type, which the plain build shows; `python -m cupy_attn kernels` lists every build of every type.
+PLAIN_ONLY = ("bfloat16",)
 
 
 def test_every_variant_compiles_without_spills(tmp_path, capsys):
-    status = cli.main(["kernels", "--arch", "sm_80", "sm_90", "--json", "--sass", "--ptx-dir", str(tmp_path)])
-    rows = json.loads(capsys.readouterr().out)
-    assert status == 0
+    rows = []
+    for features, dtypes in ((["plain"], ["float16", "bfloat16", "float32"]), (["all", "dropout"], ["float16", "float32"])):
+        status = cli.main(["kernels", "--arch", "sm_80", "sm_90", "--json", "--sass", "--ptx-dir", str(tmp_path),
+                           "--features", *features, "--dtypes", *dtypes])
+        rows += json.loads(capsys.readouterr().out)
+        assert status == 0
     check_sass_budgets(rows)
-    assert len(rows) == len(_config.FEATURE_LEVELS) * (len(_config.kernel_variants("sm_80")) + len(_config.kernel_variants("sm_90")))
+    expected = sorted((name, words) for arch in ("sm_80", "sm_90") for filename, name, dtype in _config.kernel_variants(arch)
+                      for words, features in _config.FEATURE_NAMES.items()
+                      if (words == "plain" or str(dtype) not in PLAIN_ONLY) and _config.selectable(filename, name, features))
+    assert sorted((r["name"], r["features"]) for r in rows) == expected
+    # unselectable, so not listed: the dropout builds of the wgmma forwards above HOPPER_DROPOUT_HEAD_DIM
+    assert sum(not _config.selectable(f, n, _config.DROPOUT_FEATURES) for f, n, _ in _config.kernel_variants("sm_90")) \
+        == len(_config.TENSOR_CORE_DTYPES) * sum(t.head_dim > _config.HOPPER_DROPOUT_HEAD_DIM for t in _config.HOPPER_TILES)
     keys = {"name", "features", "arch", "attempts", "registers", "spill_stores", "spill_loads", "stack_frame_bytes", "static_shared_bytes",
             "compile_seconds"}
     for row in rows:
@@ -27,7 +40,8 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
         assert row["arch"] == ("sm_90a" if "_wgmma<" in row["name"] else row["arch"])
     # the report builds as CuPy does on a GPU (test_report_builds_with_the_options_cupy_adds)
     filename, name = "attention_fwd_tc.cu", _config.TENSOR_CORE_TILES[1].name_expression(np.float16)
-    as_on_gpu = _nvrtc.compile_kernel(_compile.kernel_source(filename), name, "sm_80", _compile.gpu_build_options(filename))
+    as_on_gpu = _nvrtc.compile_kernel(_compile.kernel_source(filename), name, "sm_80",
+                                      _compile.gpu_build_options(filename, _config.ALL_FEATURES))
     assert next(r for r in rows if r["name"] == name and r["arch"] == "sm_80" and r["features"] == "all")["registers"] \
         == as_on_gpu.registers
     for arch in ("sm_80", "sm_90", "sm_90a"):
@@ -58,7 +72,7 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
             for kernel, count in expected.items():
                 files = [f for f in tmp_path.glob(f"{kernel}_*_{dtype}_{arch}_plain.ptx")
                          if not f.name.startswith((kernel + "_tc_", kernel + "_wgmma_"))]
-                assert all(f.with_name(f.name.replace("_plain.ptx", "_all.ptx")).exists() for f in files)
+                assert all(f.with_name(f.name.replace("_plain.ptx", "_all.ptx")).exists() for f in files if dtype not in PLAIN_ONLY)
                 assert len(files) == count, (kernel, dtype, arch)
                 assert all(".entry" in f.read_text() for f in files)
                 # Every fp16/bf16 kernel with a matrix product runs it on tensor cores (the
@@ -91,6 +105,11 @@ def test_tile_tables_cover_every_head_dim():
             assert hopper.shared_bytes <= 227 * 1024  # sm_90's per-block limit
         else:
             assert hopper is tc
+        dropout = _config.forward_tile(d, d, BF16, compute_capability=90, features=_config.DROPOUT | _config.BOOL_MASK)
+        assert dropout is (hopper if d <= _config.HOPPER_DROPOUT_HEAD_DIM else tc)
+        assert _config.selectable(dropout.filename, dropout.name_expression(BF16), _config.DROPOUT)
+        assert _config.selectable(hopper.filename, hopper.name_expression(BF16), _config.DROPOUT) \
+            == (d <= _config.HOPPER_DROPOUT_HEAD_DIM or hopper is tc)
         assert isinstance(_config.forward_tile(d, d, np.float32, compute_capability=90), _config.ForwardTile)
         for dtype in (np.float16, BF16):
             tcb = _config.backward_tile(d, d, dtype)
@@ -137,12 +156,16 @@ def check_sass_budgets(rows):
         if r["issue_per_tensor"] is not None:
             assert r["path_instructions"] <= r["loop_instructions"]
             assert sum(r["tensor_instructions"].values()) > 0 and r["ldgsts"] > 0
-    # A plain call's build carries no trace of softcap, ALiBi or masks: fewer instructions per tile.
+    # A plain call's build carries no trace of softcap, ALiBi or masks: fewer instructions per tile
+    # than the build of a call with all three.
+    featured = {(r["name"], r["arch"]): r for r in rows if r["features"] == "all"}
+    compared = 0
     for r in rows:
-        if r["features"] == "plain" and r["issue_per_tensor"] is not None:
-            general = next(x for x in rows if (x["name"], x["arch"], x["features"]) == (r["name"], r["arch"], "all"))
-            assert r["path_instructions"] < general["path_instructions"], r["name"]
-            assert r["loop_instructions"] < general["loop_instructions"], r["name"]
+        if r["features"] == "plain" and r["issue_per_tensor"] is not None and (r["name"], r["arch"]) in featured:
+            assert r["path_instructions"] < featured[r["name"], r["arch"]]["path_instructions"], r["name"]
+            assert r["loop_instructions"] < featured[r["name"], r["arch"]]["loop_instructions"], r["name"]
+            compared += 1
+    assert compared > 20
 
 
 def _packed_build(variant):
@@ -154,7 +177,7 @@ def _packed_build(variant):
 
 def test_packed_builds_compile_without_spills():
     """The attention kernels' packed (attention_varlen) builds, -DATTN_PACKED=1, for every tile
-    and feature level attention_varlen can select (it takes no dropout): they compile under NVRTC and hold no spills either."""
+    and report build attention_varlen can select (it takes no dropout): they compile under NVRTC and hold no spills either."""
     from concurrent.futures import ProcessPoolExecutor
 
     variants = [(filename, name, _config.FILE_ARCH.get(filename, arch), features)

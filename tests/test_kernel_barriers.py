@@ -75,7 +75,7 @@ def test_removing_a_barrier_breaks_a_kernel(monkeypatch, filename, at, barrier):
     mutated = source[:at] + source[at + len(barrier):]
     real_function = _compile.function
 
-    def function(target, name, name_expression, features=_config.ALL_FEATURES, packed=False, mods=None):
+    def function(target, name, name_expression, features=_config.PLAIN_FEATURES, packed=False, mods=None):
         if name != filename:
             return real_function(target, name, name_expression, features=features, packed=packed, mods=mods)
         return RawModule(mutated, options=_compile.feature_options(features, packed),

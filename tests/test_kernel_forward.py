@@ -199,31 +199,49 @@ def test_float64_is_refused():
         cupy_attn.attention(q, k, v, backend="emulator")
 
 
-@pytest.mark.parametrize("feature", [None, "softcap", "alibi", "bool mask", "float mask"])
+FEATURE_CALLS = {  # a call's keywords -> the build it must run (_config.FEATURE_BITS)
+    "plain": ({}, _config.PLAIN_FEATURES),
+    "softcap": (dict(softcap=5.0), _config.SOFTCAP),
+    "alibi": (dict(alibi_slopes=np.array([0.5, 0.25])), _config.ALIBI),
+    "bool mask": (dict(mask=np.random.default_rng(1).random((33, 70)) < 0.7), _config.BOOL_MASK),
+    "float mask": (dict(mask=np.random.default_rng(2).standard_normal((33, 70))), _config.FLOAT_MASK),
+    "softcap, alibi, float mask, sinks": (dict(softcap=5.0, alibi_slopes=np.array([0.5, 0.25]), sinks=np.array([0.3, -1.0]),
+                                               mask=np.random.default_rng(3).standard_normal((33, 70))), _config.ALL_FEATURES),
+    "sinks": (dict(sinks=np.array([0.3, -1.0])), _config.PLAIN_FEATURES),  # read after the key loop: no build of its own
+}
+
+
+@pytest.mark.parametrize("feature", list(FEATURE_CALLS))
 def test_a_call_runs_the_build_of_the_features_it_uses(monkeypatch, feature):
-    """A plain call runs the module built without softcap, ALiBi and masks; any of them selects
-    the module that decides them at run time."""
+    """A call runs the module built for exactly its score features: none of the others, and none
+    decided at run time."""
     built = []
     real_function = _compile.function
     monkeypatch.setattr(_compile, "function", lambda target, f, name, **kw: built.append(kw["features"])
                         or real_function(target, f, name, **kw))
     rng = np.random.default_rng(15)
     q, k, v = random_qkv(rng, b=1, h=2, sq=33, sk=70, d=64, dtype=np.float16)
-    kw = {None: {}, "softcap": dict(softcap=5.0), "alibi": dict(alibi_slopes=np.array([0.5, 0.25])),
-          "bool mask": dict(mask=rng.random((33, 70)) < 0.7), "float mask": dict(mask=rng.standard_normal((33, 70)))}[feature]
+    kw, expected = FEATURE_CALLS[feature]
     check(q, k, v, np.dtype(np.float16), **kw)
-    assert built == [_config.PLAIN_FEATURES if feature is None else _config.ALL_FEATURES]
+    assert built == [expected]
 
 
-def test_a_plain_build_refuses_a_feature_it_was_built_without():
-    """Launched by hand with softcap on, the plain build traps instead of ignoring it."""
+@pytest.mark.parametrize("built, call", [(_config.PLAIN_FEATURES, "softcap"), (_config.SOFTCAP, "plain"),
+                                         (_config.BOOL_MASK, "float mask"), (_config.FLOAT_MASK | _config.ALIBI, "float mask")],
+                         ids=["plain_build_softcap_call", "softcap_build_plain_call", "bool_mask_build_float_mask_call",
+                              "alibi_float_mask_build_float_mask_call"])
+def test_a_build_refuses_a_call_with_other_features(built, call):
+    """Launched by hand with a module built for other features than the call's (one more, one
+    fewer, the other mask kind), the kernel traps instead of ignoring a feature or reading an
+    array that was not passed."""
     from cupy_attn import emulator
 
-    q, k, v = random_qkv(np.random.default_rng(16), b=1, h=1, sq=16, sk=16, d=64, dtype=np.float16)
-    problem = _problem.make_problem(q, k, v, softcap=5.0, backend="emulator")
+    q, k, v = random_qkv(np.random.default_rng(16), b=1, h=2, sq=33, sk=70, d=64, dtype=np.float16)
+    problem = _problem.make_problem(q, k, v, **FEATURE_CALLS[call][0], backend="emulator")
+    assert _kernel_backend.score_features(problem) != built
     tile = _config.forward_tile(64, 64, np.float16)
-    plain = _compile.function("emulator", tile.filename, tile.name_expression(np.float16), features=_config.PLAIN_FEATURES)
+    wrong = _compile.function("emulator", tile.filename, tile.name_expression(np.float16), features=built)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_compile, "function", lambda target, f, name, **kw: plain)
+        patch.setattr(_compile, "function", lambda target, f, name, **kw: wrong)
         with pytest.raises(emulator.EmulatorError, match="__trap"):
             _kernel_backend.forward(problem, q, k, v, target="emulator")

@@ -308,7 +308,7 @@ def test_a_call_runs_the_build_of_the_features_it_uses(rng, monkeypatch):
                         or real(target, f, name, **kw))
     check("emulator", rng, [10], causal=True)
     check("emulator", rng, [10], softcap=3.0)
-    assert built == [("attention_decode.cu", _config.PLAIN_FEATURES), ("attention_decode.cu", _config.ALL_FEATURES)]
+    assert built == [("attention_decode.cu", _config.PLAIN_FEATURES), ("attention_decode.cu", _config.SOFTCAP)]
 
 
 # ---- errors: each leaves the caches bit for bit as they were ----
