@@ -59,7 +59,7 @@ def main(argv=None) -> int:
         import cupy
 
         arch, work = f"sm_{cupy.cuda.Device().compute_capability}", compile_on_gpu
-    # The compile report's builds of every variant (plain; softcap, ALiBi and a float mask; those and dropout):
+    # The compile report's builds of every variant (plain; softcap, ALiBi and a float mask; dropout):
     # a call compiles the build of exactly its features (_config.FEATURE_SETS) on first use.
     variants = [(filename, name, features) for filename, name, _ in _config.kernel_variants(arch)
                 for features in _config.FEATURE_LEVELS if _config.selectable(filename, name, features)]

@@ -87,8 +87,9 @@ def _function(target: str, filename: str, name_expression: str, features: int, p
             raise
         raise ModCompileError(f"a score_mod or mask_mod did not compile into {name_expression}:\n{exc}\n\n"
                               f"the snippets (lines as the compiler numbers them):\n{mods.listing}") from None
-    log.info("compiled %s (score features %s%s%s) for %s in %.2f s", name_expression, _config.feature_words(features), ", packed" if packed else "",
-             ", with mods" if mods else "", target if target == "emulator" else f"GPU {device}", time.perf_counter() - start)
+    log.info("compiled %s (score features %s%s%s) for %s in %.2f s", name_expression, _config.feature_words(features),
+             ", packed" if packed else "", ", with mods" if mods else "", target if target == "emulator" else f"GPU {device}",
+             time.perf_counter() - start)
     return function
 
 

@@ -271,20 +271,23 @@ HOPPER_BACKWARD_TILES = (
     HopperBackwardTile(128, 32, "128 + 32 accumulators per thread; 86 KB shared"),
 )
 # Score features a module is built for (-DATTN_SCORE_FEATURES, kernels/mask.cuh): exactly those a
-# call uses, one bit each (attention sinks are none: read once per row, after the key loop), so a call's loops carry no trace of a feature it lacks and no run-time
-# test of one it has (the SASS audit's fastest path of the fp16 mma.sync forward at D = 128 on
-# sm_80: 595 instructions per key tile plain, against 813 when every feature was decided at run
-# time). Each combination is its own build: a compile on first use (on the emulator a g++ run),
-# cached on disk; a process compiles only the combinations it calls.
+# call uses, one bit each, so a call's loops carry no trace of a feature it lacks and no run-time
+# test of one it has. (Attention sinks are none: read once per row, after the key loop.) The
+# SASS audit's fastest path of the fp16 mma.sync forward at D = 128 on sm_80, per key tile: 591
+# instructions without features, 723 with ALiBi alone, against at least 816 in the general build
+# that decided each feature at run time before (bench/RESULTS.md, 2026-12-01). Each set is its own
+# build: a compile on first use (on the emulator a g++ run), cached on disk.
 SOFTCAP, ALIBI, BOOL_MASK, FLOAT_MASK, DROPOUT = 1, 2, 4, 8, 16
 PLAIN_FEATURES = 0
 FEATURE_BITS = {"softcap": SOFTCAP, "alibi": ALIBI, "bool_mask": BOOL_MASK, "float_mask": FLOAT_MASK, "dropout": DROPOUT}
 # Every set the launcher can choose: any features, with at most one mask kind.
 FEATURE_SETS = tuple(f for f in range(32) if f & (BOOL_MASK | FLOAT_MASK) != BOOL_MASK | FLOAT_MASK)
-# The builds the compile report lists for every kernel: none, every score feature at once (the
-# float mask: a load and an add per score, the costlier kind), and that with dropout.
+# The builds the compile report lists for every kernel: none, the score features at once (the
+# float mask: a load and an add per score, the costlier kind), and dropout. (All of them with
+# dropout is not one: the fp32 deterministic dQ at D = 32 spills 4 bytes there in 11 of 12
+# compiles, ptxas choosing 64 registers; bench/RESULTS.md, 2026-12-01.)
 ALL_FEATURES = SOFTCAP | ALIBI | FLOAT_MASK
-DROPOUT_FEATURES = ALL_FEATURES | DROPOUT
+DROPOUT_FEATURES = DROPOUT
 FEATURE_NAMES = {"plain": PLAIN_FEATURES, "all": ALL_FEATURES, "dropout": DROPOUT_FEATURES}
 FEATURE_LEVELS = tuple(FEATURE_NAMES.values())
 

@@ -196,8 +196,8 @@ def main(argv=None) -> int:
     k.add_argument("--ptx-dir", type=Path, help="write each variant's PTX here")
     k.add_argument("--features", nargs="+", default=["plain", "all", "dropout"], choices=("plain", "all", "dropout"),
                    help="score-feature builds to compile (a call runs the build of exactly its features): plain (no "
-                        "softcap, ALiBi, mask or dropout), all (softcap, ALiBi and a float mask) and dropout (those and "
-                        "Philox dropout)")
+                        "softcap, ALiBi, mask or dropout), all (softcap, ALiBi and a float mask) and dropout (Philox "
+                        "dropout alone)")
     k.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16", "float32"], choices=("float16", "bfloat16", "float32"),
                    help="input types of the variants to compile")
     k.add_argument("--memory", action="store_true",
