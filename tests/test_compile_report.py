@@ -178,14 +178,16 @@ def _packed_build(variant):
 def test_packed_builds_compile_without_spills():
     """The attention kernels' packed (attention_varlen) builds, -DATTN_PACKED=1, for every tile
     and report build attention_varlen can select (it takes no dropout): they compile under NVRTC and hold no spills either."""
-    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor
 
     variants = [(filename, name, _config.FILE_ARCH.get(filename, arch), features)
                 for arch in ("sm_80", "sm_90") for filename, name, _ in _config.kernel_variants(arch)
                 if filename.startswith(("attention_fwd", "attention_bwd")) and "preprocess" not in name
                 for features in _config.FEATURE_LEVELS if features != _config.DROPOUT_FEATURES]  # no varlen dropout
     assert len(variants) > 100
-    with ProcessPoolExecutor(2) as pool:
+    # Threads: NVRTC runs outside the GIL, and a forked process would inherit JAX's threads (the
+    # test files share a process under pytest-xdist).
+    with ThreadPoolExecutor(2) as pool:
         for variant, registers, spills in pool.map(_packed_build, variants):
             assert 0 < registers <= 255 and spills == 0, variant
 
