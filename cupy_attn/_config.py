@@ -447,12 +447,13 @@ def forward_tile(head_dim: int, head_dim_v: int, dtype=np.float32, compute_capab
 
 
 def selectable(filename: str, name_expression: str, features: int) -> bool:
-    """Whether forward_tile can choose this variant for a call with these features: all but the
-    wgmma forwards above HOPPER_DROPOUT_HEAD_DIM for a call with dropout."""
-    if not features & DROPOUT or filename != "attention_fwd_wgmma.cu":
+    """Whether a call with these features can run this variant: forward_tile's choice for its head
+    dim (of the wgmma forwards, none above HOPPER_DROPOUT_HEAD_DIM with dropout); every variant of
+    the other files."""
+    if filename != HopperTile.filename:
         return True
-    return all(t.head_dim <= HOPPER_DROPOUT_HEAD_DIM for t in HOPPER_TILES for dtype in TENSOR_CORE_DTYPES
-               if t.name_expression(dtype) == name_expression)
+    return any(forward_tile(t.head_dim, t.head_dim, dtype, 90, features) is t for t in HOPPER_TILES
+               for dtype in TENSOR_CORE_DTYPES if t.name_expression(dtype) == name_expression)
 
 
 def tensor_core_dq_tile(head_dim: int, head_dim_v: int):

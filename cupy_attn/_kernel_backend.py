@@ -243,7 +243,8 @@ def compute_capability(target: str) -> int:
 def forward(problem: Problem, q, k, v, *, target: str):
     p, xp = problem, problem.xp
     check_supported(p, target)
-    tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype, compute_capability(target), score_features(p))
+    module = _module(p)
+    tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype, compute_capability(target), module["features"])
     q, k, v = (_last_dim_contiguous(xp, x) for x in (q, k, v))
     out = _empty(xp, p.out_shape, p.dtype)
     lse = _empty(xp, p.lse_shape, np.float32)
@@ -251,7 +252,6 @@ def forward(problem: Problem, q, k, v, *, target: str):
     # A tile computing fewer value dims per launch than Dv runs once per slice of v and out (views:
     # same strides, shifted base), each launch writing the same lse.
     width = getattr(tile, "value_dim", p.head_dim_v)
-    module = _module(p)
     for d0 in range(0, p.head_dim_v, width):
         d1 = min(d0 + width, p.head_dim_v)
         part = p if (d0, d1) == (0, p.head_dim_v) else dataclasses.replace(p, head_dim_v=d1 - d0)
