@@ -27,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cupy_attn import _compile, _config, _nvrtc, reference  # noqa: E402
 
 HEAD_DIMS = (64, 128)
-# (block_n,) for the forward; (block_m, block_n, stages) for dK/dV. The table's own choice is
-# among them; shared memory stays within sm_90's 227 KB per block. (D = 128 dK/dV at 64 x 64 in
+# (block_m, block_n) for the forward; (block_m, block_n, stages) for dK/dV. The table's own choice
+# is among them; shared memory stays within sm_90's 227 KB per block. (D = 128 dK/dV at 64 x 64 in
 # two stages left the list when the softmax's scale moved into its FFMA: 255 registers and 12
-# bytes spilled.)
-FORWARD_CANDIDATES = {64: (32, 64, 128), 128: (32, 64, 128)}
+# bytes spilled; so did the D = 128 forward at 128 x 64: 108 bytes.)
+FORWARD_CANDIDATES = {64: ((128, 64), (64, 64), (128, 32), (64, 128)), 128: ((64, 64), (64, 32), (64, 128), (128, 32))}
 BACKWARD_CANDIDATES = {64: ((64, 64, 2), (32, 64, 2), (64, 32, 2), (64, 64, 1), (32, 32, 2)),
                        128: ((32, 64, 2), (32, 32, 2), (32, 64, 1), (64, 32, 2))}
 SHARED_LIMIT = 227 * 1024
@@ -46,10 +46,11 @@ def candidates():
     out = []
     for d in HEAD_DIMS:
         own = _table_entry(_config.TENSOR_CORE_TILES, d)
-        # The table's min_blocks goes with its own block_n; other candidates leave registers to ptxas.
-        tiles = [dataclasses.replace(own, block_n=n, min_blocks=own.min_blocks if n == own.block_n else 1, reason="sweep")
-                 for n in FORWARD_CANDIDATES[d]]
-        out += [("fwd", d, t) for t in sorted(tiles, key=lambda t: t.block_n != own.block_n)]
+        # The table's min_blocks goes with its own tile; other candidates leave registers to ptxas.
+        tiles = [dataclasses.replace(own, block_m=m, block_n=n, reason="sweep",
+                                     min_blocks=own.min_blocks if (m, n) == (own.block_m, own.block_n) else 1)
+                 for m, n in FORWARD_CANDIDATES[d]]
+        out += [("fwd", d, t) for t in sorted(tiles, key=lambda t: (t.block_m, t.block_n) != (own.block_m, own.block_n))]
         own = _table_entry(_config.TENSOR_CORE_BACKWARD_TILES, d)
         tiles = [dataclasses.replace(own, block_m=m, block_n=n, stages=s, reason="sweep")
                  for m, n, s in BACKWARD_CANDIDATES[d]]
@@ -59,7 +60,7 @@ def candidates():
 
 
 def describe(pass_: str, tile) -> str:
-    return f"block_n={tile.block_n}" if pass_ == "fwd" else f"block_m={tile.block_m} block_n={tile.block_n} stages={tile.stages}"
+    return f"block_m={tile.block_m} block_n={tile.block_n}" + ("" if pass_ == "fwd" else f" stages={tile.stages}")
 
 
 @contextmanager

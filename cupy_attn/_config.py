@@ -103,14 +103,17 @@ class BackwardTile:
 
 @dataclass(frozen=True)
 class TensorCoreTile:
-    """The fp16/bf16 forward on mma.sync: 64 query rows (4 warps x 16) per block."""
+    """The fp16/bf16 forward on mma.sync: block_m query rows per block of 4 warps (64: one row
+    tile of 16 rows per warp; 128: two, 64 rows apart). The deterministic dQ kernel takes the same
+    tile's block_n, with dq_block_m rows."""
 
     filename: ClassVar[str] = "attention_fwd_tc.cu"
+    dq_block_m: ClassVar[int] = 64  # the deterministic dQ kernel's rows per block: kTcBlockM
 
     head_dim: int
+    block_m: int
     block_n: int
     reason: str
-    block_m: int = 64
     value_slice: int = 0  # value dims per launch when fewer than head_dim (0: all of them)
     min_blocks: int = 1   # blocks per SM ptxas must leave registers for in the plain build (__launch_bounds__)
 
@@ -122,36 +125,40 @@ class TensorCoreTile:
 
     @property
     def shared_bytes(self) -> int:
-        """Q (64, D + 8) + two stages of K (block_n, D + 8) and V (block_n, value_dim + 8), 16-bit;
-        rows padded by 16 bytes for ldmatrix."""
+        """Q (block_m, D + 8) + two stages of K (block_n, D + 8) and V (block_n, value_dim + 8),
+        16-bit; rows padded by 16 bytes for ldmatrix."""
         return 2 * ((self.block_m + 2 * self.block_n) * (self.head_dim + 8) + 2 * self.block_n * (self.value_dim + 8))
 
     def name_expression(self, dtype) -> str:
-        extra = ""
-        if self.value_slice or self.min_blocks != 1:
-            extra = f", {self.value_dim}" + (f", {self.min_blocks}" if self.min_blocks != 1 else "")
-        return f"attention_fwd_tc<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_n}{extra}>"
+        return (f"attention_fwd_tc<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_m}, {self.block_n}, "
+                f"{self.value_dim}, {self.min_blocks}>")
 
     @property
     def dq_shared_bytes(self) -> int:
-        """The deterministic dQ kernel on the same tile: Q, dO (64, D + 8) + K, V (block_n, D + 8),
-        16-bit, and lse, delta (64 floats)."""
-        return 2 * (2 * self.block_m + 2 * self.block_n) * (self.head_dim + 8) + 8 * self.block_m
+        """The deterministic dQ kernel on the same block_n: Q, dO (dq_block_m, D + 8) + K, V
+        (block_n, D + 8), 16-bit, and lse, delta (dq_block_m floats)."""
+        return 2 * (2 * self.dq_block_m + 2 * self.block_n) * (self.head_dim + 8) + 8 * self.dq_block_m
 
     def dq_name(self, dtype) -> str:
         return f"attention_bwd_dq_tc<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_n}>"
 
 
-# Per thread: D/2 float accumulators of O plus block_n/2 of S; FlashAttention-2 uses the same
-# 64-row blocks of 4 warps. D = 256 takes 16-key tiles so that O's 128 accumulators fit and the
-# two K/V stages stay within sm_86's 99 KB.
+# Per thread: (block_m / 64)·(D/2) float accumulators of O plus (block_m / 64)·(block_n/2) of S.
+# FlashAttention-2's choice for D <= 128 on sm_80/sm_90 is 128 query rows per block of 4 warps: each
+# K and V fragment a warp reads from shared memory then serves two MMAs. The SASS audit's path
+# per 64 keys over tensor cycles (fp16, sm_90; bench/RESULTS.md, 2026-12-01, third session): at
+# D = 32 2.30 with 128 rows against 2.81 with 64, at D = 64 1.41 against 1.73, at the price of
+# 168 and 231 registers (3 and 2 blocks per SM, against 4). At D = 128, 128 rows spill (108
+# bytes with 64-key tiles; with 32-key tiles no spill at 255 registers, but 1.25 against 1.15 for
+# 64 x 64), so it keeps 64 rows. D = 256 takes 16-key tiles so that O's 128 accumulators fit and
+# the two K/V stages stay within sm_86's 99 KB. Which wins on a GPU is the next GPU run's to say
+# (bench/tile_sweep.py).
 TENSOR_CORE_TILES = (
-    TensorCoreTile(32, 64, "16 + 32 accumulators per thread; 25 KB shared; 4 blocks per SM asked for", min_blocks=4),
-    TensorCoreTile(64, 64, "32 + 32 accumulators per thread; 45 KB shared; 4 blocks per SM asked for: left to "
-                   "itself ptxas gave sm_90 141 registers (3 blocks), asked it gives 128 without spills", min_blocks=4),
-    TensorCoreTile(128, 64, "64 + 32 accumulators per thread; 85 KB shared"),
-    TensorCoreTile(256, 16, "128 + 8 accumulators per thread; 66 KB shared"),
-    TensorCoreTile(576, 16, "value dims in launches of 256: 128 + 8 accumulators per thread; 126 KB shared (WIDE)",
+    TensorCoreTile(32, 128, 64, "2 x (16 + 32) accumulators per thread; 30 KB shared"),
+    TensorCoreTile(64, 128, 64, "2 x (32 + 32) accumulators per thread; 54 KB shared"),
+    TensorCoreTile(128, 64, 64, "64 + 32 accumulators per thread; 85 KB shared"),
+    TensorCoreTile(256, 64, 16, "128 + 8 accumulators per thread; 66 KB shared"),
+    TensorCoreTile(576, 64, 16, "value dims in launches of 256: 128 + 8 accumulators per thread; 126 KB shared (WIDE)",
                    value_slice=256),
 )
 TENSOR_CORE_DTYPES = (np.dtype(np.float16), BFLOAT16)
@@ -160,32 +167,39 @@ TENSOR_CORE_DTYPES = (np.dtype(np.float16), BFLOAT16)
 @dataclass(frozen=True)
 class HopperTile:
     """The fp16/bf16 forward on wgmma (sm_90a), chosen for compute capability 9.0 (which runs it
-    when asked for: DEFAULT_KERNELS_FOR): one warpgroup per 64 query rows, 64-key tiles, P·V in
-    64-dim instructions (so head dims pad to 64)."""
+    when asked for: DEFAULT_KERNELS_FOR): one warpgroup per 64 query rows, block_n keys per tile
+    (the N of the S instruction), P·V in instructions of up to 128 head dims (head dims pad to 64)."""
 
     filename: ClassVar[str] = "attention_fwd_wgmma.cu"
 
     head_dim: int
+    block_n: int
     reason: str
     block_m: int = 64
-    block_n: int = 64
 
     @property
     def shared_bytes(self) -> int:
-        """Q and two stages of K and of V (64, D each) in the core-matrix layout, 16-bit (V is
-        read there as an MN-major operand: no transposed copy)."""
-        return 2 * 5 * 64 * self.head_dim
+        """Q (64, D) and two stages of K and of V (block_n, D each) in the core-matrix layout,
+        16-bit (V is read there as an MN-major operand: no transposed copy)."""
+        return 2 * (self.block_m + 4 * self.block_n) * self.head_dim
 
     def name_expression(self, dtype) -> str:
-        return f"attention_fwd_wgmma<{CTYPES[np.dtype(dtype)]}, {self.head_dim}>"
+        return f"attention_fwd_wgmma<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_n}>"
 
 
-# Per thread: D/2 floats of O, 32 of S and 16 registers of packed P; shared memory within the
-# 227 KB a block may use on sm_90.
+# Per thread: D/2 floats of O, block_n/2 of S and block_n/4 registers of packed P; shared memory
+# within the 227 KB a block may use on sm_90. The SASS audit's fastest path per 64 keys (fp16,
+# bench/RESULTS.md, 2026-12-01, third session): at D = 64 the softmax's ~4.5 instructions per score
+# outweigh the tensor work, which halves with D while the softmax's does not, so the per-tile
+# rest (staging, barrier, waits, O's rescale) is what a longer tile amortises: 128 keys give
+# issue_per_tensor 1.02 against 1.31 with 64 (211 registers against 151: 2 blocks per SM instead
+# of 3). At D = 128 the 64-key tile is already below 1 (0.81; 128 keys: 0.61, but 231 registers
+# and 144 KB shared, one block of 4 warps per SM, with nothing to hide the serial
+# load-S-softmax-P·V chain of a block), and D = 256 has no registers for more.
 HOPPER_TILES = (
-    HopperTile(64, "32 + 32 accumulators per thread; 40 KB shared"),
-    HopperTile(128, "64 + 32 accumulators per thread; 80 KB shared"),
-    HopperTile(256, "128 + 32 accumulators per thread; 160 KB shared"),
+    HopperTile(64, 128, "32 + 64 accumulators per thread; 72 KB shared"),
+    HopperTile(128, 64, "64 + 32 accumulators per thread; 80 KB shared"),
+    HopperTile(256, 64, "128 + 32 accumulators per thread; 160 KB shared"),
 )
 HOPPER_ARCH = "sm_90a"  # what NVRTC compiles the wgmma kernels for
 

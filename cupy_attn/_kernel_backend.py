@@ -338,8 +338,8 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
             _launch(target, "attention_bwd.cu", dq_tile.dq_name(p.dtype), (_blocks(sq, dq_tile.dq_block_m), h, b),
                     (q, k, v, dout, lse, delta, dq, *common), dq_tile.dq_shared_bytes, **module)
         else:
-            common = _common_args(p, q, k, v, dout, (dq_tile.block_m, dq_tile.block_n))
-            _launch(target, "attention_bwd_tc.cu", dq_tile.dq_name(p.dtype), (_blocks(sq, dq_tile.block_m), h, b),
+            common = _common_args(p, q, k, v, dout, (dq_tile.dq_block_m, dq_tile.block_n))
+            _launch(target, "attention_bwd_tc.cu", dq_tile.dq_name(p.dtype), (_blocks(sq, dq_tile.dq_block_m), h, b),
                     (q, k, v, dout, lse, delta, dq, vectorised, *common), dq_tile.dq_shared_bytes, **module)
     grads = (_from_per_head(p, dq, p.dtype), _from_per_head(p, dk, p.dtype, sum_groups=True),
              _from_per_head(p, dv, p.dtype, sum_groups=True))

@@ -96,7 +96,7 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
     b.row_tiles(p, n0, kBlockN, kBlockM, &m_begin, &m_end);
     // With two stages the next query tile loads while this one is worked on.
     auto stage_queries = [&](int m_block) {
-        const int stage = static_cast<unsigned>(m_block - m_begin) % kStages, m0 = m_block * kBlockM;
+        const int stage = pipeline_stage<kStages>(m_block, m_begin), m0 = m_block * kBlockM;
         stage_async<kBlockM, kHeadDim>(sQ(stage), q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim, vq);
         stage_async<kBlockM, kHeadDim>(sDO(stage), dout + at.o, at.o_row, m0, b.q_rows(p), p.head_dim_v, vdo);
         stage_row_stats(sLse2(stage), sDelta(stage), lse, delta, at.stats, m0, kBlockM, b.q_rows(p));
@@ -104,7 +104,7 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
     };
     if (kStages == 2 && m_begin < m_end) stage_queries(m_begin);
     for (int m_block = m_begin; m_block < m_end; ++m_block) {
-        const int m0 = m_block * kBlockM, stage = static_cast<unsigned>(m_block - m_begin) % kStages;
+        const int m0 = m_block * kBlockM, stage = pipeline_stage<kStages>(m_block, m_begin);
         if (kStages == 1) {
             __syncthreads();  // every warp is done with the previous Q, dO, statistics and dS
             stage_queries(m_block);

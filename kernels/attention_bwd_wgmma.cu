@@ -82,7 +82,7 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const T* q, co
     int m_begin, m_end;
     b.row_tiles(p, n0, kKeys, kBlockM, &m_begin, &m_end);
     auto stage_queries = [&](int m_block) {
-        const int stage = static_cast<unsigned>(m_block - m_begin) % 2, m0 = m_block * kBlockM;
+        const int stage = pipeline_stage<2>(m_block, m_begin), m0 = m_block * kBlockM;
         stage_async<kBlockM, kHeadDim, Rows>(sQ(stage), q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim, vq);
         stage_async<kBlockM, kHeadDim, Rows>(sDO(stage), dout + at.o, at.o_row, m0, b.q_rows(p), p.head_dim_v, vdo);
         stage_row_stats(sLse2(stage), sDelta(stage), lse, delta, at.stats, m0, kBlockM, b.q_rows(p));
@@ -90,7 +90,7 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const T* q, co
     };
     if (m_begin < m_end) stage_queries(m_begin);
     for (int m_block = m_begin; m_block < m_end; ++m_block) {
-        const int m0 = m_block * kBlockM, stage = static_cast<unsigned>(m_block - m_begin) % 2;
+        const int m0 = m_block * kBlockM, stage = pipeline_stage<2>(m_block, m_begin);
         ptx::cp_async_wait<0>();   // this thread's copies of this tile (and of K, V) have landed
         ptx::fence_proxy_async();  // and are visible to wgmma
         // Everyone's copies and statistics are in place, and every warp is done with the previous

@@ -54,6 +54,7 @@ attention_combine(const TPart* out_parts, const float* lse_parts, TOut* out, flo
                 }
             }
         }
+        softmax.gather_sum();
         if (d < head_dim_v) {
             ATTN_COUNT_GLOBAL(out + row * head_dim_v + d, sizeof(TOut));
             out[row * head_dim_v + d] = from_float<TOut>(acc * softmax.inverse_sum());

@@ -134,7 +134,7 @@ __device__ __forceinline__ void decode_block(const Params& p, const T* q, const 
     if (n_begin < n_end) stage_keys(n_begin, 0);
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         const int n0 = n_block * kBlockN;
-        const int stage = kStages == 2 ? (n_block - n_begin) % 2 : 0;
+        const int stage = pipeline_stage<kStages>(n_block, n_begin);
         const T* sK = stage_k(stage);
         const T* sV = stage_v(stage);
         ptx::cp_async_wait<0>();  // this thread's copies of this tile have landed
@@ -205,6 +205,7 @@ __device__ __forceinline__ void decode_block(const Params& p, const T* q, const 
     const bool partial = num_splits > 1;
 #pragma unroll
     for (int t = 0; t < kRowsPerWarp; ++t) {
+        softmax[t].gather_sum();  // every row of the warp, as in the loop: the shuffles need all lanes
         if (t < warp_rows) {
             const int r = warp + kWarps * t, i = query_of(r);
             const HeadView at = head_view(p, BlockInfo(p, head_of(r), bidb), strides);

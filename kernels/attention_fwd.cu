@@ -90,6 +90,7 @@ __device__ __forceinline__ void forward_block(const Params& p, const T* q, const
 
     // Every row of the tile inside the sequence is written, padding rows and fully masked rows
     // included (as 0), so no output element is left unwritten.
+    softmax.gather_sum();  // every lane: the shuffles need the whole warp
     if (i < b.q_rows(p)) {
         const float sink_rescale = softmax.add_sink(sink_log2(p, b));  // before inverse_sum and lse
         const float inv = sink_rescale * softmax.inverse_sum();

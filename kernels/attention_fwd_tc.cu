@@ -1,7 +1,10 @@
 // The tensor-core forward kernel for fp16/bf16: FlashAttention-2's algorithm on mma.sync.
 //
-// One block of 4 warps per (query tile of 64 rows, head, batch entry); each warp owns 16 query
-// rows, so a row's max and sum live in the 4 lanes of one quad and need two shuffles. Q, K and V
+// One block of 4 warps per (query tile of kBlockM rows, head, batch entry): 64 or 128 (the tile
+// table's block_m). Each warp owns kBlockM / 64 row tiles of 16 query rows, 64 rows apart, so a
+// row's max and sum live in the 4 lanes of one quad and need two shuffles; with two row tiles
+// every K and V fragment read from shared memory serves two MMAs (FlashAttention-2's 128-row
+// block). Q, K and V
 // tiles are copied to shared memory with cp.async (rows padded by 16 bytes so ldmatrix is free of
 // bank conflicts) and read into fragments with ldmatrix (transposed for V). S = Q·Kᵀ and O += P·V
 // are m16n8k16 MMAs with float32 accumulators; P never leaves registers: the accumulator layout
@@ -18,41 +21,45 @@
 
 namespace attn {
 
-template <class T, int kHeadDim, int kBlockN, int kHeadDimV>
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kHeadDimV>
 __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, const T* k, const T* v, T* out, float* lse,
                                                  const long long (&strides)[12], int vectorised) {
+    static_assert(kBlockM == 64 || kBlockM == 128, "one or two row tiles of 16 rows per warp");
     constexpr int kStride = TcLayout<kHeadDim>::kStride, kStrideV = TcLayout<kHeadDimV>::kStride;
-    constexpr int kNTiles = kBlockN / 8;    // 8-key column tiles of S
-    constexpr int kDTiles = kHeadDimV / 8;  // 8-dim column tiles of O
+    constexpr int kRowTiles = kBlockM / 64;  // per warp, rows 64m + 16·warp .. + 15 of the block
+    constexpr int kNTiles = kBlockN / 8;     // 8-key column tiles of S
+    constexpr int kDTiles = kHeadDimV / 8;   // 8-dim column tiles of O
     extern __shared__ __align__(16) unsigned char smem_bytes[];
-    // Q (64, kStride), then two stages of K (kBlockN, kStride) and V (kBlockN, kStrideV): while the
-    // warps work on one key tile, cp.async brings the next into the other stage.
+    // Q (kBlockM, kStride), then two stages of K (kBlockN, kStride) and V (kBlockN, kStrideV): while
+    // the warps work on one key tile, cp.async brings the next into the other stage.
     T* sQ = reinterpret_cast<T*>(smem_bytes);
     // (Arithmetic, not an array of stage pointers: a run-time index would put it in local memory.)
-    auto stage_k = [&](int stage) { return sQ + kTcBlockM * kStride + kBlockN * (kStride + kStrideV) * stage; };
+    auto stage_k = [&](int stage) { return sQ + kBlockM * kStride + kBlockN * (kStride + kStrideV) * stage; };
     auto stage_v = [&](int stage) { return stage_k(stage) + kBlockN * kStride; };
 
     const BlockInfo b(p, blockIdx.y, blockIdx.z);
     const ScoreTransform score(p, b);
     const Dropout dropout(p, b);
     const HeadView at = head_view(p, b, strides);
-    const int m0 = blockIdx.x * kTcBlockM;
+    const int m0 = blockIdx.x * kBlockM;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;           // groupID, threadID_in_group
-    const int row_lo = m0 + warp * 16 + g;          // this lane's two rows: row_lo and row_lo + 8
+    const int row_lo = m0 + warp * 16 + g;          // row tile m's two rows: row_lo + 64m and + 8
     const bool vq = vectorised & 1, vk = vectorised & 2, vv = vectorised & 4;
 
-    stage_async<kTcBlockM, kHeadDim>(sQ, q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim, vq);
+    stage_async<kBlockM, kHeadDim>(sQ, q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim, vq);
 
-    float o[kDTiles][4];
-    #pragma unroll
-    for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
-    OnlineSoftmax<4> softmax[2];  // rows row_lo and row_lo + 8
+    float o[kRowTiles][kDTiles][4];
+#pragma unroll
+    for (int m = 0; m < kRowTiles; ++m)
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d) o[m][d][0] = o[m][d][1] = o[m][d][2] = o[m][d][3] = 0.f;
+    OnlineSoftmax<4> softmax[kRowTiles][2];  // rows row_lo + 64m and row_lo + 64m + 8
 
     int n_begin, n_end;
-    b.key_tiles(p, m0, kTcBlockM, kBlockN, &n_begin, &n_end);
+    b.key_tiles(p, m0, kBlockM, kBlockN, &n_begin, &n_end);
     auto stage_keys = [&](int n_block) {
-        const int stage = static_cast<unsigned>(n_block - n_begin) % 2;
+        const int stage = pipeline_stage<2>(n_block, n_begin);
         stage_async<kBlockN, kHeadDim>(stage_k(stage), k + at.k, at.k_row, n_block * kBlockN, b.kv_rows(p), p.head_dim, vk);
         stage_async<kBlockN, kHeadDimV>(stage_v(stage), v + at.v, at.v_row, n_block * kBlockN, b.kv_rows(p), p.head_dim_v, vv);
         ptx::cp_async_commit();
@@ -60,42 +67,49 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     if (n_begin < n_end) stage_keys(n_begin);
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         const int n0 = n_block * kBlockN;
-        const T* sK = stage_k(static_cast<unsigned>(n_block - n_begin) % 2);
-        const T* sV = stage_v(static_cast<unsigned>(n_block - n_begin) % 2);
+        const int stage = pipeline_stage<2>(n_block, n_begin);
+        const T* sK = stage_k(stage);
+        const T* sV = stage_v(stage);
         ptx::cp_async_wait<0>();  // this thread's copies of this tile (and of Q) have landed
         // Everyone's copies have landed, and every warp is done with the previous tile, whose
         // stage the next prefetch overwrites.
         __syncthreads();
         if (n_block + 1 < n_end) stage_keys(n_block + 1);
 
-        // S = Q·Kᵀ for this warp's 16 rows: s[j] holds rows (g, g+8) x keys (8j + 2t, 8j + 2t + 1).
-        float s[kNTiles][4];
+        // S = Q·Kᵀ for this warp's row tiles: s[m][j] holds rows (g, g+8) of row tile m x keys
+        // (8j + 2t, 8j + 2t + 1).
+        float s[kRowTiles][kNTiles][4];
 #pragma unroll
-        for (int j = 0; j < kNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+        for (int m = 0; m < kRowTiles; ++m)
+#pragma unroll
+            for (int j = 0; j < kNTiles; ++j) s[m][j][0] = s[m][j][1] = s[m][j][2] = s[m][j][3] = 0.f;
         mma_rows_by_rows<T, kStride, kHeadDim / 16>(s, sQ, warp * 16, sK, lane);
 
-        const int checks = b.tile_checks(p, m0, kTcBlockM, n0, kBlockN);
-        softmax_tile(s, o, softmax, p, b, score, dropout, row_lo, n0, t, checks);
+        const int checks = b.tile_checks(p, m0, kBlockM, n0, kBlockN);
+#pragma unroll
+        for (int m = 0; m < kRowTiles; ++m)
+            softmax_tile(s[m], o[m], softmax[m], p, b, score, dropout, row_lo + 64 * m, n0, t, checks);
 
         // O += P·V: P stays in registers as the A operand (16 keys per k-step).
         mma_registers_by_rows<T, kStrideV, kBlockN / 16>(o, s, sV, lane);
     }
 
-    store_rows<T>(p, b, at, out, lse, o, softmax, row_lo, t);
+#pragma unroll
+    for (int m = 0; m < kRowTiles; ++m) store_rows<T>(p, b, at, out, lse, o[m], softmax[m], row_lo + 64 * m, t);
 }
 
 }  // namespace attn
 
-// grid (ceil(Sq / 64), H, B), block 128 threads, dynamic shared memory (64 + 2 kBlockN) rows of
-// (kHeadDim + 8) and 2 kBlockN rows of (kHeadDimV + 8) 16-bit elements. vectorised: bit 0/1/2 set
+// grid (ceil(Sq / kBlockM), H, B), block 128 threads, dynamic shared memory (kBlockM + 2 kBlockN)
+// rows of (kHeadDim + 8) and 2 kBlockN rows of (kHeadDimV + 8) 16-bit elements. vectorised: bit 0/1/2 set
 // when q/k/v rows may be copied in 16-byte chunks (16-byte aligned base, strides multiples of 8
 // elements). kHeadDimV < kHeadDim: v and out are a slice of kHeadDimV dims of the value head dims,
 // one launch per slice (O's accumulators are what registers bound; Q and K only take shared memory).
 // kMinBlocks: the blocks per SM ptxas is asked to leave registers for in the plain build (the tile
 // table's min_blocks; builds with more features need more registers and are left to ptxas).
-template <class T, int kHeadDim, int kBlockN, int kHeadDimV = kHeadDim, int kMinBlocks = 1>
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kHeadDimV, int kMinBlocks>
 __global__ void __launch_bounds__(attn::kThreads, attn::ScoreTransform::kPlain ? kMinBlocks : 1)
 attention_fwd_tc(const T* q, const T* k, const T* v, T* out, float* lse, int vectorised, ATTN_PARAMS) {
     ATTN_UNPACK_PARAMS;
-    attn::forward_tc_block<T, kHeadDim, kBlockN, kHeadDimV>(p, q, k, v, out, lse, strides, vectorised);
+    attn::forward_tc_block<T, kHeadDim, kBlockM, kBlockN, kHeadDimV>(p, q, k, v, out, lse, strides, vectorised);
 }

@@ -1,15 +1,16 @@
 // The Hopper (sm_90a) forward for fp16/bf16: FlashAttention-2's algorithm on wgmma.
 //
 // One block is one warpgroup (4 warps, 128 threads) per (64 query rows, head, batch entry). The
-// accumulators of wgmma m64n64k16 give warp w rows 16w..16w+15 in the same layout as mma.sync's,
+// accumulators of wgmma m64nNk16 give warp w rows 16w..16w+15 in the same layout as mma.sync's,
 // so the online softmax, the re-packing of P as an A operand and the epilogue are those of
-// attention_fwd_tc.cu (tc_forward.cuh). Per tile of 64 keys:
+// attention_fwd_tc.cu (tc_forward.cuh). Per tile of kBlockN keys (the tile table's block_n: 64 or
+// 128, the N of the S instruction):
 //   S = Q·Kᵀ     wgmma SS: Q and K in shared memory in the core-matrix layout, copied there by
 //                cp.async (K and V in two stages: the next tile loads during this one); K is
 //                S's B operand K-major (its head dims, the reduced ones, are consecutive)
 //   O += P·V     wgmma RS: P from registers, V from shared memory in the same layout as K, read
 //                as an MN-major B operand (its head dims, N here, are consecutive): no transpose;
-//                64 head dims per instruction
+//                up to 128 head dims per instruction
 // Shared memory written by the generic proxy (cp.async, stores) is fenced to the async proxy
 // before the barrier that precedes the wgmma reading it.
 #include "block_info.cuh"
@@ -23,22 +24,24 @@
 
 namespace attn {
 
-constexpr int kWgmmaKeys = 64;  // keys per tile: N of the S instruction, K of P·V
-constexpr int kWgmmaDims = 64;  // head dims per P·V instruction (its N)
-
-template <class T, int kHeadDim>
+template <class T, int kHeadDim, int kBlockN>
 __device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q, const T* k, const T* v, T* out,
                                                     float* lse, const long long (&strides)[12], int vectorised) {
-    static_assert(kHeadDim % kWgmmaDims == 0, "head-dim tiles are multiples of 64");
+    // Head dims per P·V instruction (its N): all of them up to 128 (one m64n128k16 covers O's 64
+    // accumulators per lane at D = 128), in instructions of 128 beyond.
+    constexpr int kPvDims = kHeadDim < 128 ? kHeadDim : 128;
+    static_assert(kHeadDim % 64 == 0 && kHeadDim % kPvDims == 0, "head-dim tiles are multiples of 64");
+    static_assert(kBlockN == 64 || kBlockN == 128, "S instructions m64n64k16 or m64n128k16");
     using Tile = CoreMatrixLayout<kHeadDim>;  // Q, K and V tiles: rows x head dims
-    constexpr int kNTiles = kWgmmaKeys / 8;  // 8-key column tiles of S
+    constexpr int kNTiles = kBlockN / 8;     // 8-key column tiles of S
     constexpr int kDTiles = kHeadDim / 8;    // 8-dim column tiles of O
+    constexpr unsigned kStageBytes = sizeof(T) * kBlockN * kHeadDim;  // one stage of K or of V
     extern __shared__ __align__(128) unsigned char smem_bytes[];
-    // Q (64 x kHeadDim), K stages 0 and 1, V stages 0 and 1 (64 x kHeadDim each). Stages by
+    // Q (64 x kHeadDim), K stages 0 and 1, V stages 0 and 1 (kBlockN x kHeadDim each). Stages by
     // arithmetic: a run-time index into a pointer array would put it in local memory.
     T* sQ = reinterpret_cast<T*>(smem_bytes);
-    auto stage_k = [&](int stage) { return sQ + (kTcBlockM + kWgmmaKeys * stage) * kHeadDim; };
-    auto stage_v = [&](int stage) { return stage_k(2) + kWgmmaKeys * kHeadDim * stage; };
+    auto stage_k = [&](int stage) { return sQ + (kTcBlockM + kBlockN * stage) * kHeadDim; };
+    auto stage_v = [&](int stage) { return stage_k(2) + kBlockN * kHeadDim * stage; };
 
     const BlockInfo b(p, blockIdx.y, blockIdx.z);
     const ScoreTransform score(p, b);
@@ -49,7 +52,12 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q,
     const int row_lo = m0 + warp * 16 + lane / 4;  // this lane's two rows: row_lo and row_lo + 8
     const bool vq = vectorised & 1, vk = vectorised & 2, vv = vectorised & 4;
 
+    // Descriptors built once per block; a tile's stage and a k-step's columns are offsets added to
+    // them. V is read MN-major: the 8-key core-matrix rows (Tile's SBO apart) are the K direction
+    // (LBO), the 8-dim core matrices (Tile's LBO apart) the N direction (SBO).
     const unsigned long long q_desc = ptx::wgmma_descriptor(sQ, Tile::kLbo, Tile::kSbo);
+    const unsigned long long k_desc0 = ptx::wgmma_descriptor(stage_k(0), Tile::kLbo, Tile::kSbo);
+    const unsigned long long v_desc0 = ptx::wgmma_descriptor(stage_v(0), Tile::kSbo, Tile::kLbo);
     stage_async<kTcBlockM, kHeadDim, Tile>(sQ, q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim, vq);
 
     float o[kDTiles][4];
@@ -59,37 +67,35 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q,
     OnlineSoftmax<4> softmax[2];
 
     int n_begin, n_end;
-    b.key_tiles(p, m0, kTcBlockM, kWgmmaKeys, &n_begin, &n_end);
+    b.key_tiles(p, m0, kTcBlockM, kBlockN, &n_begin, &n_end);
     auto stage_keys = [&](int n_block) {
-        const int stage = static_cast<unsigned>(n_block - n_begin) % 2;
-        stage_async<kWgmmaKeys, kHeadDim, Tile>(stage_k(stage), k + at.k, at.k_row, n_block * kWgmmaKeys, b.kv_rows(p),
-                                                p.head_dim, vk);
-        stage_async<kWgmmaKeys, kHeadDim, Tile>(stage_v(stage), v + at.v, at.v_row, n_block * kWgmmaKeys, b.kv_rows(p),
-                                                p.head_dim_v, vv);
+        const int stage = pipeline_stage<2>(n_block, n_begin);
+        stage_async<kBlockN, kHeadDim, Tile>(stage_k(stage), k + at.k, at.k_row, n_block * kBlockN, b.kv_rows(p),
+                                             p.head_dim, vk);
+        stage_async<kBlockN, kHeadDim, Tile>(stage_v(stage), v + at.v, at.v_row, n_block * kBlockN, b.kv_rows(p),
+                                             p.head_dim_v, vv);
         ptx::cp_async_commit();
     };
     if (n_begin < n_end) stage_keys(n_begin);
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
-        const int n0 = n_block * kWgmmaKeys;
-        // Descriptors built once per tile and advanced by constant offsets within it.
-        const unsigned long long k_desc = ptx::wgmma_descriptor(stage_k(static_cast<unsigned>(n_block - n_begin) % 2), Tile::kLbo, Tile::kSbo);
-        // V read MN-major: the 8-key core-matrix rows (Tile's SBO apart) are the K direction
-        // (LBO), the 8-dim core matrices (Tile's LBO apart) the N direction (SBO).
-        const unsigned long long v_desc = ptx::wgmma_descriptor(stage_v(static_cast<unsigned>(n_block - n_begin) % 2), Tile::kSbo, Tile::kLbo);
+        const int n0 = n_block * kBlockN;
+        const unsigned stage_bytes = pipeline_stage<2>(n_block, n_begin) * kStageBytes;
+        const unsigned long long k_desc = ptx::descriptor_plus(k_desc0, stage_bytes);
+        const unsigned long long v_desc = ptx::descriptor_plus(v_desc0, stage_bytes);
         ptx::cp_async_wait<0>();    // this thread's copies of this tile (and of Q) have landed
         ptx::fence_proxy_async();   // and are visible to wgmma
         // Everyone's copies have landed, and every warp is done with the previous tile, whose
         // stage the next prefetch overwrites.
         __syncthreads();
 
-        // S = Q·Kᵀ (64 rows x 64 keys for the warpgroup), 16 head dims per instruction.
+        // S = Q·Kᵀ (64 rows x kBlockN keys for the warpgroup), 16 head dims per instruction.
         float s[kNTiles][4];
         float(&s_flat)[4 * kNTiles] = reinterpret_cast<float(&)[4 * kNTiles]>(s);
         ptx::fence_operands(s_flat);
         ptx::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk)
-            ptx::wgmma_m64k16_ss<T, kWgmmaKeys, ptx::Major::K>(
+            ptx::wgmma_m64k16_ss<T, kBlockN, ptx::Major::K>(
                 s_flat, ptx::descriptor_plus(q_desc, sizeof(T) * Tile::offset(0, 16 * kk)),
                 ptx::descriptor_plus(k_desc, sizeof(T) * Tile::offset(0, 16 * kk)), kk > 0);
         ptx::wgmma_commit();
@@ -97,25 +103,25 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q,
         ptx::wgmma_wait<0>();  // S is in registers
         ptx::fence_operands(s_flat);
 
-        const int checks = b.tile_checks(p, m0, kTcBlockM, n0, kWgmmaKeys);
+        const int checks = b.tile_checks(p, m0, kTcBlockM, n0, kBlockN);
         softmax_tile(s, o, softmax, p, b, score, dropout, row_lo, n0, t, checks);
 
         // O += P·V: P re-packed as A fragments (16 keys each), all of them before the first
-        // instruction reads them asynchronously; each instruction covers 64 head dims.
-        unsigned pa[kWgmmaKeys / 16][4];
+        // instruction reads them asynchronously; each instruction covers kPvDims head dims.
+        unsigned pa[kBlockN / 16][4];
 #pragma unroll
-        for (int kk = 0; kk < kWgmmaKeys / 16; ++kk) accumulators_as_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
-        unsigned(&pa_flat)[kWgmmaKeys / 4] = reinterpret_cast<unsigned(&)[kWgmmaKeys / 4]>(pa);
+        for (int kk = 0; kk < kBlockN / 16; ++kk) accumulators_as_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
+        unsigned(&pa_flat)[kBlockN / 4] = reinterpret_cast<unsigned(&)[kBlockN / 4]>(pa);
         ptx::fence_operands(pa_flat);
         ptx::fence_operands(o_flat);
         ptx::wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kWgmmaKeys / 16; ++kk)
+        for (int kk = 0; kk < kBlockN / 16; ++kk)
 #pragma unroll
-            for (int c = 0; c < kHeadDim / kWgmmaDims; ++c)
-                ptx::wgmma_m64k16_rs<T, kWgmmaDims, ptx::Major::MN>(
-                    reinterpret_cast<float(&)[32]>(o_flat[c * kWgmmaDims / 2]), pa[kk],
-                    ptx::descriptor_plus(v_desc, sizeof(T) * Tile::offset(16 * kk, c * kWgmmaDims)), 1);
+            for (int c = 0; c < kHeadDim / kPvDims; ++c)
+                ptx::wgmma_m64k16_rs<T, kPvDims, ptx::Major::MN>(
+                    reinterpret_cast<float(&)[kPvDims / 2]>(o_flat[c * kPvDims / 2]), pa[kk],
+                    ptx::descriptor_plus(v_desc, sizeof(T) * Tile::offset(16 * kk, c * kPvDims)), 1);
         ptx::wgmma_commit();
         ptx::wgmma_wait<0>();  // O is in registers before the next tile rescales it
         ptx::fence_operands(o_flat);
@@ -127,12 +133,12 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q,
 
 }  // namespace attn
 
-// grid (ceil(Sq / 64), H, B), block 128 threads (one warpgroup), dynamic shared memory: Q and
-// two stages of K and of V (64 x kHeadDim each), 16-bit. vectorised: bit 0/1/2 set when q/k/v rows may be copied in 16-byte
-// chunks. Compiled for sm_90a only.
-template <class T, int kHeadDim>
+// grid (ceil(Sq / 64), H, B), block 128 threads (one warpgroup), dynamic shared memory: Q (64 x
+// kHeadDim) and two stages of K and of V (kBlockN x kHeadDim each), 16-bit. vectorised: bit
+// 0/1/2 set when q/k/v rows may be copied in 16-byte chunks. Compiled for sm_90a only.
+template <class T, int kHeadDim, int kBlockN>
 __global__ void __launch_bounds__(attn::kThreads, 1)
 attention_fwd_wgmma(const T* q, const T* k, const T* v, T* out, float* lse, int vectorised, ATTN_PARAMS) {
     ATTN_UNPACK_PARAMS;
-    attn::forward_wgmma_block<T, kHeadDim>(p, q, k, v, out, lse, strides, vectorised);
+    attn::forward_wgmma_block<T, kHeadDim, kBlockN>(p, q, k, v, out, lse, strides, vectorised);
 }

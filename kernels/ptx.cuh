@@ -375,6 +375,7 @@ __device__ __forceinline__ void wgmma_wait() {
 // The asm of each shape and form, the element type ("f16" or "bf16") spliced into the opcode.
 #define WGMMA_ACCUMULATORS_32 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 #define WGMMA_ACCUMULATORS_64 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define WGMMA_ACCUMULATORS_128 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 #define WGMMA_SS_32(TYPE) \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" \
                  "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, " \
@@ -385,6 +386,11 @@ __device__ __forceinline__ void wgmma_wait() {
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
                  "%32, %33, p, 1, 1, 0, %35;\n}\n" \
                  : WGMMA_ACCUMULATORS_64 : "l"(a_desc), "l"(b_desc), "r"(scale_d), "n"(kTransB))
+#define WGMMA_SS_128(TYPE) \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
+                 "%64, %65, p, 1, 1, 0, %67;\n}\n" \
+                 : WGMMA_ACCUMULATORS_128 : "l"(a_desc), "l"(b_desc), "r"(scale_d), "n"(kTransB))
 #define WGMMA_RS_32(TYPE) \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n" \
                  "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, " \
@@ -398,26 +404,35 @@ __device__ __forceinline__ void wgmma_wait() {
                  : WGMMA_ACCUMULATORS_64 \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d), "n"(kTransB))
 
+#define WGMMA_RS_128(TYPE) \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
+                 "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n" \
+                 : WGMMA_ACCUMULATORS_128 \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d), "n"(kTransB))
+
 // How B (16 x N) lies in its core matrices: K-major, each 16-byte line one column n of B with 8
 // consecutive k (K of Q·Kᵀ as it lies in memory), or MN-major, each line one k with 8
 // consecutive n (V of P·V, dO and Q of the backward's Pᵀ·dO and dSᵀ·Q as they lie in memory):
 // the instruction's imm-trans-b, which 16-bit types allow, so no shared-memory transpose is needed.
 enum class Major { K = 0, MN = 1 };
 
-// SS form: A (K-major) and B (kMajorB) from shared memory; N (32 or 64) columns, N / 2
+// SS form: A (K-major) and B (kMajorB) from shared memory; N (32, 64 or 128) columns, N / 2
 // accumulators per lane. scale_d = 0 overwrites d, 1 accumulates.
 template <class T, int N, Major kMajorB>
 __device__ __forceinline__ void wgmma_m64k16_ss(float (&d)[N / 2], unsigned long long a_desc, unsigned long long b_desc,
                                                 int scale_d) {
-    static_assert(N == 32 || N == 64, "wgmma shapes m64n32k16 and m64n64k16");
+    static_assert(N == 32 || N == 64 || N == 128, "wgmma shapes m64n32k16, m64n64k16 and m64n128k16");
     constexpr int kTransB = kMajorB == Major::MN;
 #ifdef __CUDA_ARCH__
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr bool kHalf = is_same<T, __half>::value;
     if constexpr (N == 32) {
         if constexpr (kHalf) WGMMA_SS_32("f16"); else WGMMA_SS_32("bf16");
-    } else {
+    } else if constexpr (N == 64) {
         if constexpr (kHalf) WGMMA_SS_64("f16"); else WGMMA_SS_64("bf16");
+    } else {
+        if constexpr (kHalf) WGMMA_SS_128("f16"); else WGMMA_SS_128("bf16");
     }
 #else
     static_assert(sizeof(T) == 0, "wgmma needs the sm_90a target (-arch=sm_90a)");
@@ -435,15 +450,17 @@ __device__ __forceinline__ void wgmma_m64k16_ss(float (&d)[N / 2], unsigned long
 template <class T, int N, Major kMajorB>
 __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const u32 (&a)[4], unsigned long long b_desc,
                                                 int scale_d) {
-    static_assert(N == 32 || N == 64, "wgmma shapes m64n32k16 and m64n64k16");
+    static_assert(N == 32 || N == 64 || N == 128, "wgmma shapes m64n32k16, m64n64k16 and m64n128k16");
     constexpr int kTransB = kMajorB == Major::MN;
 #ifdef __CUDA_ARCH__
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr bool kHalf = is_same<T, __half>::value;
     if constexpr (N == 32) {
         if constexpr (kHalf) WGMMA_RS_32("f16"); else WGMMA_RS_32("bf16");
-    } else {
+    } else if constexpr (N == 64) {
         if constexpr (kHalf) WGMMA_RS_64("f16"); else WGMMA_RS_64("bf16");
+    } else {
+        if constexpr (kHalf) WGMMA_RS_128("f16"); else WGMMA_RS_128("bf16");
     }
 #else
     static_assert(sizeof(T) == 0, "wgmma needs the sm_90a target (-arch=sm_90a)");
@@ -460,7 +477,10 @@ __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const u32 (&a
 #undef WGMMA_SS_64
 #undef WGMMA_RS_32
 #undef WGMMA_RS_64
+#undef WGMMA_SS_128
+#undef WGMMA_RS_128
 #undef WGMMA_ACCUMULATORS_32
 #undef WGMMA_ACCUMULATORS_64
+#undef WGMMA_ACCUMULATORS_128
 
 }  // namespace ptx

@@ -19,10 +19,18 @@ __device__ __forceinline__ float row_reduce_sum(float x) {
 
 template <int kLanes>
 struct OnlineSoftmax {
-    float row_max = -infinity();  // running max of the base-2 scores seen so far
-    float row_sum = 0.f;          // running sum of exp2(score - row_max)
+    float row_max = -infinity();  // running max of the base-2 scores seen so far (the whole row's)
+    // Running sum of exp2(score - row_max): over this lane's columns only until gather_sum, then
+    // over the row. Every lane rescales its share by the same factor, so the shuffles that add
+    // the shares are paid once per row, not once per tile (as FlashAttention-2 does).
+    float row_sum = 0.f;
 
-    // Fold an attention sink into the finished row: a base-2 logit that joins the denominator
+    // Add up the row's lanes' shares of the sum, after the last tile and before add_sink,
+    // inverse_sum or lse. Every lane of the warp together (a shuffle), rows inside the sequence
+    // or not.
+    __device__ __forceinline__ void gather_sum() { row_sum = row_reduce_sum<kLanes>(row_sum); }
+
+    // Fold an attention sink into the gathered row: a base-2 logit that joins the denominator
     // with no value attached (gpt-oss). After the key loop, so the loop carries no trace of it.
     // Returns the factor by which the row's accumulator must be scaled to the new max (1 without
     // a sink, sink2 = -inf). A row that attended nothing (max -inf, sum 0) gets max = sink,
@@ -55,15 +63,15 @@ struct OnlineSoftmax {
             tile_sum += s[c];
         }
         float rescale = exp2f(row_max - shift);  // 0 when row_max is -inf
-        row_sum = row_sum * rescale + row_reduce_sum<kLanes>(tile_sum);
+        row_sum = row_sum * rescale + tile_sum;
         row_max = new_max;
         return rescale;
     }
 
-    // 1 / row_sum, or 0 for a row that attended nothing (its output is 0, never 0/0 = NaN).
+    // After gather_sum: 1 / row_sum, or 0 for a row that attended nothing (its output is 0, never 0/0 = NaN).
     __device__ __forceinline__ float inverse_sum() const { return row_sum > 0.f ? 1.f / row_sum : 0.f; }
 
-    // Natural-log logsumexp of the row's scores; -inf for a row that attended nothing.
+    // After gather_sum: the natural-log logsumexp of the row's scores; -inf for a row that attended nothing.
     __device__ __forceinline__ float lse() const {
         return row_sum > 0.f ? (row_max + log2f(row_sum)) * kLn2 : -infinity();
     }

@@ -51,6 +51,7 @@ __device__ __forceinline__ void store_rows(const Params& p, const BlockInfo& b, 
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int i = row_lo + 8 * r;
+        softmax[r].gather_sum();  // every lane: the shuffles need the whole warp
         if (i >= b.q_rows(p)) continue;
         const float sink_rescale = softmax[r].add_sink(sink_log2(p, b));  // before inverse_sum and lse
         const float inv = sink_rescale * softmax[r].inverse_sum();

@@ -7,7 +7,7 @@
 
 namespace attn {
 
-constexpr int kTcBlockM = 64;  // query rows per block of the tensor-core kernels: 4 warps x 16
+constexpr int kTcBlockM = 64;  // query rows per block of the tensor-core kernels (4 warps x 16) but the mma.sync forward
 
 template <int kHeadDim>
 struct TcLayout {
@@ -158,44 +158,72 @@ __device__ __forceinline__ void accumulators_as_a(unsigned (&a)[4], const float 
     a[3] = pack_pair<T>(hi[2], hi[3]);
 }
 
-// acc (16 x 8·kNTiles) += A·Bᵀ over kKSteps·16 columns, for A = rows [a_row0, a_row0 + 16) of
-// a_tile and B = rows [0, 8·kNTiles) of b_tile, both row-major along the reduced dimension
-// (Q·Kᵀ, K·Qᵀ, dO·Vᵀ, ...). acc[j] holds rows (g, g+8) x columns (8j + 2t, +1).
-template <class T, int kStride, int kKSteps, int kNTiles>
-__device__ __forceinline__ void mma_rows_by_rows(float (&acc)[kNTiles][4], const T* a_tile, int a_row0, const T* b_tile,
-                                                 int lane) {
+// acc[m] (16 x 8·kNTiles) += A_m·Bᵀ over kKSteps·16 columns, for A_m = rows [a_row0 + 64m,
+// a_row0 + 64m + 16) of a_tile and B = rows [0, 8·kNTiles) of b_tile, both row-major along the
+// reduced dimension (Q·Kᵀ, K·Qᵀ, dO·Vᵀ, ...). acc[m][j] holds rows (g, g+8) x columns (8j + 2t,
+// +1) of row tile m. Each B fragment is read once per k-step for all kRowTiles row tiles: a warp
+// holding 32 query rows (FlashAttention-2's 128-row block of 4 warps) issues half the ldmatrix
+// per MMA that one holding 16 does.
+template <class T, int kStride, int kKSteps, int kRowTiles, int kNTiles>
+__device__ __forceinline__ void mma_rows_by_rows(float (&acc)[kRowTiles][kNTiles][4], const T* a_tile, int a_row0,
+                                                 const T* b_tile, int lane) {
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) {
-        unsigned a[4];
-        ptx::ldmatrix<4>(a, a_address<kStride>(a_tile, a_row0, kk * 16, lane));
+        unsigned a[kRowTiles][4];
+#pragma unroll
+        for (int m = 0; m < kRowTiles; ++m) ptx::ldmatrix<4>(a[m], a_address<kStride>(a_tile, a_row0 + 64 * m, kk * 16, lane));
 #pragma unroll
         for (int j = 0; j < kNTiles; j += 2) {
             unsigned bf[4];  // B fragments of column tiles j (bf[0..1]) and j + 1 (bf[2..3])
             ptx::ldmatrix<4>(bf, b_address<kStride>(b_tile, j * 8, kk * 16, lane));
-            ptx::mma_m16n8k16<T>(acc[j], a, {bf[0], bf[1]}, acc[j]);
-            ptx::mma_m16n8k16<T>(acc[j + 1], a, {bf[2], bf[3]}, acc[j + 1]);
+#pragma unroll
+            for (int m = 0; m < kRowTiles; ++m) {
+                ptx::mma_m16n8k16<T>(acc[m][j], a[m], {bf[0], bf[1]}, acc[m][j]);
+                ptx::mma_m16n8k16<T>(acc[m][j + 1], a[m], {bf[2], bf[3]}, acc[m][j + 1]);
+            }
         }
     }
 }
 
-// acc (16 x 8·kNTiles) += P·B, for P the 16 x 16·kKSteps accumulators of an earlier MMA (rounded
-// to T and re-packed as A operands: FlashAttention-2's register-resident P) and B = rows
-// [0, 16·kKSteps) of b_tile, read transposed (P·V, Pᵀ·dO, dS·K, ...).
+// One row tile: acc (16 x 8·kNTiles) += A·Bᵀ for A = rows [a_row0, a_row0 + 16) of a_tile.
 template <class T, int kStride, int kKSteps, int kNTiles>
-__device__ __forceinline__ void mma_registers_by_rows(float (&acc)[kNTiles][4], const float (&p)[2 * kKSteps][4],
-                                                      const T* b_tile, int lane) {
+__device__ __forceinline__ void mma_rows_by_rows(float (&acc)[kNTiles][4], const T* a_tile, int a_row0, const T* b_tile,
+                                                 int lane) {
+    mma_rows_by_rows<T, kStride, kKSteps>(reinterpret_cast<float(&)[1][kNTiles][4]>(acc), a_tile, a_row0, b_tile, lane);
+}
+
+// acc[m] (16 x 8·kNTiles) += P_m·B, for P_m the 16 x 16·kKSteps accumulators of an earlier MMA
+// (rounded to T and re-packed as A operands: FlashAttention-2's register-resident P) and B = rows
+// [0, 16·kKSteps) of b_tile, read transposed (P·V, Pᵀ·dO, dS·K, ...), once per k-step for all
+// kRowTiles row tiles.
+template <class T, int kStride, int kKSteps, int kRowTiles, int kNTiles>
+__device__ __forceinline__ void mma_registers_by_rows(float (&acc)[kRowTiles][kNTiles][4],
+                                                      const float (&p)[kRowTiles][2 * kKSteps][4], const T* b_tile,
+                                                      int lane) {
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) {
-        unsigned a[4];
-        accumulators_as_a<T>(a, p[2 * kk], p[2 * kk + 1]);
+        unsigned a[kRowTiles][4];
+#pragma unroll
+        for (int m = 0; m < kRowTiles; ++m) accumulators_as_a<T>(a[m], p[m][2 * kk], p[m][2 * kk + 1]);
 #pragma unroll
         for (int j = 0; j < kNTiles; j += 2) {
             unsigned bf[4];  // B fragments of column tiles j (bf[0..1]) and j + 1 (bf[2..3])
             ptx::ldmatrix<4, true>(bf, a_address<kStride>(b_tile, kk * 16, j * 8, lane));
-            ptx::mma_m16n8k16<T>(acc[j], a, {bf[0], bf[1]}, acc[j]);
-            ptx::mma_m16n8k16<T>(acc[j + 1], a, {bf[2], bf[3]}, acc[j + 1]);
+#pragma unroll
+            for (int m = 0; m < kRowTiles; ++m) {
+                ptx::mma_m16n8k16<T>(acc[m][j], a[m], {bf[0], bf[1]}, acc[m][j]);
+                ptx::mma_m16n8k16<T>(acc[m][j + 1], a[m], {bf[2], bf[3]}, acc[m][j + 1]);
+            }
         }
     }
+}
+
+// One row tile: acc (16 x 8·kNTiles) += P·B.
+template <class T, int kStride, int kKSteps, int kNTiles>
+__device__ __forceinline__ void mma_registers_by_rows(float (&acc)[kNTiles][4], const float (&p)[2 * kKSteps][4],
+                                                      const T* b_tile, int lane) {
+    mma_registers_by_rows<T, kStride, kKSteps>(reinterpret_cast<float(&)[1][kNTiles][4]>(acc),
+                                               reinterpret_cast<const float(&)[1][2 * kKSteps][4]>(p), b_tile, lane);
 }
 
 }  // namespace attn

@@ -70,6 +70,20 @@ def test_sequence_lengths(schedule, sq, sk, causal):
     check(q, k, v, np.float32, causal=causal)
 
 
+@pytest.mark.parametrize("d", [32, 64])
+@pytest.mark.parametrize("sq,sk", [(1, 203), (7, 7), (113, 203), (203, 113), (257, 31)])
+@pytest.mark.parametrize("causal", [False, True, "top_left"])
+def test_row_tiles_of_the_128_row_forward(schedule, d, sq, sk, causal):
+    """The mma.sync forward at D <= 64 takes 128 query rows per block, two row tiles of 16 rows
+    per warp, 64 rows apart: blocks whose second row tile is partly or wholly past the sequence,
+    and causal rows of one warp that see different key tiles."""
+    assert _config.forward_tile(d, d, np.float16).block_m == 128
+    rng = np.random.default_rng(sq * 11 + sk + d)
+    for dtype in (np.dtype(np.float16), BF16):
+        q, k, v = random_qkv(rng, b=1, h=2, hkv=1, sq=sq, sk=sk, d=d, dtype=dtype)
+        check(q, k, v, dtype, causal=causal)
+
+
 @pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=str)
@@ -143,9 +157,9 @@ def test_compute_capability_selects_the_forward(monkeypatch):
     real_function = _compile.function
     monkeypatch.setattr(_compile, "function", lambda target, f, name, **kw: launched.append(name) or real_function(target, f, name, **kw))
     q, k, v = random_qkv(np.random.default_rng(13), d=64, dtype=np.float16)
-    for capability, dtype, kernel in ((90, np.float16, "attention_fwd_wgmma<__half, 64>"),
-                                      (90, BF16, "attention_fwd_wgmma<__nv_bfloat16, 64>"),
-                                      (80, np.float16, "attention_fwd_tc<__half, 64, 64, 64, 4>"),
+    for capability, dtype, kernel in ((90, np.float16, "attention_fwd_wgmma<__half, 64, 128>"),
+                                      (90, BF16, "attention_fwd_wgmma<__nv_bfloat16, 64, 128>"),
+                                      (80, np.float16, "attention_fwd_tc<__half, 64, 128, 64, 64, 1>"),
                                       (90, np.float32, "attention_fwd<float, 64, 64, 64, 2>")):
         monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", capability)
         launched.clear()
@@ -158,8 +172,8 @@ def test_environment_chooses_the_compute_capability(monkeypatch):
     real_function = _compile.function
     monkeypatch.setattr(_compile, "function", lambda target, f, name, **kw: launched.append(name) or real_function(target, f, name, **kw))
     q, k, v = random_qkv(np.random.default_rng(14), d=64, dtype=np.float16)
-    for value, kernel in (("90", "attention_fwd_wgmma<__half, 64>"), ("80", "attention_fwd_tc<__half, 64, 64, 64, 4>"),
-                          ("", "attention_fwd_tc<__half, 64, 64, 64, 4>")):
+    for value, kernel in (("90", "attention_fwd_wgmma<__half, 64, 128>"), ("80", "attention_fwd_tc<__half, 64, 128, 64, 64, 1>"),
+                          ("", "attention_fwd_tc<__half, 64, 128, 64, 64, 1>")):
         monkeypatch.setenv("CUPY_ATTN_COMPUTE_CAPABILITY", value)
         launched.clear()
         check(q, k, v, np.dtype(np.float16))

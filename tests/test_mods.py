@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import cupy_attn
-from cupy_attn import _compile, _kernel_backend, reference
+from cupy_attn import _compile, _config, _kernel_backend, reference
 from cupy_attn.mods import ModCompileError
 from helpers import BF16, check_forward_and_backward, random_qkv
 from test_kernel_forward import poisoned_outputs, schedule  # noqa: F401 (fixtures)
@@ -259,8 +259,12 @@ def test_block_mask_changes_which_tiles_run_not_the_result(rng, schedule, monkey
 
 
 def test_a_block_mask_skips_the_empty_tiles(rng):
-    """Documents of 32 tokens in 256: each 64-row query tile reads K and V of one key tile with
-    the block mask, of all four without it (the emulator's global-memory counters)."""
+    """Documents of 32 tokens in 256: each query tile (block_m rows, 64 or 128) reads K and V of
+    the block_m / 64 key tiles of 64 its documents span with the block mask, of all four without
+    it (the emulator's global-memory counters)."""
+    tile = _config.forward_tile(64, 64, np.float16)
+    assert tile.block_n == 64 and tile.block_m in (64, 128)
+    query_tiles = 256 // tile.block_m
     from cupy_attn.emulator._counters import counting
 
     doc = np.repeat(np.arange(8, dtype=np.int32), 32)[None]
@@ -274,7 +278,7 @@ def test_a_block_mask_skips_the_empty_tiles(rng):
         staged.append(sum(s.actual for s in counters.sites if s.space == "global" and s.site.startswith("tc_tile.cuh")))
         np.testing.assert_allclose(out, cupy_attn.attention(q, k, v, mask_mod=mod), rtol=2e-3, atol=2e-3)
     q_sectors, tile_sectors = 4 * 64 * 64 * 2 // 32, 2 * 64 * 64 * 2 // 32  # 4 query tiles; K and V of one key tile
-    assert staged == [q_sectors + 4 * 4 * tile_sectors, q_sectors + 4 * tile_sectors]
+    assert staged == [q_sectors + query_tiles * 4 * tile_sectors, q_sectors + 4 * tile_sectors]
 
 
 def test_bad_block_masks(rng):
@@ -298,15 +302,17 @@ def test_full_tiles_skip_the_mask_mod(rng):
     mask is built from) does not. Key 5 lies in a tile the block mask calls full for entry 0, so
     the kernels there never evaluate the C expression and attend key 5; entry 1's tile with key 5
     is partial, so there the C expression removes it."""
-    doc = np.stack([np.repeat([0, 1], [100, 50]), np.repeat([0, 1], [3, 147])]).astype(np.int32)
+    tile = _config.forward_tile(64, 64, np.float16)
+    m = tile.block_m  # entry 0's first document covers the first query tile and a bit more
+    doc = np.stack([np.repeat([0, 1], [m + 2, 148 - m]), np.repeat([0, 1], [3, 147])]).astype(np.int32)
     mod = cupy_attn.MaskMod("doc(b, q_idx) == doc(b, kv_idx) && kv_idx != 5",
                             lambda b, h, q_idx, kv_idx, doc: doc[b, q_idx] == doc[b, kv_idx], tensors={"doc": doc})
     q, k, v = random_qkv(rng, b=2, h=1, sq=150, sk=150, d=64, dtype=np.float16)
     blocks = cupy_attn.block_mask(mod, 2, 1, 150, 150)
-    assert blocks.tiles(64, 64)[1][:, 0, 0, 0].tolist() == [True, False]
+    assert blocks.tiles(m, tile.block_n)[1][:, 0, 0, 0].tolist() == [True, False]
     out = cupy_attn.attention(q, k, v, block_mask=blocks, backend="emulator")
     twin_only, _ = reference.attention(q, k, v, mask_mod=mod)
     c_too, _ = reference.attention(q, k, v, mask=(doc[:, None, :, None] == doc[:, None, None, :]) & (np.arange(150) != 5))
-    np.testing.assert_allclose(out[0, :, :64], twin_only[0, :, :64], rtol=2e-3, atol=2e-3)
-    np.testing.assert_allclose(out[1, :, 3:64], c_too[1, :, 3:64], rtol=2e-3, atol=2e-3)
-    assert not np.allclose(twin_only[0, :, :64], c_too[0, :, :64], rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(out[0, :, :m], twin_only[0, :, :m], rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(out[1, :, 3:m], c_too[1, :, 3:m], rtol=2e-3, atol=2e-3)
+    assert not np.allclose(twin_only[0, :, :m], c_too[0, :, :m], rtol=2e-3, atol=2e-3)

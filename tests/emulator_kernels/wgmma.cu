@@ -1,11 +1,14 @@
 #include "ptx.cuh"
-// wgmma.mma_async m64nNk16 (N = 32, 64) in both forms, one warpgroup. Operands are placed in shared memory
-// with plain C++ following the no-swizzle canonical layouts (A K-major, B K-major or MN-major),
-// with deliberately unusual strides (A: LBO 256, SBO 512 bytes; B: LBO 1024, SBO 128 bytes) so the
+// wgmma.mma_async m64nNk16 (N = 32, 64, 128) in both forms, one warpgroup. Operands are placed in shared
+// memory with plain C++ following the no-swizzle canonical layouts (A K-major, B K-major or MN-major),
+// with deliberately unusual strides (A: LBO 256, SBO 512 bytes; B: LBO 1024 bytes, 2048 for N = 128
+// whose 16 row groups fill that, SBO 128 bytes) so the
 // descriptor decoding is exercised; -DWRONG_LAYOUT passes LBO and SBO swapped, -DWRONG_MAJOR tells
 // the instruction the other major-ness of B than the one it was placed in: both must give a wrong
 // result.
-constexpr unsigned kLboA = 256, kSboA = 512, kLboB = 1024, kSboB = 128;
+constexpr unsigned kLboA = 256, kSboA = 512, kSboB = 128;
+template <int N>
+constexpr unsigned kLboB = N <= 64 ? 1024 : 16 * N;
 
 // Byte offset of element (row, k) in the K-major layout with these strides (row: the M or N index).
 __device__ unsigned k_major(int row, int k, unsigned lbo, unsigned sbo) {
@@ -42,11 +45,11 @@ __global__ void wgmma(const T* A, const T* B, const float* C, float* D, int wait
     unsigned char* sA = smem;          // 8 row groups x 512 bytes
     unsigned char* sB = smem + 4096;   // 8 row groups x 128 bytes, K halves 1024 bytes apart
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-    for (int i = tid; i < 64 * 16; i += 128) {
+    for (int i = tid; i < (N > 64 ? N : 64) * 16; i += 128) {
         const int m = i / 16, k = i % 16;
-        memcpy(sA + k_major(m, k, kLboA, kSboA), &A[m * 16 + k], 2);
+        if (m < 64) memcpy(sA + k_major(m, k, kLboA, kSboA), &A[m * 16 + k], 2);
         // element (n = m, k) of B, at B[k][m]
-        if (m < N) memcpy(sB + (kMnMajorB ? mn_major : k_major)(m, k, kLboB, kSboB), &B[k * N + m], 2);
+        if (m < N) memcpy(sB + (kMnMajorB ? mn_major : k_major)(m, k, kLboB<N>, kSboB), &B[k * N + m], 2);
     }
     __syncthreads();
     float d[N / 2];
@@ -59,10 +62,10 @@ __global__ void wgmma(const T* A, const T* B, const float* C, float* D, int wait
             const int row = 16 * warp + g + 8 * (r & 1), col = 2 * t + 8 * (r >> 1);
             a[r] = static_cast<unsigned>(A[row * 16 + col].__x) | static_cast<unsigned>(A[row * 16 + col + 1].__x) << 16;
         }
-        ptx::wgmma_m64k16_rs<T, N, kInstructionMajor<kMnMajorB>>(d, a, descriptor(sB, kLboB, kSboB), 1);
+        ptx::wgmma_m64k16_rs<T, N, kInstructionMajor<kMnMajorB>>(d, a, descriptor(sB, kLboB<N>, kSboB), 1);
     } else {
         ptx::wgmma_m64k16_ss<T, N, kInstructionMajor<kMnMajorB>>(d, descriptor(sA, kLboA, kSboA),
-                                                                  descriptor(sB, kLboB, kSboB), 1);
+                                                                  descriptor(sB, kLboB<N>, kSboB), 1);
     }
     ptx::wgmma_commit();
     if (waits) ptx::wgmma_wait<0>();
