@@ -147,8 +147,10 @@ class TensorCoreTile:
 # FlashAttention-2's choice for D <= 128 on sm_80/sm_90 is 128 query rows per block of 4 warps: each
 # K and V fragment a warp reads from shared memory then serves two MMAs. The SASS audit's path
 # per 64 keys over tensor cycles (fp16, sm_90; bench/RESULTS.md, 2026-12-01, third session): at
-# D = 32 2.30 with 128 rows against 2.81 with 64, at D = 64 1.41 against 1.73, at the price of
-# 168 and 231 registers (3 and 2 blocks per SM, against 4). At D = 128, 128 rows spill (108
+# D = 32 2.29 with 128 rows against 2.81 with 64, at D = 64 1.40 against 1.73, at the price of
+# 168 and 231 registers (3 and 2 blocks per SM, against 4); at D = 64 a call with ALiBi and a
+# mask spills 4-36 bytes in 7 of its 48 feature builds on sm_80/sm_90 (a GPU run weighs that
+# against the 64-row tile's longer path). At D = 128, 128 rows spill (108
 # bytes with 64-key tiles; with 32-key tiles no spill at 255 registers, but 1.25 against 1.15 for
 # 64 x 64), so it keeps 64 rows. D = 256 takes 16-key tiles so that O's 128 accumulators fit and
 # the two K/V stages stay within sm_86's 99 KB. Which wins on a GPU is the next GPU run's to say
@@ -192,7 +194,7 @@ class HopperTile:
 # bench/RESULTS.md, 2026-12-01, third session): at D = 64 the softmax's ~4.5 instructions per score
 # outweigh the tensor work, which halves with D while the softmax's does not, so the per-tile
 # rest (staging, barrier, waits, O's rescale) is what a longer tile amortises: 128 keys give
-# issue_per_tensor 1.02 against 1.31 with 64 (211 registers against 151: 2 blocks per SM instead
+# issue_per_tensor 1.01 against 1.31 with 64 (211 registers against 151: 2 blocks per SM instead
 # of 3). At D = 128 the 64-key tile is already below 1 (0.81; 128 keys: 0.61, but 231 registers
 # and 144 KB shared, one block of 4 warps per SM, with nothing to hide the serial
 # load-S-softmax-P·V chain of a block), and D = 256 has no registers for more.

@@ -47,8 +47,6 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     const int row_lo = m0 + warp * 16 + g;          // row tile m's two rows: row_lo + 64m and + 8
     const bool vq = vectorised & 1, vk = vectorised & 2, vv = vectorised & 4;
 
-    stage_async<kBlockM, kHeadDim>(sQ, q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim, vq);
-
     float o[kRowTiles][kDTiles][4];
 #pragma unroll
     for (int m = 0; m < kRowTiles; ++m)
@@ -64,7 +62,10 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
         stage_async<kBlockN, kHeadDimV>(stage_v(stage), v + at.v, at.v_row, n_block * kBlockN, b.kv_rows(p), p.head_dim_v, vv);
         ptx::cp_async_commit();
     };
-    if (n_begin < n_end) stage_keys(n_begin);
+    if (n_begin < n_end) {  // Q only then: the epilogue stages O in Q's rows, where no copy may still land
+        stage_async<kBlockM, kHeadDim>(sQ, q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim, vq);
+        stage_keys(n_begin);
+    }
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         const int n0 = n_block * kBlockN;
         const int stage = pipeline_stage<2>(n_block, n_begin);
@@ -95,7 +96,8 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     }
 
 #pragma unroll
-    for (int m = 0; m < kRowTiles; ++m) store_rows<T>(p, b, at, out, lse, o[m], softmax[m], row_lo + 64 * m, t);
+    for (int m = 0; m < kRowTiles; ++m)  // O through this warp's rows of Q
+        store_rows<T>(p, b, at, out, lse, o[m], softmax[m], row_lo + 64 * m, lane, sQ + (64 * m + 16 * warp) * kStride);
 }
 
 }  // namespace attn

@@ -58,7 +58,6 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q,
     const unsigned long long q_desc = ptx::wgmma_descriptor(sQ, Tile::kLbo, Tile::kSbo);
     const unsigned long long k_desc0 = ptx::wgmma_descriptor(stage_k(0), Tile::kLbo, Tile::kSbo);
     const unsigned long long v_desc0 = ptx::wgmma_descriptor(stage_v(0), Tile::kSbo, Tile::kLbo);
-    stage_async<kTcBlockM, kHeadDim, Tile>(sQ, q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim, vq);
 
     float o[kDTiles][4];
 #pragma unroll
@@ -76,7 +75,10 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q,
                                              p.head_dim_v, vv);
         ptx::cp_async_commit();
     };
-    if (n_begin < n_end) stage_keys(n_begin);
+    if (n_begin < n_end) {  // Q only then: the epilogue stages O in Q's rows, where no copy may still land
+        stage_async<kTcBlockM, kHeadDim, Tile>(sQ, q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim, vq);
+        stage_keys(n_begin);
+    }
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         const int n0 = n_block * kBlockN;
         const unsigned stage_bytes = pipeline_stage<2>(n_block, n_begin) * kStageBytes;
@@ -128,7 +130,9 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q,
         ptx::fence_operands(pa_flat);
     }
 
-    store_rows<T>(p, b, at, out, lse, o, softmax, row_lo, t);
+    // O through this warp's rows of Q (16 of the core-matrix layout: 16·kHeadDim contiguous elements),
+    // dead once its last S is in registers: every other warp's S reads only its own rows of Q.
+    store_rows<T>(p, b, at, out, lse, o, softmax, row_lo, lane, sQ + 16 * warp * kHeadDim);
 }
 
 }  // namespace attn
