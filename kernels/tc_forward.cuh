@@ -99,7 +99,7 @@ __device__ __forceinline__ void store_rows(const Params& p, const BlockInfo& b, 
             continue;
         }
         for (int e = 0; e < 8 && col + e < p.head_dim_v; ++e) {
-            ATTN_COUNT_GLOBAL(dst + e, sizeof(T));
+            ATTN_COUNT_GLOBAL(dst + e, sizeof(T)); ATTN_COUNT_SHARED(src + e, sizeof(T));
             dst[e] = src[e];
         }
     }
