@@ -7,7 +7,7 @@
 
 namespace attn {
 
-constexpr int kTcBlockM = 64;  // query rows per block of the tensor-core kernels (4 warps x 16) but the mma.sync forward
+constexpr int kTcBlockM = 64;  // query rows per block (4 warps x 16) of the tensor-core kernels other than the mma.sync forward
 
 template <int kHeadDim>
 struct TcLayout {
