@@ -121,7 +121,7 @@ inline float descriptor_element(unsigned long long desc, int row, int k, bool mn
     const size_t in_core = mn_major ? (k % 8) * 16 + (row % 8) * 2 : (row % 8) * 16 + (k % 8) * 2;
     const size_t offset = start + (row / 8) * sbo + (k / 8) * lbo + in_core;
     T value;
-    memcpy(&value.__x, ::emu::shared_pointer(offset, 2, "wgmma operand"), 2);
+    memcpy(&value.__x, ::emu::async_shared_pointer(offset, 2, "wgmma operand"), 2);  // through the async proxy
     return float(value);
 }
 
@@ -295,8 +295,8 @@ __device__ __forceinline__ float ex2_approx(float x) {
 // contiguous bytes; LBO = bytes between core matrices along K, SBO = along M/N): A always K-major,
 // B K-major or MN-major (Major below).
 // The results are defined only after wgmma_wait covers their group; the emulator writes them
-// then. Not modelled by the emulator: the async-proxy fence between generic writes of shared
-// memory and wgmma reads of it (fence_proxy_async), and wgmma_fence's register ordering.
+// then, reading the operands as the async proxy sees them (poison where no fence_proxy_async
+// published the generic writes). Not modelled by the emulator: wgmma_fence's register ordering.
 
 // The shared-window address of a pointer into shared memory.
 __device__ __forceinline__ u32 shared_address(const void* p) {
@@ -336,6 +336,8 @@ __device__ __forceinline__ void wgmma_fence() {
 __device__ __forceinline__ void fence_proxy_async() {
 #ifdef __CUDA_ARCH__
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#else
+    ::emu::fence_proxy_async();
 #endif
 }
 
@@ -369,6 +371,123 @@ __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(Pending) : "memory");
 #else
     ::emu::deferred_wait(Pending, "wgmma.wait_group");
+#endif
+}
+
+// ---- Hopper (sm_90) synchronisation: mbarriers, named barriers, elect, setmaxnreg -------------
+// An mbarrier is an 8-byte object in shared memory (8-byte aligned) that counts arrivals and
+// transaction bytes per phase: a phase completes when `count` arrivals came (count from
+// mbarrier_init) and every byte announced by expect-tx has been completed (by TMA copies, or
+// mbarrier_complete_tx); then the phase bit flips and the next phase expects `count` again. A
+// wait names the phase by its parity: waiting for parity p returns once the phase in progress
+// has the other parity, so a thread must never fall two phases behind (the emulator reports it).
+// One thread initialises; a block barrier must follow before any other thread uses the object.
+
+__device__ __forceinline__ void mbarrier_init(unsigned long long* bar, u32 count) {
+#ifdef __CUDA_ARCH__
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(shared_address(bar)), "r"(count) : "memory");
+#else
+    ::emu::mbarrier_init(bar, count);
+#endif
+}
+
+// One arrival (release: this thread's earlier writes are visible to threads its phase releases).
+__device__ __forceinline__ void mbarrier_arrive(unsigned long long* bar) {
+#ifdef __CUDA_ARCH__
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(shared_address(bar)) : "memory");
+#else
+    ::emu::mbarrier_arrive(bar, 0, true, "mbarrier.arrive");
+#endif
+}
+
+// Announce `bytes` that asynchronous copies will complete in this phase, and arrive once.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned long long* bar, u32 bytes) {
+#ifdef __CUDA_ARCH__
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(shared_address(bar)), "r"(bytes)
+                 : "memory");
+#else
+    ::emu::mbarrier_arrive(bar, bytes, true, "mbarrier.arrive.expect_tx");
+#endif
+}
+
+// Count `bytes` of this phase's transactions as done, as a TMA copy does when it lands.
+__device__ __forceinline__ void mbarrier_complete_tx(unsigned long long* bar, u32 bytes) {
+#ifdef __CUDA_ARCH__
+    asm volatile("mbarrier.complete_tx.shared::cta.b64 [%0], %1;\n" :: "r"(shared_address(bar)), "r"(bytes) : "memory");
+#else
+    ::emu::mbarrier_complete_tx(bar, bytes, "mbarrier.complete_tx");
+#endif
+}
+
+// Whether the phase of this parity completed, without waiting.
+__device__ __forceinline__ bool mbarrier_test_wait(unsigned long long* bar, u32 parity) {
+#ifdef __CUDA_ARCH__
+    u32 done;
+    asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(shared_address(bar)), "r"(parity) : "memory");
+    return done != 0;
+#else
+    return ::emu::mbarrier_test_wait(bar, parity);
+#endif
+}
+
+// Wait (acquire) until the phase of this parity completed: try_wait suspends the thread for a
+// while in hardware, and the loop retries until it returns true.
+__device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, u32 parity) {
+#ifdef __CUDA_ARCH__
+    asm volatile("{\n.reg .pred done;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n@!done bra WAIT;\n}\n"
+                 :: "r"(shared_address(bar)), "r"(parity) : "memory");
+#else
+    ::emu::mbarrier_wait(bar, parity);
+#endif
+}
+
+// Named barrier `id` (1..15; 0 is __syncthreads'), completed by `count` threads (a multiple of
+// 32, whole warps): named_barrier_sync arrives and waits, named_barrier_arrive only arrives (a
+// producer's signal to the threads that sync).
+__device__ __forceinline__ void named_barrier_sync(u32 id, u32 count) {
+#ifdef __CUDA_ARCH__
+    asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(count) : "memory");
+#else
+    ::emu::named_barrier(id, count, true);
+#endif
+}
+
+__device__ __forceinline__ void named_barrier_arrive(u32 id, u32 count) {
+#ifdef __CUDA_ARCH__
+    asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(count) : "memory");
+#else
+    ::emu::named_barrier(id, count, false);
+#endif
+}
+
+// True in exactly one lane of `mask` (which must include the calling lane and be executed by all
+// of its lanes), always the same for the same mask; which one is not specified.
+__device__ __forceinline__ bool elect_one(u32 mask = 0xffffffffu) {
+#ifdef __CUDA_ARCH__
+    u32 elected;
+    asm volatile("{\n.reg .pred p;\nelect.sync _|p, %1;\nselp.u32 %0, 1, 0, p;\n}\n" : "=r"(elected) : "r"(mask));
+    return elected != 0;
+#else
+    return ::emu::elect(mask);
+#endif
+}
+
+// setmaxnreg: this warpgroup's per-thread register count becomes kCount (24..256, a multiple of
+// 8), raised (kIncrease) from or lowered to the pool the block shares; all four warps of the
+// warpgroup execute the same one. Producer warps lower theirs so that consumer warps can raise.
+template <int kCount, bool kIncrease>
+__device__ __forceinline__ void set_max_registers() {
+    static_assert(kCount >= 24 && kCount <= 256 && kCount % 8 == 0, "setmaxnreg takes 24..256 registers, a multiple of 8");
+#ifdef __CUDA_ARCH__
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (kIncrease) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(kCount));
+    else asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(kCount));
+#else
+    static_assert(kCount == 0, "setmaxnreg needs the sm_90a target (-arch=sm_90a)");
+#endif
+#else
+    ::emu::set_max_registers(kCount, kIncrease);
 #endif
 }
 

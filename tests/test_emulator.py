@@ -424,6 +424,17 @@ def test_wgmma_results_land_only_at_the_wait():
     np.testing.assert_array_equal(D, C)  # without wgmma.wait_group the accumulators are not written
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_wgmma_without_the_proxy_fence_reads_poison(schedule):
+    # Generic stores of the operands are invisible to wgmma's async proxy until fence.proxy.async.
+    mod = module("wgmma.cu", ["-DNO_FENCE"], names=WGMMA_NAMES)
+    A, B = np.ones((64, 16), np.float16), np.ones((16, 64), np.float16)
+    C, D = np.zeros((64, 64), np.float32), np.zeros((64, 64), np.float32)
+    mod.get_function("wgmma<__half, false, 64, false>")(1, 128, (A, B, C, D, I32(1)), shared_mem=8192,
+                                                        schedule=schedule)
+    assert np.isnan(D).all()
+
+
 def test_wgmma_operand_beyond_shared_memory_fails():
     # With LBO and SBO swapped, B's descriptor reaches past the 8 KB the operands occupy.
     mod = module("wgmma.cu", ["-DWRONG_LAYOUT"], names=WGMMA_NAMES)

@@ -1,9 +1,9 @@
-"""Barrier mutations: removing any __syncthreads / __syncwarp (or cp.async / wgmma wait) from an
-attention kernel must make some emulated case fail in some schedule (a barrier that is only
-defensive would say so in a comment and be listed here as such; there are none).
+"""Barrier mutations: removing any __syncthreads / __syncwarp (or cp.async / wgmma wait, or the
+fence.proxy.async that makes generic writes of shared memory visible to wgmma) from an attention
+kernel must make some emulated case fail in some schedule (a barrier that is only defensive would
+say so in a comment and be listed here as such; there are none).
 
-Not covered, because the emulator does not model them: fence.proxy.async (generic-proxy writes
-of shared memory made visible to wgmma) and wgmma.fence (register ordering around wgmma)."""
+Not covered, because the emulator does not model it: wgmma.fence (register ordering around wgmma)."""
 import numpy as np
 import pytest
 
@@ -12,7 +12,8 @@ from cupy_attn import _compile, _config, _kernel_backend
 from cupy_attn.emulator import RawModule
 from helpers import random_qkv
 
-BARRIERS = ("__syncthreads();", "__syncwarp();", "ptx::cp_async_wait<0>();", "ptx::wgmma_wait<0>();")
+BARRIERS = ("__syncthreads();", "__syncwarp();", "ptx::cp_async_wait<0>();", "ptx::wgmma_wait<0>();",
+            "ptx::fence_proxy_async();")
 KERNEL_FILES = ("attention_fwd.cu", "attention_fwd_tc.cu", "attention_fwd_wgmma.cu", "attention_bwd.cu",
                 "attention_bwd_tc.cu", "attention_bwd_wgmma.cu", "attention_decode.cu")
 

@@ -5,7 +5,7 @@
 // whose 16 row groups fill that, SBO 128 bytes) so the
 // descriptor decoding is exercised; -DWRONG_LAYOUT passes LBO and SBO swapped, -DWRONG_MAJOR tells
 // the instruction the other major-ness of B than the one it was placed in: both must give a wrong
-// result.
+// result. -DNO_FENCE leaves out the proxy fence, so wgmma reads poison.
 constexpr unsigned kLboA = 256, kSboA = 512, kSboB = 128;
 template <int N>
 constexpr unsigned kLboB = N <= 64 ? 1024 : 16 * N;
@@ -51,6 +51,9 @@ __global__ void wgmma(const T* A, const T* B, const float* C, float* D, int wait
         // element (n = m, k) of B, at B[k][m]
         if (m < N) memcpy(sB + (kMnMajorB ? mn_major : k_major)(m, k, kLboB<N>, kSboB), &B[k * N + m], 2);
     }
+#ifndef NO_FENCE
+    ptx::fence_proxy_async();  // the stores above, for wgmma's reads through the async proxy
+#endif
     __syncthreads();
     float d[N / 2];
     for (int j = 0; j < N / 8; ++j)

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "emu_async.h"
 #include "emu_runtime.h"
 
 #define __CUDA_EMULATOR__ 1

@@ -6,6 +6,7 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <numeric>
@@ -22,7 +23,8 @@
 
 namespace emu {
 
-enum class State : unsigned char { Ready, AtBarrier, AtWarp, Done };
+// AtMbarrier and AtNamedBarrier: waiting for an mbarrier's phase or a named barrier (emu_async.h).
+enum class State : unsigned char { Ready, AtBarrier, AtWarp, AtMbarrier, AtNamedBarrier, Done };
 // Between synchronisation points threads run in thread order, in reverse, in a random order per
 // round, or warp by warp (each warp runs alone until it waits at a block barrier or exits,
 // lowest or highest warp first): the warp schedules let one warp race far ahead of the others,
@@ -60,6 +62,29 @@ struct Fiber {
     std::vector<DeferredWarpOp> deferred_ops;
     unsigned deferred_groups_committed = 0;
     AccessLog log;  // counted memory accesses, when the launch counts them
+    // What an AtMbarrier or AtNamedBarrier thread waits for: the mbarrier's shared offset and the
+    // phase number, or the named barrier's id.
+    unsigned waits_on = 0;
+    long long waits_for_phase = 0;
+    // Per mbarrier (shared offset): the last phase this thread saw completed by a wait (-1: the
+    // phase before the first, which counts as completed), to tell which phase a parity means.
+    std::map<unsigned, long long> phase_seen;
+};
+
+// An mbarrier object's state (PTX ISA, "mbarrier"): the arrivals each phase expects, those still
+// pending in the current phase, the transaction count (bytes announced by expect-tx and not yet
+// completed) and the number of the phase in progress (0 after init; its parity is the phase bit).
+struct Mbarrier {
+    unsigned expected = 0, pending = 0;
+    long long tx = 0;
+    long long phase = 0;
+};
+
+// A named barrier (bar.sync / bar.arrive with an id and a thread count): the count of the
+// current generation and which threads arrived in it.
+struct NamedBarrier {
+    unsigned count = 0, arrived = 0;
+    std::vector<bool> arrivals;
 };
 
 // The last lane of `mask` to arrive computes the collective for all: `fn` gets every lane's
@@ -99,6 +124,14 @@ struct Block {
     std::vector<Fiber> fibers;
     std::vector<std::vector<Collective>> warps;  // pending collectives per warp
     unsigned char* dynamic_shared = nullptr;
+    // What the async proxy (wgmma and TMA reads of shared memory) sees: dynamic shared memory as of
+    // the last fence.proxy.async, poison until the first (emu_async.h). Allocated on first use.
+    std::vector<unsigned char> async_shared;
+    std::map<unsigned, Mbarrier> mbarriers;  // by shared offset
+    NamedBarrier named[16];
+    std::vector<unsigned> warp_registers;  // setmaxnreg's per-thread count per warp; 0: as compiled
+    struct WarpgroupRequest { unsigned count = 0, warps = 0; bool increase = false; };
+    std::vector<WarpgroupRequest> register_requests;  // per warpgroup: the setmaxnreg its warps are in
     Context scheduler;
     unsigned live = 0;
     int barrier_result = 0;
@@ -155,6 +188,8 @@ inline std::string lane_list(unsigned bits) {
     return s;
 }
 
+inline std::string async_waits_report(const Block& b);  // emu_async.h
+
 // Why nothing can run: name each waiting collective, the lanes it misses and where they are.
 inline std::string deadlock_report(const Block& b) {
     std::string report = "deadlock in " + block_name(b) + ":";
@@ -162,23 +197,26 @@ inline std::string deadlock_report(const Block& b) {
     for (const Fiber& f : b.fibers) at_barrier += f.state == State::AtBarrier;
     for (size_t w = 0; w < b.warps.size(); ++w) {
         for (const Collective& c : b.warps[w]) {
-            unsigned missing = c.mask & ~c.arrived, exited = 0, barrier = 0, other = 0;
+            unsigned missing = c.mask & ~c.arrived, exited = 0, barrier = 0, other = 0, async_wait = 0;
             for (int l = 0; l < 32; ++l) {
                 if (!(missing >> l & 1u)) continue;
                 size_t t = w * 32 + l;
                 if (t >= b.fibers.size()) { exited |= 1u << l; continue; }  // lane does not exist
                 State s = b.fibers[t].state;
-                (s == State::Done ? exited : s == State::AtBarrier ? barrier : other) |= 1u << l;
+                (s == State::Done ? exited : s == State::AtBarrier ? barrier
+                 : s == State::AtMbarrier || s == State::AtNamedBarrier ? async_wait : other) |= 1u << l;
             }
             report += format(" warp %zu waits in %s with mask 0x%08x; missing lanes [%s]", w, c.what, c.mask,
                              lane_list(missing).c_str());
             if (exited) report += " (exited or absent: [" + lane_list(exited) + "])";
             if (barrier) report += " (at __syncthreads: [" + lane_list(barrier) + "])";
             if (other) report += " (in another warp collective: [" + lane_list(other) + "])";
+            if (async_wait) report += " (at an mbarrier or named barrier: [" + lane_list(async_wait) + "])";
             report += ";";
         }
     }
-    if (at_barrier) report += format(" %u thread(s) wait at __syncthreads for threads stuck in warp collectives;", at_barrier);
+    report += async_waits_report(b);
+    if (at_barrier) report += format(" %u thread(s) wait at __syncthreads for threads stuck elsewhere;", at_barrier);
     report.pop_back();
     return report;
 }

@@ -1,0 +1,296 @@
+// The emulator's Hopper synchronisation and proxies: mbarriers (arrivals, transaction counts,
+// phases), named barriers, elect.sync, setmaxnreg and the async proxy's view of shared memory.
+// kernels/ptx.cuh's emulated twins call these; each misuse the PTX ISA leaves undefined, and that
+// the emulator can see, fails the block with a message naming it.
+#pragma once
+#include "emu_runtime.h"
+
+namespace emu {
+
+// ---- the async proxy's view of shared memory --------------------------------------------------
+// wgmma and TMA read shared memory through the async proxy, which sees generic-proxy writes
+// (plain stores, cp.async) only after a fence.proxy.async. The emulator keeps a second copy of the
+// block's dynamic shared memory for it: poison (0xff) until the first fence, and at each fence a
+// copy of the generic view. A thread's fence publishes every generic write made so far, also other
+// threads' not yet fenced ones; so a missing fence shows as poison only if no later fence covers
+// it, which the schedules vary (an under-approximation of the PTX memory model, never an excess).
+
+inline std::vector<unsigned char>& async_view() {
+    Block* b = tl_block;
+    if (b->async_shared.empty()) b->async_shared.assign(std::max<size_t>(b->launch->shared_bytes, 1), 0xff);
+    return b->async_shared;
+}
+
+inline void fence_proxy_async() {
+    std::vector<unsigned char>& view = async_view();
+    std::memcpy(view.data(), tl_block->dynamic_shared, tl_block->launch->shared_bytes);
+}
+
+// `bytes` of shared memory at `offset` as the async proxy reads them.
+inline const unsigned char* async_shared_pointer(size_t offset, size_t bytes, const char* what) {
+    Block* b = tl_block;
+    if (offset + bytes > b->launch->shared_bytes)
+        fail(format("%s reads shared bytes [%zu, %zu) beyond the block's %zu", what, offset, offset + bytes,
+                    b->launch->shared_bytes));
+    return async_view().data() + offset;
+}
+
+// ---- mbarrier ---------------------------------------------------------------------------------
+// The state lives in Block::mbarriers, keyed by the object's shared offset; the object's 8 bytes
+// hold a canary, so a store that overwrites a live mbarrier is reported at its next use.
+constexpr unsigned long long kMbarrierCanary = 0x4d42415252494552ull;  // "MBARRIER"
+
+inline unsigned mbarrier_offset(const void* bar, const char* what) {
+    const unsigned offset = shared_offset(bar, what);
+    if (offset % 8) fail(format("%s: the mbarrier at shared offset %u is not 8-byte aligned", what, offset));
+    if (offset + 8 > tl_block->launch->shared_bytes)
+        fail(format("%s: the mbarrier at shared offset %u does not fit in shared memory", what, offset));
+    return offset;
+}
+
+inline Mbarrier& mbarrier_at(unsigned offset, const char* what) {
+    Block* b = tl_block;
+    auto it = b->mbarriers.find(offset);
+    if (it == b->mbarriers.end())
+        fail(format("%s: no mbarrier is initialised at shared offset %u (mbarrier.init, then a barrier, must come "
+                    "first)", what, offset));
+    unsigned long long canary;
+    std::memcpy(&canary, b->dynamic_shared + offset, 8);
+    if (canary != kMbarrierCanary)
+        fail(format("%s: the mbarrier at shared offset %u was overwritten by a store to its 8 bytes", what, offset));
+    return it->second;
+}
+
+inline void mbarrier_init(void* bar, unsigned count) {
+    Block* b = tl_block;
+    const unsigned offset = mbarrier_offset(bar, "mbarrier.init");
+    if (count < 1 || count >= (1u << 20))
+        fail(format("mbarrier.init: the arrival count %u is outside [1, 2^20 - 1]", count));
+    for (const Fiber& f : b->fibers)
+        if (f.state == State::AtMbarrier && f.waits_on == offset)
+            fail(format("mbarrier.init: threads still wait on the mbarrier at shared offset %u", offset));
+    b->mbarriers[offset] = Mbarrier{count, count, 0, 0};
+    for (Fiber& f : b->fibers) f.phase_seen.erase(offset);
+    std::memcpy(b->dynamic_shared + offset, &kMbarrierCanary, 8);
+}
+
+// The phase completes when every expected arrival came and every announced byte landed: the
+// phase number advances (flipping the phase bit) and the waiters on the completed phase go on.
+inline void mbarrier_try_complete(unsigned offset, Mbarrier& m) {
+    if (m.pending || m.tx) return;
+    m.phase++;
+    m.pending = m.expected;
+    for (Fiber& f : tl_block->fibers)
+        if (f.state == State::AtMbarrier && f.waits_on == offset && f.waits_for_phase < m.phase) f.state = State::Ready;
+}
+
+// expect_tx adds `bytes` to the transaction count; arrive also counts one arrival.
+inline void mbarrier_arrive(void* bar, unsigned expect_tx_bytes, bool arrive, const char* what) {
+    const unsigned offset = mbarrier_offset(bar, what);
+    Mbarrier& m = mbarrier_at(offset, what);
+    if (expect_tx_bytes >= (1u << 20)) fail(format("%s: %u bytes exceed the transaction count's range", what, expect_tx_bytes));
+    m.tx += expect_tx_bytes;
+    if (arrive) m.pending--;
+    mbarrier_try_complete(offset, m);
+}
+
+// What a TMA copy (or mbarrier.complete_tx) does when `bytes` of it landed.
+inline void mbarrier_complete_tx(void* bar, unsigned bytes, const char* what) {
+    const unsigned offset = mbarrier_offset(bar, what);
+    Mbarrier& m = mbarrier_at(offset, what);
+    m.tx -= bytes;
+    mbarrier_try_complete(offset, m);
+}
+
+// The phase a wait with `parity` means to this thread: the one it last saw completed if the
+// parity is that one's, else the next. The hardware compares the parity with the phase in
+// progress only, so a wait is invalid once the barrier has completed the meant phase and the one
+// after it: the same parity then names a later phase (the wait would block for it) or the
+// thread skipped a phase. Both are reported.
+inline long long mbarrier_meant_phase(unsigned offset, const Mbarrier& m, unsigned parity, const char* what) {
+    auto& seen = tl_fiber->phase_seen;
+    const auto it = seen.find(offset);
+    const long long last = it == seen.end() ? -1 : it->second;
+    const long long meant = (last & 1) == static_cast<long long>(parity & 1) ? last : last + 1;
+    if (meant < m.phase - 1)
+        fail(format("%s: invalid phase use: parity %u means phase %lld to this thread, but the mbarrier at shared "
+                    "offset %u has completed phases up to %lld, so its parity names another phase", what, parity & 1,
+                    meant, offset, m.phase - 1));
+    return meant;
+}
+
+// mbarrier.test_wait.parity: whether the meant phase completed, without blocking.
+inline bool mbarrier_test_wait(const void* bar, unsigned parity) {
+    const char* what = "mbarrier.test_wait.parity";
+    const unsigned offset = mbarrier_offset(bar, what);
+    const Mbarrier& m = mbarrier_at(offset, what);
+    const long long meant = mbarrier_meant_phase(offset, m, parity, what);
+    if (meant >= m.phase) return false;
+    tl_fiber->phase_seen[offset] = meant;
+    return true;
+}
+
+// A loop on mbarrier.try_wait.parity: the thread sleeps until the meant phase completed.
+inline void mbarrier_wait(const void* bar, unsigned parity) {
+    const char* what = "mbarrier.try_wait.parity";
+    const unsigned offset = mbarrier_offset(bar, what);
+    const long long meant = mbarrier_meant_phase(offset, mbarrier_at(offset, what), parity, what);
+    Fiber* f = tl_fiber;
+    if (meant >= tl_block->mbarriers[offset].phase) {
+        f->waits_on = offset;
+        f->waits_for_phase = meant;
+        f->state = State::AtMbarrier;
+        yield_to_scheduler();
+        mbarrier_at(offset, what);  // still the same object
+    }
+    f->phase_seen[offset] = meant;
+}
+
+// ---- named barriers ---------------------------------------------------------------------------
+// bar.sync / bar.arrive id, count: `count` threads (a multiple of 32) complete a generation;
+// bar.sync waits for it, bar.arrive does not. Id 0 is __syncthreads' barrier, which the emulator
+// keeps apart, so kernels use 1..15.
+inline void named_barrier(unsigned id, unsigned count, bool wait) {
+    Block* b = tl_block;
+    Fiber* f = tl_fiber;
+    const char* what = wait ? "bar.sync" : "bar.arrive";
+    if (id < 1 || id > 15) fail(format("%s: barrier id %u is not in 1..15 (0 is __syncthreads')", what, id));
+    if (count < 32 || count % 32 || count > b->fibers.size())
+        fail(format("%s %u: the thread count %u is not a multiple of 32 in [32, %zu]", what, id, count, b->fibers.size()));
+    NamedBarrier& nb = b->named[id];
+    if (nb.arrived == 0) {
+        nb.count = count;
+        nb.arrivals.assign(b->fibers.size(), false);
+    } else if (nb.count != count) {
+        fail(format("%s %u: this thread arrives with count %u while %u thread(s) arrived with count %u", what, id, count,
+                    nb.arrived, nb.count));
+    }
+    if (nb.arrivals[f->linear])
+        fail(format("%s %u: this thread arrives a second time before the barrier completed (%u of %u arrived)", what,
+                    id, nb.arrived, nb.count));
+    nb.arrivals[f->linear] = true;
+    if (++nb.arrived == nb.count) {
+        nb.arrived = 0;
+        for (Fiber& other : b->fibers)
+            if (other.state == State::AtNamedBarrier && other.waits_on == id) other.state = State::Ready;
+        return;
+    }
+    if (!wait) return;
+    f->waits_on = id;
+    f->state = State::AtNamedBarrier;
+    yield_to_scheduler();
+}
+
+// ---- elect.sync -------------------------------------------------------------------------------
+// The PTX ISA promises one leader among the mask's lanes, the same for the same mask, but not
+// which: the emulator picks it from the mask and the launch's seed, so code that assumes lane 0
+// fails on some seed.
+struct ElectOperand {
+    unsigned leader;
+};
+
+inline void elect_fn(void* const* lanes, unsigned mask) {
+    const int members = __builtin_popcount(mask);
+    unsigned long long h = (tl_block->launch->seed + 1) * 0x9e3779b97f4a7c15ull ^ mask;
+    h ^= h >> 29;
+    int pick = static_cast<int>(h % static_cast<unsigned long long>(members));
+    unsigned leader = 0;
+    for (int l = 0; l < 32; ++l)
+        if (mask >> l & 1u && pick-- == 0) { leader = static_cast<unsigned>(l); break; }
+    for (int l = 0; l < 32; ++l)
+        if (mask >> l & 1u) static_cast<ElectOperand*>(lanes[l])->leader = leader;
+}
+
+inline bool elect(unsigned mask) {
+    ElectOperand op{0};
+    warp_collective(mask, &op, elect_fn, "elect.sync");
+    return op.leader == lane_id();
+}
+
+// ---- setmaxnreg -------------------------------------------------------------------------------
+// All four warps of a warpgroup execute the same setmaxnreg (.inc raises the per-thread register
+// count to `count`, .dec lowers it); the counts of the block's warps must fit the 65536 registers
+// of an SM once every warp has set one. The legal counts (24..256, multiples of 8) are checked at
+// compile time by ptx.cuh.
+constexpr unsigned kRegisterFile = 65536;
+
+struct SetMaxRegistersOperand {
+    unsigned count;
+    bool increase;
+};
+
+inline void set_max_registers_fn(void* const* lanes, unsigned mask) {
+    Block* b = tl_block;
+    const SetMaxRegistersOperand& op = *static_cast<const SetMaxRegistersOperand*>(lanes[0]);
+    for (int l = 1; l < 32; ++l) {
+        const auto* other = static_cast<const SetMaxRegistersOperand*>(lanes[l]);
+        if (other->count != op.count || other->increase != op.increase)
+            fail("setmaxnreg: the lanes of a warp execute different setmaxnreg instructions");
+    }
+    const unsigned warp = tl_fiber->linear / 32, group = warp / 4;
+    Block::WarpgroupRequest& request = b->register_requests[group];
+    if (request.warps == 0) {
+        request.count = op.count;
+        request.increase = op.increase;
+    } else if (request.count != op.count || request.increase != op.increase) {
+        fail(format("setmaxnreg: warps of warpgroup %u execute setmaxnreg.%s %u and setmaxnreg.%s %u", group,
+                    request.increase ? "inc" : "dec", request.count, op.increase ? "inc" : "dec", op.count));
+    }
+    request.warps = request.warps == 3 ? 0 : request.warps + 1;
+    unsigned& current = b->warp_registers[warp];
+    if (current && (op.increase ? op.count < current : op.count > current))
+        fail(format("setmaxnreg.%s %u: warp %u holds %u registers per thread already", op.increase ? "inc" : "dec",
+                    op.count, warp, current));
+    current = op.count;
+    unsigned long long total = 0;
+    for (unsigned registers : b->warp_registers) {
+        if (!registers) return;  // a warp keeps its compiled count, which the emulator does not know
+        total += 32ull * registers;
+    }
+    if (total > kRegisterFile)
+        fail(format("setmaxnreg: the block's warps would hold %llu registers, more than the %u of an SM", total,
+                    kRegisterFile));
+    (void)mask;
+}
+
+inline void set_max_registers(unsigned count, bool increase) {
+    Block* b = tl_block;
+    if (b->fibers.size() % 128)
+        fail(format("setmaxnreg: the block's %zu threads are not whole warpgroups of 128", b->fibers.size()));
+    if (b->warp_registers.empty()) {
+        b->warp_registers.assign(b->fibers.size() / 32, 0);
+        b->register_requests.assign(b->fibers.size() / 128, {});
+    }
+    SetMaxRegistersOperand op{count, increase};
+    warp_collective(0xffffffffu, &op, set_max_registers_fn, "setmaxnreg");
+}
+
+// ---- deadlock report ----------------------------------------------------------------------------
+inline std::string async_waits_report(const Block& b) {
+    std::string report;
+    for (const auto& [offset, m] : b.mbarriers) {
+        std::string threads;
+        long long phase = 0;
+        for (const Fiber& f : b.fibers)
+            if (f.state == State::AtMbarrier && f.waits_on == offset) {
+                threads += (threads.empty() ? "" : ", ") + std::to_string(f.linear);
+                phase = f.waits_for_phase;
+            }
+        if (!threads.empty())
+            report += format(" thread(s) [%s] wait for phase %lld of the mbarrier at shared offset %u (%u of %u "
+                             "arrivals pending, transaction count %lld);", threads.c_str(), phase, offset, m.pending,
+                             m.expected, m.tx);
+    }
+    for (unsigned id = 1; id < 16; ++id) {
+        std::string threads;
+        for (const Fiber& f : b.fibers)
+            if (f.state == State::AtNamedBarrier && f.waits_on == id)
+                threads += (threads.empty() ? "" : ", ") + std::to_string(f.linear);
+        if (!threads.empty())
+            report += format(" thread(s) [%s] wait at named barrier %u (%u of %u arrived);", threads.c_str(), id,
+                             b.named[id].arrived, b.named[id].count);
+    }
+    return report;
+}
+
+}  // namespace emu
