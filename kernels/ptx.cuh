@@ -108,18 +108,33 @@ struct WgmmaOperand {
     float* d;                    // N / 2 accumulators of this lane
 };
 
-// Element (row, k) of an operand without swizzle (row: its M or N index): 8x8 core matrices of
-// 128 contiguous bytes, LBO bytes apart along k and SBO bytes apart along the rows (the PTX ISA's
-// canonical layouts ((8,m),(T,2k)):((1T,SBO),(1,LBO)) for K-major and ((T,1,m),(8,k)):((1,T,SBO),
-// (1T,LBO)) for MN-major). K-major: a core matrix's 16-byte lines are rows, 8 consecutive k each;
-// MN-major: its lines are k, 8 consecutive rows each.
+// Element (row, k) of an operand (row: its M or N index), 16-bit elements, after the PTX ISA's
+// canonical layouts (CuTe notation, in 16-byte units T). Without swizzle: 8x8 core matrices of 128
+// contiguous bytes, LBO bytes apart along k and SBO bytes apart along the rows, ((8,m),(T,2k)):
+// ((1T,SBO),(1,LBO)) K-major (a core matrix's 16-byte lines are rows, 8 consecutive k each) and
+// ((T,1,m),(8,k)):((1,T,SBO),(1T,LBO)) MN-major (its lines are k, 8 consecutive rows each). With
+// a swizzle span W of 32, 64 or 128 bytes the lines are W bytes long, 8 of them an atom, and the
+// address's 16-byte chunk bits are XORed with its bits 7.. (as TMA writes them): K-major
+// ((8,m),(T,2k)):((W/16 T,SBO),(1,T)), a line one row of W/2 consecutive k (LBO unused), and
+// MN-major ((T,W/16,m),(8,k)):((1,T,LBO),(W/16 T,SBO)), a line one k of W/2 consecutive rows,
+// LBO bytes to the next W/2 rows and SBO to the next 8 k.
 template <class T>
 inline float descriptor_element(unsigned long long desc, int row, int k, bool mn_major) {
-    if (desc >> 62) ::emu::fail("wgmma: only descriptors without swizzle (mode 0) are emulated");
     if ((desc >> 49) & 7u) ::emu::fail("wgmma: a non-zero matrix base offset is not emulated");
+    static constexpr unsigned kSpan[4] = {0, 128, 64, 32};  // the descriptor's swizzle modes 0..3
+    const unsigned span = kSpan[desc >> 62];
     const size_t start = (desc & 0x3fffu) << 4, lbo = ((desc >> 16) & 0x3fffu) << 4, sbo = ((desc >> 32) & 0x3fffu) << 4;
-    const size_t in_core = mn_major ? (k % 8) * 16 + (row % 8) * 2 : (row % 8) * 16 + (k % 8) * 2;
-    const size_t offset = start + (row / 8) * sbo + (k / 8) * lbo + in_core;
+    size_t offset;
+    if (!span) {
+        const size_t in_core = mn_major ? (k % 8) * 16 + (row % 8) * 2 : (row % 8) * 16 + (k % 8) * 2;
+        offset = start + (row / 8) * sbo + (k / 8) * lbo + in_core;
+    } else {
+        const int per_line = static_cast<int>(span / 2);  // elements in a line
+        offset = mn_major ? start + (row % per_line) * 2 + (row / per_line) * lbo + (k % 8) * span + (k / 8) * sbo
+                          : start + (row % 8) * span + (row / 8) * sbo + k * 2;
+        if (!mn_major && k >= per_line) ::emu::fail("wgmma: a K-major swizzled operand's k runs past its line");
+        offset = ::emu::swizzled_offset(static_cast<unsigned>(offset), span);
+    }
     T value;
     memcpy(&value.__x, ::emu::async_shared_pointer(offset, 2, "wgmma operand"), 2);  // through the async proxy
     return float(value);
@@ -307,13 +322,21 @@ __device__ __forceinline__ u32 shared_address(const void* p) {
 #endif
 }
 
-// A matrix descriptor (no swizzle, base offset 0) for the operand starting at `tile` in shared
-// memory, 16-byte aligned; lbo and sbo in bytes, multiples of 16.
-__device__ __forceinline__ unsigned long long wgmma_descriptor(const void* tile, u32 lbo, u32 sbo) {
+// How an operand's lines are swizzled in shared memory (the descriptor's layout type): not at all
+// (core matrices), or 16-byte chunks permuted within lines of 128, 64 or 32 bytes, as TMA writes
+// boxes with the same swizzle (the box's innermost dimension one line).
+enum class Swizzle : unsigned { None = 0, B128 = 1, B64 = 2, B32 = 3 };
+
+// A matrix descriptor (base offset 0) for the operand starting at `tile` in shared memory, 16-byte
+// aligned (swizzled: at a multiple of 8 lines of the span within its atom, so the base offset is
+// 0); lbo and sbo in bytes, multiples of 16.
+__device__ __forceinline__ unsigned long long wgmma_descriptor(const void* tile, u32 lbo, u32 sbo,
+                                                               Swizzle swizzle = Swizzle::None) {
     const u32 address = shared_address(tile);
     return static_cast<unsigned long long>((address & 0x3ffffu) >> 4) |
            static_cast<unsigned long long>((lbo & 0x3ffffu) >> 4) << 16 |
-           static_cast<unsigned long long>((sbo & 0x3ffffu) >> 4) << 32;
+           static_cast<unsigned long long>((sbo & 0x3ffffu) >> 4) << 32 |
+           static_cast<unsigned long long>(swizzle) << 62;
 }
 
 // The descriptor of the operand `bytes` (a multiple of 16) further on in shared memory, with the
@@ -439,6 +462,87 @@ __device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, u32 parit
                  :: "r"(shared_address(bar)), "r"(parity) : "memory");
 #else
     ::emu::mbarrier_wait(bar, parity);
+#endif
+}
+
+// ---- TMA: tensor copies between global and shared memory (sm_90) -----------------------------
+// A tensor map (the driver's CUtensorMap, 128 opaque bytes) describes a global tensor of up to 5
+// dimensions, a box (the tile one copy moves) and the swizzle of the box's lines in shared
+// memory. It is encoded on the host (cupy_attn/_tensor_map.py) and must reach the kernel as a
+// `const __grid_constant__ ptx::TensorMap` parameter, the address space TMA reads it from.
+// Coordinates are element indices per dimension, innermost first; box elements outside the
+// tensor load as zero and are not stored.
+struct alignas(64) TensorMap {
+    unsigned long long opaque[16];
+};
+
+// Copy the box at `coords` into shared memory at `smem` (128-byte aligned; 8 lines of the swizzle
+// span aligned when swizzled) and complete its bytes on `bar`, whose phase must expect them
+// (mbarrier_arrive_expect_tx). The data may be read only after waiting for that phase.
+template <int kRank>
+__device__ __forceinline__ void tma_load(void* smem, const TensorMap& map, const int (&coords)[kRank],
+                                         unsigned long long* bar) {
+    static_assert(kRank >= 1 && kRank <= 5, "tensor maps have 1 to 5 dimensions");
+#ifdef __CUDA_ARCH__
+    const u32 dst = shared_address(smem), barrier = shared_address(bar);
+    const unsigned long long tensor = reinterpret_cast<unsigned long long>(&map);
+#define TMA_LOAD(N, COORDS, ...) \
+    asm volatile("cp.async.bulk.tensor." #N "d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, " \
+                 COORDS "], [%2];\n" :: "r"(dst), "l"(tensor), "r"(barrier), __VA_ARGS__ : "memory")
+    if constexpr (kRank == 1) TMA_LOAD(1, "{%3}", "r"(coords[0]));
+    else if constexpr (kRank == 2) TMA_LOAD(2, "{%3, %4}", "r"(coords[0]), "r"(coords[1]));
+    else if constexpr (kRank == 3) TMA_LOAD(3, "{%3, %4, %5}", "r"(coords[0]), "r"(coords[1]), "r"(coords[2]));
+    else if constexpr (kRank == 4)
+        TMA_LOAD(4, "{%3, %4, %5, %6}", "r"(coords[0]), "r"(coords[1]), "r"(coords[2]), "r"(coords[3]));
+    else
+        TMA_LOAD(5, "{%3, %4, %5, %6, %7}", "r"(coords[0]), "r"(coords[1]), "r"(coords[2]), "r"(coords[3]), "r"(coords[4]));
+#undef TMA_LOAD
+#else
+    ::emu::tma_load(smem, &map, coords, bar);
+#endif
+}
+
+// Store the box at `coords` from shared memory at `smem`, read through the async proxy (so
+// generic writes of it need fence_proxy_async first); part of the bulk group that bulk_commit
+// closes. `smem` may be reused once bulk_wait_read covers the group.
+template <int kRank>
+__device__ __forceinline__ void tma_store(const TensorMap& map, const int (&coords)[kRank], const void* smem) {
+    static_assert(kRank >= 1 && kRank <= 5, "tensor maps have 1 to 5 dimensions");
+#ifdef __CUDA_ARCH__
+    const u32 src = shared_address(smem);
+    const unsigned long long tensor = reinterpret_cast<unsigned long long>(&map);
+#define TMA_STORE(N, COORDS, ...) \
+    asm volatile("cp.async.bulk.tensor." #N "d.global.shared::cta.tile.bulk_group [%0, " COORDS "], [%1];\n" \
+                 :: "l"(tensor), "r"(src), __VA_ARGS__ : "memory")
+    if constexpr (kRank == 1) TMA_STORE(1, "{%2}", "r"(coords[0]));
+    else if constexpr (kRank == 2) TMA_STORE(2, "{%2, %3}", "r"(coords[0]), "r"(coords[1]));
+    else if constexpr (kRank == 3) TMA_STORE(3, "{%2, %3, %4}", "r"(coords[0]), "r"(coords[1]), "r"(coords[2]));
+    else if constexpr (kRank == 4)
+        TMA_STORE(4, "{%2, %3, %4, %5}", "r"(coords[0]), "r"(coords[1]), "r"(coords[2]), "r"(coords[3]));
+    else
+        TMA_STORE(5, "{%2, %3, %4, %5, %6}", "r"(coords[0]), "r"(coords[1]), "r"(coords[2]), "r"(coords[3]), "r"(coords[4]));
+#undef TMA_STORE
+#else
+    ::emu::tma_store(&map, coords, smem);
+#endif
+}
+
+// Close the bulk group of TMA stores issued since the last commit.
+__device__ __forceinline__ void bulk_commit() {
+#ifdef __CUDA_ARCH__
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#else
+    ::emu::bulk_commit();
+#endif
+}
+
+// Wait until at most Pending of the most recent bulk groups may still read shared memory.
+template <int Pending>
+__device__ __forceinline__ void bulk_wait_read() {
+#ifdef __CUDA_ARCH__
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(Pending) : "memory");
+#else
+    ::emu::bulk_wait(Pending);
 #endif
 }
 

@@ -16,6 +16,13 @@ STATIC_SHARED_LIMIT = 48 * 1024  # without opting in, as on the GPU
 MAX_SHARED = 227 * 1024  # sm_90's per-block maximum with max_dynamic_shared_size_bytes
 
 
+class _Argument:
+    """A struct argument's bytes, kept alive in `storage`, at a 64-byte-aligned `address` in it."""
+
+    def __init__(self, storage, address: int):
+        self.storage, self.address = storage, address
+
+
 def default_workers() -> int:
     return int(os.environ.get("CUPY_ATTN_EMULATOR_THREADS", min(os.cpu_count() or 1, 4)))
 
@@ -83,7 +90,12 @@ class Function:
         expected_kinds = {"i": "iu", "f": "f", "b": "b?", "o": "V"}[kind]
         if value.dtype.kind not in expected_kinds or value.itemsize != size:
             raise TypeError(f"{where}: got numpy.{value.dtype} ({value.itemsize} bytes)")
-        return ctypes.create_string_buffer(value.tobytes(), size)
+        # Structs (a tensor map is alignas(64)) go in storage aligned to 64 bytes, which the kernel
+        # copies its parameter from.
+        storage = ctypes.create_string_buffer(size + 64)
+        aligned = -ctypes.addressof(storage) % 64
+        ctypes.memmove(ctypes.addressof(storage) + aligned, value.tobytes(), size)
+        return _Argument(storage, ctypes.addressof(storage) + aligned)
 
     def __call__(self, grid, block, args, *, shared_mem=0, schedule="forward", seed=0, workers=None,
                  stack_size=128 * 1024):
@@ -103,7 +115,8 @@ class Function:
         if len(args) != len(self.params):
             raise TypeError(f"{self.name} takes {len(self.params)} arguments, got {len(args)}")
         values = [self._argument(i, a, p) for i, (a, p) in enumerate(zip(args, self.params))]
-        argv = (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(v) for v in values])
+        argv = (ctypes.c_void_p * max(len(values), 1))(
+            *[v.address if isinstance(v, _Argument) else ctypes.addressof(v) for v in values])
         error = ctypes.create_string_buffer(4096)
         counters = _counters.active()
         counted = ctypes.create_string_buffer(1 << 16 if counters else 1)

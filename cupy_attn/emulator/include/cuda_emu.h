@@ -15,6 +15,7 @@
 #define __forceinline__ inline __attribute__((always_inline))
 #define __noinline__ __attribute__((noinline))
 #define __restrict__ __restrict
+#define __grid_constant__
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
 // One copy per block: one OS thread runs one block at a time. (`extern __shared__` arrays are

@@ -120,11 +120,14 @@ inline long long mbarrier_meant_phase(unsigned offset, const Mbarrier& m, unsign
 }
 
 // mbarrier.test_wait.parity: whether the meant phase completed, without blocking.
+inline void tma_land_for(unsigned bar);
+
 inline bool mbarrier_test_wait(const void* bar, unsigned parity) {
     const char* what = "mbarrier.test_wait.parity";
     const unsigned offset = mbarrier_offset(bar, what);
     const Mbarrier& m = mbarrier_at(offset, what);
     const long long meant = mbarrier_meant_phase(offset, m, parity, what);
+    if (meant >= m.phase) tma_land_for(offset);  // copies still in flight land before a wait that would fail
     if (meant >= m.phase) return false;
     tl_fiber->phase_seen[offset] = meant;
     return true;
@@ -135,6 +138,9 @@ inline void mbarrier_wait(const void* bar, unsigned parity) {
     const char* what = "mbarrier.try_wait.parity";
     const unsigned offset = mbarrier_offset(bar, what);
     const long long meant = mbarrier_meant_phase(offset, mbarrier_at(offset, what), parity, what);
+    // Copies still in flight land before a wait that would block; one whose phase already
+    // completed (it announced too few bytes) keeps them in flight, and the reads find poison.
+    if (meant >= tl_block->mbarriers[offset].phase) tma_land_for(offset);
     Fiber* f = tl_fiber;
     if (meant >= tl_block->mbarriers[offset].phase) {
         f->waits_on = offset;
@@ -144,6 +150,152 @@ inline void mbarrier_wait(const void* bar, unsigned parity) {
         mbarrier_at(offset, what);  // still the same object
     }
     f->phase_seen[offset] = meant;
+}
+
+// ---- TMA (cp.async.bulk.tensor) ------------------------------------------------------------------
+// A load copies a box of the tensor into shared memory (elements outside the tensor read as 0, or
+// as NaN) and completes its bytes on an mbarrier; a store writes the box from shared
+// memory (read through the async proxy) to the elements inside the tensor. With a swizzle span
+// of 32, 64 or 128 bytes, each box row (the innermost dimension, exactly that span) goes to shared
+// memory with its 16-byte chunks permuted: the chunk index XOR address bits 7.. (CUTLASS's
+// Swizzle<1|2|3, 4, 3>), applied to the shared address, as wgmma's swizzled descriptors read it.
+// When a copy happens varies by schedule, as the hardware's timing does: at issue in the forward
+// and warp schedules, at the first wait on its mbarrier (or the bulk group's wait) in the reverse
+// ones, either in the random one; so reading before the wait, or overwriting a stage still read,
+// shows on some schedule.
+
+inline unsigned swizzled_offset(unsigned offset, unsigned swizzle_bytes) {
+    if (!swizzle_bytes) return offset;
+    const unsigned chunks = swizzle_bytes / 16 - 1;  // 1, 3 or 7: the chunk bits the row bits flip
+    return offset ^ ((offset >> 3) & (chunks << 4));
+}
+
+inline const EmulatedTensorMap& tensor_map(const void* map, const char* what) {
+    const EmulatedTensorMap* m = static_cast<const EmulatedTensorMap*>(map);
+    if (reinterpret_cast<uintptr_t>(map) % 64) fail(format("%s: the tensor map is not 64-byte aligned", what));
+    if (m->magic != kTensorMapMagic)
+        fail(format("%s: the tensor map was not encoded for the emulator (cupy_attn._tensor_map)", what));
+    return *m;
+}
+
+inline bool tma_now() {
+    Block* b = tl_block;
+    const int schedule = b->launch->schedule;
+    if (schedule == kForward || schedule == kWarps) return true;
+    if (schedule == kReverse || schedule == kWarpsReverse) return false;
+    unsigned long long h = (b->launch->seed + 7) * 0x9e3779b97f4a7c15ull + ++b->tma_issued;
+    h ^= h >> 31;
+    return h & 1;
+}
+
+// Visit every element of a copy's box: fn(shared byte offset, global address or null when outside).
+template <class Fn>
+inline void for_each_box_element(const TmaCopy& c, Fn fn) {
+    const EmulatedTensorMap& m = c.map;
+    unsigned box[5] = {1, 1, 1, 1, 1};
+    for (unsigned d = 0; d < m.rank; ++d) box[d] = m.box[d];
+    const unsigned row_bytes = box[0] * m.element_bytes;
+    unsigned row = 0;
+    for (unsigned i4 = 0; i4 < box[4]; ++i4)
+        for (unsigned i3 = 0; i3 < box[3]; ++i3)
+            for (unsigned i2 = 0; i2 < box[2]; ++i2)
+                for (unsigned i1 = 0; i1 < box[1]; ++i1, ++row)
+                    for (unsigned i0 = 0; i0 < box[0]; ++i0) {
+                        const unsigned index[5] = {i0, i1, i2, i3, i4};
+                        bool inside = true;
+                        unsigned long long address = m.address;
+                        for (unsigned d = 0; d < m.rank; ++d) {
+                            const long long g = static_cast<long long>(c.coords[d]) + index[d];
+                            inside = inside && g >= 0 && g < static_cast<long long>(m.dims[d]);
+                            address += static_cast<unsigned long long>(g) * (d ? m.strides[d - 1] : m.element_bytes);
+                        }
+                        const unsigned at = swizzled_offset(c.smem + row * row_bytes + i0 * m.element_bytes, m.swizzle);
+                        fn(at, inside ? reinterpret_cast<unsigned char*>(address) : nullptr);
+                    }
+}
+
+inline unsigned box_bytes(const EmulatedTensorMap& m) {
+    unsigned bytes = m.element_bytes;
+    for (unsigned d = 0; d < m.rank; ++d) bytes *= m.box[d];
+    return bytes;
+}
+
+inline void tma_land(const TmaCopy& c) {
+    Block* b = tl_block;
+    std::vector<unsigned char>& view = async_view();
+    const unsigned bytes = c.map.element_bytes;
+    for_each_box_element(c, [&](unsigned at, const unsigned char* src) {
+        if (src) std::memcpy(b->dynamic_shared + at, src, bytes);
+        else std::memcpy(b->dynamic_shared + at, &c.map.oob_fill, bytes);  // little-endian: its low bytes
+        std::memcpy(view.data() + at, b->dynamic_shared + at, bytes);  // written by the async proxy: both views
+    });
+    mbarrier_complete_tx(b->dynamic_shared + c.bar, box_bytes(c.map), "cp.async.bulk.tensor (landing)");
+}
+
+// Land the pending loads that signal the mbarrier at `bar`.
+inline void tma_land_for(unsigned bar) {
+    std::vector<TmaCopy>& pending = tl_block->tma_loads;
+    for (size_t i = 0; i < pending.size();) {
+        if (pending[i].bar != bar) { ++i; continue; }
+        const TmaCopy c = pending[i];
+        pending.erase(pending.begin() + static_cast<long>(i));
+        tma_land(c);
+    }
+}
+
+inline TmaCopy tma_copy(const void* map, const int* coords, void* smem, const char* what) {
+    const EmulatedTensorMap& m = tensor_map(map, what);
+    TmaCopy c{m, {}, shared_offset(smem, what), 0, tl_fiber->bulk_groups_committed, false};
+    for (unsigned d = 0; d < m.rank; ++d) c.coords[d] = coords[d];
+    if (c.smem % 128) fail(format("%s: the shared address %u is not 128-byte aligned", what, c.smem));
+    if (m.swizzle && c.smem % (8 * m.swizzle))
+        fail(format("%s: a %u-byte swizzled box must start at a multiple of %u bytes, not at %u", what, m.swizzle,
+                    8 * m.swizzle, c.smem));
+    if (c.smem + box_bytes(m) > tl_block->launch->shared_bytes)
+        fail(format("%s: the box's %u bytes at shared offset %u exceed the block's %zu", what, box_bytes(m), c.smem,
+                    tl_block->launch->shared_bytes));
+    return c;
+}
+
+inline void tma_load(void* smem, const void* map, const int* coords, void* bar) {
+    const char* what = "cp.async.bulk.tensor (load)";
+    TmaCopy c = tma_copy(map, coords, smem, what);
+    c.bar = mbarrier_offset(bar, what);
+    mbarrier_at(c.bar, what);
+    bool waited_on = false;
+    for (const Fiber& f : tl_block->fibers) waited_on |= f.state == State::AtMbarrier && f.waits_on == c.bar;
+    if (waited_on || tma_now()) tma_land(c);
+    else tl_block->tma_loads.push_back(c);
+}
+
+inline void tma_store_now(const TmaCopy& c) {
+    const std::vector<unsigned char>& view = async_view();
+    for_each_box_element(c, [&](unsigned at, unsigned char* dst) {
+        if (dst) std::memcpy(dst, view.data() + at, c.map.element_bytes);
+    });
+}
+
+inline void tma_store(const void* map, const int* coords, const void* smem) {
+    TmaCopy c = tma_copy(map, coords, const_cast<void*>(smem), "cp.async.bulk.tensor (store)");
+    if (tma_now()) {
+        tma_store_now(c);
+        c.done = true;
+    }
+    tl_fiber->bulk_stores.push_back(c);
+}
+
+inline void bulk_commit() { tl_fiber->bulk_groups_committed++; }
+
+// cp.async.bulk.wait_group(.read) pending: the stores of all but the `pending` most recent groups
+// have read shared memory (and, here, written global memory too).
+inline void bulk_wait(unsigned pending) {
+    Fiber* f = tl_fiber;
+    std::vector<TmaCopy> keep;
+    for (const TmaCopy& c : f->bulk_stores) {
+        if (!(c.group < f->bulk_groups_committed && f->bulk_groups_committed - c.group > pending)) keep.push_back(c);
+        else if (!c.done) tma_store_now(c);
+    }
+    f->bulk_stores.swap(keep);
 }
 
 // ---- named barriers ---------------------------------------------------------------------------

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdarg>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -51,6 +52,32 @@ struct DeferredWarpOp {
     const char* what;
 };
 
+// A TMA tensor map as the emulator encodes it (cupy_attn/_tensor_map.py writes the same 128
+// bytes; on the GPU they are the driver's opaque CUtensorMap): a tiled map over a global array
+// of `rank` dimensions, innermost first, with byte strides for dimensions 1.., a box of
+// box[0..rank) elements, a swizzle span in bytes (0: none) and the bits that elements outside
+// the tensor load as (0, or the element type's NaN).
+struct EmulatedTensorMap {
+    unsigned long long address;
+    unsigned rank, element_bytes, swizzle, oob_fill;
+    unsigned long long dims[5];
+    unsigned box[5];
+    unsigned long long strides[4];  // at byte 88: 4 bytes of padding after box
+    unsigned long long magic;
+};
+static_assert(sizeof(EmulatedTensorMap) == 128 && offsetof(EmulatedTensorMap, strides) == 88 &&
+                  offsetof(EmulatedTensorMap, magic) == 120, "the layout cupy_attn/_tensor_map.py writes");
+constexpr unsigned long long kTensorMapMagic = 0x50414d524f534e45ull;  // "ENSORMAP" read backwards
+
+// One TMA copy between a box of a tensor and shared memory (load: into shared memory, signalling
+// the mbarrier at `bar`; store: from shared memory).
+struct TmaCopy {
+    EmulatedTensorMap map;
+    int coords[5];
+    unsigned smem, bar, group;
+    bool done;  // a store already performed (it stays listed until its bulk group is waited for)
+};
+
 struct Fiber {
     Context ctx;
     uint3 tid;
@@ -69,6 +96,8 @@ struct Fiber {
     // Per mbarrier (shared offset): the last phase this thread saw completed by a wait (-1: the
     // phase before the first, which counts as completed), to tell which phase a parity means.
     std::map<unsigned, long long> phase_seen;
+    std::vector<TmaCopy> bulk_stores;  // TMA stores not yet waited for, by bulk group
+    unsigned bulk_groups_committed = 0;
 };
 
 // An mbarrier object's state (PTX ISA, "mbarrier"): the arrivals each phase expects, those still
@@ -129,6 +158,8 @@ struct Block {
     std::vector<unsigned char> async_shared;
     std::map<unsigned, Mbarrier> mbarriers;  // by shared offset
     NamedBarrier named[16];
+    std::vector<TmaCopy> tma_loads;  // TMA loads issued and not yet landed
+    unsigned long long tma_issued = 0;
     std::vector<unsigned> warp_registers;  // setmaxnreg's per-thread count per warp; 0: as compiled
     struct WarpgroupRequest { unsigned count = 0, warps = 0; bool increase = false; };
     std::vector<WarpgroupRequest> register_requests;  // per warpgroup: the setmaxnreg its warps are in
@@ -171,6 +202,9 @@ inline void fiber_main() {
     Launch* launch = tl_block->launch;
     launch->invoke(launch->args);
     Fiber* f = tl_fiber;
+    if (!f->bulk_stores.empty())
+        fail(format("the thread exits with %zu TMA store(s) whose reads of shared memory it did not wait for "
+                    "(cp.async.bulk.wait_group.read)", f->bulk_stores.size()));
     f->state = State::Done;
     f->async_copies.clear();
     f->deferred_ops.clear();

@@ -1,0 +1,99 @@
+#include "ptx.cuh"
+// TMA copies (ptx.cuh) between a tensor map's boxes and shared memory, and wgmma reading boxes
+// that TMA swizzled. The same file compiles with NVRTC for sm_90a (test_emulator_tma.py checks the
+// SASS). Deliberately wrong uses, each of which a test expects to fail: -DNO_WAIT reads the box
+// without waiting for its mbarrier, -DNO_EXPECT_TX arrives without announcing the box's bytes,
+// -DMISALIGNED puts the box 128 bytes past its swizzle atom, -DNO_FENCE stores shared memory
+// through TMA without the proxy fence, -DNO_STORE_WAIT exits before the store read shared memory,
+// -DWRONG_SWIZZLE gives wgmma a 64-byte swizzle for 128-byte swizzled boxes.
+
+#ifdef MISALIGNED
+constexpr int kBoxAt = 1024 + 128;
+#else
+constexpr int kBoxAt = 1024;  // the mbarrier at 0, the box at the next 128-byte swizzle atom
+#endif
+
+// Thread 0 loads the box at coords[0..kRank) into shared memory; every thread waits for it and
+// copies the box's bytes, as they lie in shared memory (swizzled), to out.
+template <int kRank>
+__global__ void tma_box(const __grid_constant__ ptx::TensorMap map, const int* coords, int box_bytes, unsigned char* out) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    unsigned long long* bar = reinterpret_cast<unsigned long long*>(smem);
+    if (threadIdx.x == 0) ptx::mbarrier_init(bar, 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int at[kRank];
+        for (int d = 0; d < kRank; ++d) at[d] = coords[d];
+#ifdef NO_EXPECT_TX
+        ptx::mbarrier_arrive(bar);
+#else
+        ptx::mbarrier_arrive_expect_tx(bar, box_bytes);
+#endif
+        ptx::tma_load<kRank>(smem + kBoxAt, map, at, bar);
+    }
+#ifndef NO_WAIT
+    ptx::mbarrier_wait(bar, 0);
+#endif
+    for (int i = threadIdx.x; i < box_bytes; i += blockDim.x) out[i] = smem[kBoxAt + i];
+}
+
+// Every thread writes the box's bytes from in to shared memory; thread 0 stores the box at coords.
+template <int kRank>
+__global__ void tma_store_box(const __grid_constant__ ptx::TensorMap map, const int* coords, int box_bytes,
+                              const unsigned char* in) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    for (int i = threadIdx.x; i < box_bytes; i += blockDim.x) smem[kBoxAt + i] = in[i];
+#ifndef NO_FENCE
+    ptx::fence_proxy_async();  // the stores above, for TMA's reads through the async proxy
+#endif
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int at[kRank];
+        for (int d = 0; d < kRank; ++d) at[d] = coords[d];
+        ptx::tma_store<kRank>(map, at, smem + kBoxAt);
+        ptx::bulk_commit();
+#ifndef NO_STORE_WAIT
+        ptx::bulk_wait_read<0>();
+#endif
+    }
+}
+
+// D (64 x 64, float) = A (64 x 64) · B, A and B loaded by TMA as 64 x 64 boxes with 128-byte
+// swizzle (a line is one 64-element row of the box): A K-major (rows m, 64 k per line); B K-major
+// (B given as its transpose, rows n) or MN-major (rows k, 64 n per line), as K and V are in
+// attention. Four k-steps of m64n64k16; the K-major descriptors advance 32 bytes within the line
+// per step, the MN-major one 16 lines (2048 bytes).
+template <bool kMnMajorB>
+__global__ void tma_wgmma(const __grid_constant__ ptx::TensorMap a_map, const __grid_constant__ ptx::TensorMap b_map,
+                          float* D) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    unsigned long long* bar = reinterpret_cast<unsigned long long*>(smem);
+    unsigned char* sA = smem + 1024;
+    unsigned char* sB = sA + 8192;
+    if (threadIdx.x == 0) ptx::mbarrier_init(bar, 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        ptx::mbarrier_arrive_expect_tx(bar, 2 * 8192);
+        ptx::tma_load<2>(sA, a_map, {0, 0}, bar);
+        ptx::tma_load<2>(sB, b_map, {0, 0}, bar);
+    }
+    ptx::mbarrier_wait(bar, 0);
+#ifdef WRONG_SWIZZLE
+    constexpr ptx::Swizzle kSwizzle = ptx::Swizzle::B64;
+#else
+    constexpr ptx::Swizzle kSwizzle = ptx::Swizzle::B128;
+#endif
+    const unsigned long long a_desc = ptx::wgmma_descriptor(sA, 16, 1024, kSwizzle);
+    // MN-major: LBO steps to the next 64 n (none here), SBO to the next 8 k (8 lines).
+    const unsigned long long b_desc = ptx::wgmma_descriptor(sB, kMnMajorB ? 8192 : 16, 1024, kSwizzle);
+    float d[32];
+    ptx::wgmma_fence();
+    for (int kk = 0; kk < 4; ++kk)
+        ptx::wgmma_m64k16_ss<__half, 64, kMnMajorB ? ptx::Major::MN : ptx::Major::K>(
+            d, ptx::descriptor_plus(a_desc, 32 * kk), ptx::descriptor_plus(b_desc, kMnMajorB ? 2048 * kk : 32 * kk), kk > 0);
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    for (int j = 0; j < 8; ++j)
+        for (int e = 0; e < 4; ++e) D[(16 * warp + g + 8 * (e / 2)) * 64 + 8 * j + 2 * t + (e & 1)] = d[4 * j + e];
+}

@@ -1,0 +1,217 @@
+"""TMA in ptx.cuh and its emulated twin: tensor maps (cupy_attn._tensor_map) checked against the
+driver's rules, box loads and stores with each swizzle and out-of-bounds elements against a NumPy
+model of the layout, wgmma reading the swizzled boxes, deliberately wrong uses, and the real
+instructions through NVRTC and SASS."""
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cupy_attn import _nvrtc, _paths, _sass
+from cupy_attn._tensor_map import TensorMapError, TensorMapSpec
+from cupy_attn.emulator import EmulatorError, RawModule
+
+HERE = Path(__file__).parent / "emulator_kernels"
+SOURCE = (HERE / "tma.cu").read_text()
+SCHEDULES = ["forward", "reverse", "random", "warps", "warps_reverse"]
+NAMES = ["tma_box<2>", "tma_box<3>", "tma_store_box<2>", "tma_store_box<3>", "tma_wgmma<false>", "tma_wgmma<true>"]
+BOX_AT = 1024  # where the kernels put the box in shared memory
+I32 = np.int32
+
+
+def module(*options):
+    return RawModule(SOURCE, options=("-I" + str(_paths.kernel_dir()), *options), name_expressions=NAMES)
+
+
+@pytest.fixture(scope="module")
+def tma():
+    return module()
+
+
+def swizzled(offset, span):
+    """The shared-memory byte a box byte at `offset` goes to (CUTLASS's Swizzle<1|2|3, 4, 3>)."""
+    return offset if span == 0 else offset ^ ((offset >> 3) & ((span // 16 - 1) << 4))
+
+
+def box_model(array, coords, box, swizzle, oob_nan=False):
+    """The box's bytes as TMA lays them in shared memory at BOX_AT. `coords` and `box` outermost
+    first, as the array's axes."""
+    fill = np.nan if oob_nan else 0
+    values = np.full(box, fill, array.dtype)
+    index = np.indices(box).reshape(len(box), -1).T + np.array(coords)
+    inside = np.all((index >= 0) & (index < np.array(array.shape)), axis=1)
+    values.reshape(-1)[inside] = array[tuple(index[inside].T)]
+    raw = np.frombuffer(values.tobytes(), np.uint8)
+    out = np.empty_like(raw)
+    at = np.array([swizzled(BOX_AT + o, swizzle) - BOX_AT for o in range(raw.size)])
+    out[at] = raw
+    return out
+
+
+def load(mod, array, coords, box, swizzle, *, oob_nan=False, schedule="forward", view=None):
+    spec = TensorMapSpec.of_array(array if view is None else view, box, swizzle=swizzle, oob_nan=oob_nan)
+    out = np.zeros(spec.box_bytes, np.uint8)
+    mod.get_function(f"tma_box<{array.ndim}>")(1, 64, (spec.emulated(), np.array(coords[::-1], np.int32),
+                                                        I32(spec.box_bytes), out),
+                                               shared_mem=BOX_AT + spec.box_bytes, schedule=schedule, seed=2)
+    return out
+
+
+# (shape, dtype, box, coords): boxes partly outside the tensor on every side.
+BOX_CASES = {
+    "f16-sw128": ((37, 104), np.float16, (8, 64), (33, 48), 128),
+    "f16-sw64": ((37, 104), np.float16, (8, 32), (-3, 80), 64),
+    "bf16-sw32": ((37, 104), ml_dtypes.bfloat16, (16, 16), (30, -8), 32),
+    "f16-none": ((37, 104), np.float16, (8, 24), (5, 90), 0),
+    "f32-3d-sw128": ((5, 9, 32), np.float32, (2, 4, 32), (4, -2, 0), 128),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BOX_CASES))
+@pytest.mark.parametrize("oob_nan", [False, True])
+def test_tma_load_matches_the_swizzled_layout(tma, case, oob_nan):
+    shape, dtype, box, coords, swizzle = BOX_CASES[case]
+    array = np.random.default_rng(len(case)).standard_normal(shape).astype(dtype)
+    got = load(tma, array, coords, box, swizzle, oob_nan=oob_nan)
+    np.testing.assert_array_equal(got, box_model(array, coords, box, swizzle, oob_nan))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_tma_load_on_every_schedule_and_through_strides(tma, schedule):
+    # A view whose rows are 256 bytes apart (the array's first 100 of 128 columns).
+    base = np.random.default_rng(3).standard_normal((37, 128)).astype(np.float16)
+    view = base[:, :100]
+    got = load(tma, np.ascontiguousarray(view), (33, 40), (8, 64), 128, schedule=schedule, view=view)
+    np.testing.assert_array_equal(got, box_model(view, (33, 40), (8, 64), 128))
+
+
+@pytest.mark.parametrize("option", ["-DNO_WAIT", "-DNO_EXPECT_TX"])
+def test_tma_load_read_before_it_landed_fails_on_some_schedule(option):
+    mod = module(option)
+    array = np.random.default_rng(4).standard_normal((37, 104)).astype(np.float16)
+    want = box_model(array, (0, 0), (8, 64), 128)
+    wrong = [not np.array_equal(load(mod, array, (0, 0), (8, 64), 128, schedule=s), want) for s in SCHEDULES]
+    assert any(wrong)
+
+
+def test_tma_load_to_a_misaligned_swizzled_box_fails():
+    array = np.zeros((8, 64), np.float16)
+    with pytest.raises(EmulatorError, match="a 128-byte swizzled box must start at a multiple of 1024 bytes, not at 1152"):
+        load(module("-DMISALIGNED"), array, (0, 0), (8, 64), 128)
+
+
+def test_tma_load_refuses_a_map_not_encoded_for_the_emulator(tma):
+    forged = np.frombuffer(np.arange(16, dtype=np.uint64).tobytes(), np.dtype((np.void, 128)))[0]
+    with pytest.raises(EmulatorError, match="the tensor map was not encoded for the emulator"):
+        tma.get_function("tma_box<2>")(1, 32, (forged, np.zeros(2, np.int32), I32(1024), np.zeros(1024, np.uint8)),
+                                       shared_mem=2048)
+
+
+def store(mod, target, coords, box, swizzle, data, schedule="forward"):
+    spec = TensorMapSpec.of_array(target, box, swizzle=swizzle)
+    mod.get_function(f"tma_store_box<{target.ndim}>")(1, 64, (spec.emulated(), np.array(coords[::-1], np.int32),
+                                                              I32(spec.box_bytes), data),
+                                                      shared_mem=BOX_AT + spec.box_bytes, schedule=schedule)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("swizzle,box", [(128, (8, 64)), (0, (8, 24))])
+def test_tma_store_writes_the_box_inside_the_tensor(tma, schedule, swizzle, box):
+    rng = np.random.default_rng(5)
+    values = rng.standard_normal(box).astype(np.float16)
+    data = np.empty(values.nbytes, np.uint8)  # the box's bytes as they lie in shared memory
+    raw = np.frombuffer(values.tobytes(), np.uint8)
+    data[[swizzled(BOX_AT + o, swizzle) - BOX_AT for o in range(raw.size)]] = raw
+    target = np.full((37, 104), -1, np.float16)
+    coords = (33, 70)
+    store(tma, target, coords, box, swizzle, data, schedule)
+    want = np.full_like(target, -1)
+    rows, cols = min(box[0], 37 - coords[0]), min(box[1], 104 - coords[1])
+    want[coords[0]:coords[0] + rows, coords[1]:coords[1] + cols] = values[:rows, :cols]
+    np.testing.assert_array_equal(target, want)
+
+
+def test_tma_store_without_the_proxy_fence_stores_poison():
+    target = np.zeros((8, 64), np.float16)
+    store(module("-DNO_FENCE"), target, (0, 0), (8, 64), 128, np.zeros(1024, np.uint8))
+    assert np.isnan(target).all()
+
+
+def test_tma_store_not_waited_for_is_reported():
+    with pytest.raises(EmulatorError, match=r"exits with 1 TMA store\(s\) whose reads of shared memory it did not wait"):
+        store(module("-DNO_STORE_WAIT"), np.zeros((8, 64), np.float16), (0, 0), (8, 64), 128, np.zeros(1024, np.uint8))
+
+
+def run_wgmma(mod, mn_major, schedule="forward"):
+    rng = np.random.default_rng(6)
+    a = rng.standard_normal((64, 64)).astype(np.float16)
+    b = rng.standard_normal((64, 64)).astype(np.float16)  # K-major: B's transpose (n, k); MN-major: B (k, n)
+    d = np.full((64, 64), np.nan, np.float32)
+    maps = [TensorMapSpec.of_array(x, (64, 64), swizzle=128).emulated() for x in (a, b)]
+    # 16 KB more than the boxes take: a wrong layout reads poison there, not past shared memory.
+    mod.get_function(f"tma_wgmma<{str(mn_major).lower()}>")(1, 128, (*maps, d), shared_mem=1024 + 4 * 8192,
+                                                            schedule=schedule)
+    want = a.astype(np.float64) @ (b.astype(np.float64) if mn_major else b.astype(np.float64).T)
+    return d, want
+
+
+@pytest.mark.parametrize("mn_major", [False, True], ids=["k_major", "mn_major"])
+@pytest.mark.parametrize("schedule", ["forward", "warps_reverse"])
+def test_wgmma_reads_boxes_tma_swizzled(tma, mn_major, schedule):
+    d, want = run_wgmma(tma, mn_major, schedule)
+    np.testing.assert_allclose(d, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mn_major", [False, True], ids=["k_major", "mn_major"])
+def test_wgmma_with_the_wrong_swizzle_is_wrong(mn_major):
+    d, want = run_wgmma(module("-DWRONG_SWIZZLE"), mn_major)
+    assert not np.allclose(d, want, rtol=1e-4, atol=1e-4)
+
+
+# ---- tensor maps ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(dtype=np.int32), "dtype must be float16, bfloat16 or float32, got int32"),
+    (dict(address=0x1008), "address must be 16-byte aligned, got 0x1008"),
+    (dict(dims=(64, 8, 1, 1, 1, 1), strides=(128,) * 5, box=(64,) * 6), "dims must have 1 to 5 entries, got 6"),
+    (dict(strides=(130,)), r"strides\[0\] \(bytes, of dims\[1\]\) must be a positive multiple of 16 below 2\^40, got 130"),
+    (dict(box=(64, 257)), r"box\[1\] must lie in \[1, 256\], got 257"),
+    (dict(box=(4, 8), swizzle=0), "the box's innermost extent must span a multiple of 16 bytes, got 8"),
+    (dict(box=(32, 8)), r"a 128-byte swizzle needs a box line of exactly 128 bytes \(64 elements\), got 64"),
+    (dict(swizzle=16), r"swizzle must be one of \(0, 32, 64, 128\) \(bytes\), got 16"),
+    (dict(strides=()), "a rank-2 map takes 1 strides and 2 box extents, got 0 and 2"),
+])
+def test_tensor_map_rules(kwargs, message):
+    spec = dict(dtype=np.float16, address=0x1000, dims=(64, 8), strides=(128,), box=(64, 8), swizzle=128)
+    with pytest.raises(TensorMapError, match=message):
+        TensorMapSpec(**{**spec, **kwargs})
+
+
+def test_tensor_map_of_an_array_needs_a_contiguous_last_axis():
+    array = np.zeros((8, 128), np.float16)[:, ::2]
+    with pytest.raises(TensorMapError, match="the array's last axis must be contiguous"):
+        TensorMapSpec.of_array(array, (8, 64))
+
+
+def test_tensor_map_of_an_array_lists_dims_innermost_first():
+    array = np.zeros((3, 5, 64), np.float32)
+    spec = TensorMapSpec.of_array(array, (1, 2, 32), swizzle=128)
+    assert (spec.dims, spec.strides, spec.box) == ((64, 5, 3), (256, 1280), (32, 2, 1))
+    assert spec.address == array.ctypes.data and spec.box_bytes == 256
+
+
+# ---- the real instructions ------------------------------------------------------------------------
+SASS_OPCODES = {
+    "tma_box<2>": ["UTMALDG.2D", "SYNCS.PHASECHK"],
+    "tma_box<3>": ["UTMALDG.3D"],
+    "tma_store_box<2>": ["UTMASTG.2D", "FENCE.VIEW.ASYNC.S"],
+    "tma_wgmma<true>": ["UTMALDG.2D", "HGMMA.64x64x16.F32"],
+}
+
+
+@pytest.mark.parametrize("kernel", sorted(SASS_OPCODES))
+def test_tma_compiles_for_sm90a_to_the_hopper_instructions(kernel):
+    compiled = _nvrtc.compile_kernel(SOURCE, kernel, "sm_90a", ("-std=c++17", f"-I{_paths.kernel_dir()}"))
+    opcodes = {i.opcode for i in _sass.disassemble(compiled.cubin)[0]}
+    for wanted in SASS_OPCODES[kernel]:
+        assert any(op.startswith(wanted) for op in opcodes), (wanted, sorted(opcodes))
