@@ -26,6 +26,9 @@ _EMULATED = np.dtype({
     "itemsize": TENSOR_MAP_BYTES,
 })
 _EMULATED_MAGIC = 0x50414D524F534E45
+# A kernel argument of 128 bytes: a NumPy structured scalar, which CuPy passes by value (as a
+# custom structure) and the emulator checks against the parameter's size.
+ARGUMENT = np.dtype({"names": ["opaque"], "formats": [("<u8", 16)]})
 _DTYPES = {np.dtype(np.float16): "FLOAT16", np.dtype(ml_dtypes.bfloat16): "BFLOAT16", np.dtype(np.float32): "FLOAT32"}
 
 
@@ -110,7 +113,7 @@ class TensorMapSpec:
         record["swizzle"], record["oob_fill"], record["magic"] = self.swizzle, fill, _EMULATED_MAGIC
         record["dims"][:rank], record["box"][:rank] = self.dims, self.box
         record["strides"][:rank - 1] = self.strides
-        return np.frombuffer(record.tobytes(), np.dtype((np.void, TENSOR_MAP_BYTES)))[0]
+        return np.frombuffer(record.tobytes(), ARGUMENT)[0]
 
     def encoded(self) -> np.void:
         """The driver's CUtensorMap for this map, as a kernel argument (needs the CUDA driver and
@@ -135,4 +138,4 @@ class TensorMapSpec:
             driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA if self.oob_nan
             else driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
         words = np.array([int(w) for w in tensor_map.opaque], np.uint64)
-        return np.frombuffer(words.tobytes(), np.dtype((np.void, TENSOR_MAP_BYTES)))[0]
+        return np.frombuffer(words.tobytes(), ARGUMENT)[0]

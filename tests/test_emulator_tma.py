@@ -215,3 +215,49 @@ def test_tma_compiles_for_sm90a_to_the_hopper_instructions(kernel):
     opcodes = {i.opcode for i in _sass.disassemble(compiled.cubin)[0]}
     for wanted in SASS_OPCODES[kernel]:
         assert any(op.startswith(wanted) for op in opcodes), (wanted, sorted(opcodes))
+
+
+# ---- the producer/consumer pipeline (pipeline.cuh) ------------------------------------------------
+PIPELINE = (HERE / "pipeline.cu").read_text()
+TILES, STAGES, TILE_ROWS = 7, 3, 8
+
+
+def pipelined_copy(schedule, *options):
+    """7 tiles of 8 rows through 3 stages; the last tile half outside the 52-row tensor."""
+    mod = RawModule(PIPELINE, options=("-I" + str(_paths.kernel_dir()), *options))
+    array = np.random.default_rng(7).standard_normal((52, 64)).astype(np.float16)
+    out = np.zeros((TILES, 1024), np.uint8)
+    spec = TensorMapSpec.of_array(array, (TILE_ROWS, 64), swizzle=128)
+    mod.get_function("pipelined_copy")(1, 256, (spec.emulated(), I32(TILES), out), shared_mem=1024 + STAGES * 1024,
+                                       schedule=schedule, seed=1)
+    want = np.stack([box_model(array, (TILE_ROWS * t, 0), (TILE_ROWS, 64), 128) for t in range(TILES)])
+    return out, want
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pipeline_passes_every_tile_through_the_ring(schedule):
+    # "warps": the producer's warp runs until the ring is full (far ahead); "warps_reverse": the
+    # consumers run first and wait for every stage (the producer starves them).
+    out, want = pipelined_copy(schedule)
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("option", ["-DNO_EMPTY_WAIT", "-DNO_FULL_WAIT", "-DWRONG_PARITY"])
+def test_pipeline_misuse_fails_on_some_schedule(option):
+    failed = []
+    for schedule in SCHEDULES:
+        try:
+            out, want = pipelined_copy(schedule, option)
+        except EmulatorError as error:
+            assert "invalid phase use" in str(error) or "deadlock" in str(error), error
+            failed.append(True)
+            continue
+        failed.append(not np.array_equal(out, want))
+    assert any(failed)
+
+
+def test_pipeline_compiles_for_sm90a_to_the_hopper_instructions():
+    compiled = _nvrtc.compile_kernel(PIPELINE, "pipelined_copy", "sm_90a", ("-std=c++17", f"-I{_paths.kernel_dir()}"))
+    opcodes = {i.opcode for i in _sass.disassemble(compiled.cubin)[0]}
+    for wanted in ("UTMALDG.2D", "SYNCS.PHASECHK.TRANS64.TRYWAIT", "SYNCS.ARRIVE.TRANS64", "USETMAXREG", "ELECT"):
+        assert any(op.startswith(wanted) for op in opcodes), (wanted, sorted(opcodes))

@@ -1,0 +1,59 @@
+// The producer/consumer pipeline of warp-specialised Hopper kernels: a ring of kStages shared-
+// memory stages that a producer fills (with TMA) and consumers read, each stage guarded by two
+// mbarriers (ptx.cuh). `full` completes when the stage's data landed: the producer's one arrival
+// with the bytes it announced, and the TMA copies completing them. `empty` completes when every
+// consumer thread released the stage. Each side walks the ring with its own StageCursor; the
+// parity it waits for flips every lap, which is what keeps a side from mistaking the previous
+// lap's completion for this one's (the emulator reports a wait two phases behind).
+#pragma once
+#include "ptx.cuh"
+
+template <int kStages>
+struct StageRing {
+    unsigned long long full[kStages];
+    unsigned long long empty[kStages];
+
+    // One thread, before a block barrier: `consumers` threads release each stage.
+    __device__ __forceinline__ void init(unsigned consumers) {
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) {
+            ptx::mbarrier_init(&full[s], 1);
+            ptx::mbarrier_init(&empty[s], consumers);
+        }
+    }
+};
+
+// A side's position in the ring: the stage it uses next and the parity of that stage's phase in
+// the current lap.
+template <int kStages>
+struct StageCursor {
+    int stage = 0;
+    unsigned phase = 0;
+
+    __device__ __forceinline__ void advance() {
+        if (++stage == kStages) {
+            stage = 0;
+            phase ^= 1;
+        }
+    }
+};
+
+// Producer: wait until the consumers released the stage (in the first lap it is free: waiting for
+// the other parity passes at once), then announce the bytes its copies will land and arrive.
+template <int kStages>
+__device__ __forceinline__ void producer_acquire(StageRing<kStages>& ring, const StageCursor<kStages>& at, unsigned bytes) {
+    ptx::mbarrier_wait(&ring.empty[at.stage], at.phase ^ 1);
+    ptx::mbarrier_arrive_expect_tx(&ring.full[at.stage], bytes);
+}
+
+// Consumer: wait until the stage's data landed.
+template <int kStages>
+__device__ __forceinline__ void consumer_wait(StageRing<kStages>& ring, const StageCursor<kStages>& at) {
+    ptx::mbarrier_wait(&ring.full[at.stage], at.phase);
+}
+
+// Consumer: this thread is done reading the stage (its reads, generic or by wgmma, completed).
+template <int kStages>
+__device__ __forceinline__ void consumer_release(StageRing<kStages>& ring, const StageCursor<kStages>& at) {
+    ptx::mbarrier_arrive(&ring.empty[at.stage]);
+}

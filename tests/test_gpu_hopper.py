@@ -1,0 +1,98 @@
+"""The Hopper primitives on a real H100/H200 (marked gpu): the same test kernels and NumPy models as
+the emulator's tests (test_emulator_hopper.py, test_emulator_tma.py), with tensor maps encoded by
+the CUDA driver, so a difference between the emulated twins and the hardware shows here."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cupy_attn import _paths
+from cupy_attn._source import inline_local_includes
+from cupy_attn._tensor_map import TensorMapSpec
+from test_emulator_tma import BOX_AT, BOX_CASES, NAMES, PIPELINE, STAGES, TILE_ROWS, TILES, box_model, swizzled
+
+pytestmark = pytest.mark.gpu
+cupy = pytest.importorskip("cupy")
+HERE = Path(__file__).parent / "emulator_kernels"
+I32 = np.int32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hopper():
+    if int(cupy.cuda.Device().compute_capability) != 90:
+        pytest.skip("TMA, mbarrier phases and wgmma are sm_90a instructions: compute capability 9.0 only")
+    pytest.importorskip("cuda.bindings", reason="tensor maps are encoded through cuda-bindings (the cuda12/cuda13 extras)")
+
+
+def gpu_module(filename, names=()):
+    path = HERE / filename
+    code = inline_local_includes(path.read_text(), [_paths.kernel_dir(), HERE], origin=str(path))
+    return cupy.RawModule(code=code, options=("-std=c++17", "-arch=sm_90a"), name_expressions=list(names))
+
+
+@pytest.fixture(scope="module")
+def tma():
+    return gpu_module("tma.cu", NAMES)
+
+
+@pytest.mark.parametrize("case", sorted(BOX_CASES))
+def test_tma_load(tma, case):
+    shape, dtype, box, coords, swizzle = BOX_CASES[case]
+    array = np.random.default_rng(len(case)).standard_normal(shape).astype(dtype)
+    device = cupy.asarray(array)
+    spec = TensorMapSpec.of_array(device, box, swizzle=swizzle)
+    out = cupy.zeros(spec.box_bytes, np.uint8)
+    tma.get_function(f"tma_box<{array.ndim}>")((1,), (64,), (spec.encoded(), cupy.asarray(np.array(coords[::-1], I32)),
+                                                              I32(spec.box_bytes), out), shared_mem=BOX_AT + spec.box_bytes)
+    np.testing.assert_array_equal(out.get(), box_model(array, coords, box, swizzle))
+
+
+def test_tma_store(tma):
+    box, coords = (8, 64), (33, 70)
+    values = np.random.default_rng(5).standard_normal(box).astype(np.float16)
+    raw = np.frombuffer(values.tobytes(), np.uint8)
+    data = np.empty_like(raw)
+    data[[swizzled(BOX_AT + o, 128) - BOX_AT for o in range(raw.size)]] = raw
+    target = cupy.full((37, 104), -1, np.float16)
+    spec = TensorMapSpec.of_array(target, box, swizzle=128)
+    tma.get_function("tma_store_box<2>")((1,), (64,), (spec.encoded(), cupy.asarray(np.array(coords[::-1], I32)),
+                                                       I32(spec.box_bytes), cupy.asarray(data)),
+                                         shared_mem=BOX_AT + spec.box_bytes)
+    want = np.full((37, 104), -1, np.float16)
+    want[33:37, 70:104] = values[:4, :34]
+    np.testing.assert_array_equal(target.get(), want)
+
+
+@pytest.mark.parametrize("mn_major", [False, True], ids=["k_major", "mn_major"])
+def test_wgmma_reads_boxes_tma_swizzled(tma, mn_major):
+    rng = np.random.default_rng(6)
+    a, b = (rng.standard_normal((64, 64)).astype(np.float16) for _ in range(2))
+    on_gpu = [cupy.asarray(x) for x in (a, b)]
+    maps = [TensorMapSpec.of_array(x, (64, 64), swizzle=128).encoded() for x in on_gpu]
+    d = cupy.full((64, 64), np.nan, np.float32)
+    tma.get_function(f"tma_wgmma<{str(mn_major).lower()}>")((1,), (128,), (*maps, d), shared_mem=1024 + 2 * 8192)
+    want = a.astype(np.float64) @ (b.astype(np.float64) if mn_major else b.astype(np.float64).T)
+    np.testing.assert_allclose(d.get(), want, rtol=1e-3, atol=1e-3)
+
+
+def test_pipeline():
+    mod = gpu_module("pipeline.cu")
+    array = np.random.default_rng(7).standard_normal((52, 64)).astype(np.float16)
+    device = cupy.asarray(array)
+    spec = TensorMapSpec.of_array(device, (TILE_ROWS, 64), swizzle=128)
+    out = cupy.zeros((TILES, 1024), np.uint8)
+    mod.get_function("pipelined_copy")((1,), (256,), (spec.encoded(), I32(TILES), out), shared_mem=1024 + STAGES * 1024)
+    want = np.stack([box_model(array, (TILE_ROWS * t, 0), (TILE_ROWS, 64), 128) for t in range(TILES)])
+    np.testing.assert_array_equal(out.get(), want)
+
+
+def test_named_barriers_and_mbarriers():
+    mod = gpu_module("hopper_sync.cu")
+    order = cupy.full(12, -1, np.int32)
+    mod.get_function("ping_pong")((1,), (64,), (order, I32(6)), shared_mem=16)
+    np.testing.assert_array_equal(order.get(), np.arange(12))
+    x = np.random.default_rng(1).standard_normal((5, 96)).astype(np.float32)
+    out = cupy.full(x.shape, np.nan, np.float32)
+    mod.get_function("mbarrier_rounds")((1,), (96,), (cupy.asarray(x), out, I32(5)), shared_mem=16 + 8 * 96)
+    want = sum(np.roll(x.astype(np.float64), -j, axis=1) for j in range(8))
+    np.testing.assert_allclose(out.get(), want, rtol=1e-5, atol=1e-5)
