@@ -169,8 +169,9 @@ TENSOR_CORE_DTYPES = (np.dtype(np.float16), BFLOAT16)
 @dataclass(frozen=True)
 class HopperTile:
     """The fp16/bf16 forward on wgmma (sm_90a), chosen for compute capability 9.0 (which runs it
-    when asked for: DEFAULT_KERNELS_FOR): one warpgroup per 64 query rows, block_n keys per tile
-    (the N of the S instruction), P·V in instructions of up to 128 head dims (head dims pad to 64)."""
+    when asked for: DEFAULT_KERNELS_FOR) where TMA can address K and V: one warpgroup per 64 query
+    rows, block_n keys per tile (the N of the S instruction) loaded by TMA in boxes of 64 head dims
+    (tma_box), P·V in instructions of up to 128 head dims (head dims pad to 64)."""
 
     filename: ClassVar[str] = "attention_fwd_wgmma.cu"
 
@@ -181,9 +182,15 @@ class HopperTile:
 
     @property
     def shared_bytes(self) -> int:
-        """Q (64, D) and two stages of K and of V (block_n, D each) in the core-matrix layout,
-        16-bit (V is read there as an MN-major operand: no transposed copy)."""
-        return 2 * (self.block_m + 4 * self.block_n) * self.head_dim
+        """Q (64, D) in the core-matrix layout and two stages of K and of V (block_n, D each) in
+        128-byte-swizzled boxes, 16-bit (V is read there as an MN-major operand: no transposed
+        copy), then the two stages' 8-byte mbarriers."""
+        return 2 * (self.block_m + 4 * self.block_n) * self.head_dim + 16
+
+    @property
+    def tma_box(self) -> tuple[int, int]:
+        """(keys, head dims) of one TMA copy of K or V: 64 dims, one 128-byte swizzled line per key."""
+        return self.block_n, 64
 
     def name_expression(self, dtype) -> str:
         return f"attention_fwd_wgmma<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_n}>"

@@ -10,12 +10,16 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import logging
 import os
 
 import numpy as np
 
 from . import _compile, _config, _mods_source, _numpy_backend
 from ._problem import Problem
+from ._tensor_map import TensorMapError, TensorMapSpec
+
+log = logging.getLogger("cupy_attn")
 
 I32, I64, F32 = np.int32, np.int64, np.float32
 
@@ -240,12 +244,51 @@ def compute_capability(target: str) -> int:
     return requested
 
 
+def _pointer(x) -> int:
+    return x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
+
+
+def kv_tensor_maps(problem: Problem, k, v, tile, target: str):
+    """The wgmma forward's TMA maps of k and v (dims: head dims, keys, kv heads, batch; boxes of
+    tile.tma_box, 128-byte swizzle) as kernel arguments, or the reason TMA cannot address them."""
+    p = problem
+    if p.packing is not None:
+        return None, "a packed (varlen) batch: a box would reach into the next sequence"
+    keys, dims = tile.tma_box
+    maps = []
+    for name, x, head_dim in (("k", k, p.head_dim), ("v", v, p.head_dim_v)):
+        batch, head, row = (int(s) * x.itemsize for s in _bhs_strides(p, x))
+        # A stride of an axis of one entry is never stepped along: any the driver takes will do.
+        strides = [s if n > 1 else 16 for s, n in ((row, p.seq_k), (head, p.kv_heads), (batch, p.batch))]
+        try:
+            spec = TensorMapSpec(p.dtype, _pointer(x), (head_dim, p.seq_k, p.kv_heads, p.batch), strides,
+                                 (dims, keys, 1, 1), swizzle=128)
+        except TensorMapError as error:
+            return None, f"{name}: {error}"
+        maps.append(spec)
+    if target == "emulator":
+        return [m.emulated() for m in maps], None
+    try:
+        import cuda.bindings.driver  # noqa: F401
+    except ImportError:
+        return None, "cuda-bindings is not installed (pip install cuda-bindings; the cuda12/cuda13 extras have it)"
+    return [m.encoded() for m in maps], None
+
+
 def forward(problem: Problem, q, k, v, *, target: str):
     p, xp = problem, problem.xp
     check_supported(p, target)
     module = _module(p)
     tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype, compute_capability(target), module["features"])
     q, k, v = (_last_dim_contiguous(xp, x) for x in (q, k, v))
+    maps = ()
+    if isinstance(tile, _config.HopperTile):
+        maps, why_not = kv_tensor_maps(p, k, v, tile, target)
+        if maps is None:  # the cp.async kernels read any strides
+            log.info("the wgmma forward needs TMA, which cannot address this call's k and v (%s): the mma.sync "
+                     "forward runs instead", why_not)
+            tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype, 80, module["features"])
+            maps = ()
     out = _empty(xp, p.out_shape, p.dtype)
     lse = _empty(xp, p.lse_shape, np.float32)
     grid = (_blocks(p.seq_q, tile.block_m), p.heads, p.batch)
@@ -258,7 +301,7 @@ def forward(problem: Problem, q, k, v, *, target: str):
         v_part, out_part = v[..., d0:d1], out[..., d0:d1]
         # The tensor-core kernels take a `vectorised` flag after lse; the fp32 kernel does not.
         flags = () if isinstance(tile, _config.ForwardTile) else (_vector_flags(q, k, v_part),)
-        args = (q, k, v_part, out_part, lse, *flags,
+        args = (q, k, v_part, out_part, lse, *flags, *maps,
                 *_common_args(part, q, k, v_part, out_part, (tile.block_m, tile.block_n)))
         _launch(target, tile.filename, tile.name_expression(p.dtype), grid, args, tile.shared_bytes, **module)
     return out, lse
@@ -273,8 +316,7 @@ def _vector_flags(*arrays):
 def _copies_in_16_bytes(x) -> bool:
     """Whether every row of x starts 16-byte aligned, so a kernel may copy 16-byte chunks (8
     elements of 16 bits, 4 of fp32) with cp.async (else it copies element by element)."""
-    pointer = x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
-    return pointer % 16 == 0 and all(st % 16 == 0 for st in x.strides[:-1])
+    return _pointer(x) % 16 == 0 and all(st % 16 == 0 for st in x.strides[:-1])
 
 
 def _per_head(problem: Problem, rows: int, dims: int, zeroed: bool = False):

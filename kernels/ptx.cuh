@@ -414,6 +414,14 @@ __device__ __forceinline__ void mbarrier_init(unsigned long long* bar, u32 count
 #endif
 }
 
+// Make this thread's mbarrier_init visible to the async proxy (TMA's complete-tx), before the block
+// barrier that publishes the mbarriers. The emulator keeps mbarriers outside memory: nothing to do.
+__device__ __forceinline__ void fence_mbarrier_init() {
+#ifdef __CUDA_ARCH__
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+
 // One arrival (release: this thread's earlier writes are visible to threads its phase releases).
 __device__ __forceinline__ void mbarrier_arrive(unsigned long long* bar) {
 #ifdef __CUDA_ARCH__

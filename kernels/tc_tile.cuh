@@ -44,6 +44,24 @@ struct CoreMatrixLayout {
     }
 };
 
+// A tile of kRows rows x kCols 16-bit columns as TMA writes it with 128-byte swizzle: boxes of 64
+// columns (a 128-byte line per row), kCols / 64 of them one after another, the 16-byte chunks of
+// each line permuted by its row (ptx.cuh, Swizzle::B128). offset(r, c) is the element offset a
+// descriptor starts at for (r, c), before the swizzle, which the hardware applies to the address
+// as TMA did. Read K-major (rows the N of the product, columns reduced): 8-row groups 1024 bytes
+// apart (SBO; LBO unused); MN-major (rows reduced, columns N): boxes kBoxBytes apart (LBO), 8-row
+// groups 1024 bytes (SBO). Boxes start at multiples of 1024 bytes, as the swizzle's atoms must.
+template <int kRows, int kCols>
+struct SwizzledBoxLayout {
+    static constexpr int kBoxCols = 64;
+    static constexpr unsigned kBoxBytes = 2 * kBoxCols * kRows;
+    static constexpr unsigned kKMajorLbo = 16, kKMajorSbo = 1024, kMnMajorLbo = kBoxBytes, kMnMajorSbo = 1024;
+    static_assert(kCols % kBoxCols == 0 && kRows % 8 == 0, "whole boxes of 64 columns and 8-row atoms");
+    static __device__ __forceinline__ int offset(int r, int c) {
+        return (c / kBoxCols) * (kBoxCols * kRows) + r * kBoxCols + c % kBoxCols;
+    }
+};
+
 // Row-major rows of kHeadDim + 8 elements (the mma.sync kernels' ldmatrix layout). Staging:
 // consecutive threads along a row, contiguous in global and in shared memory: a whole row per
 // pass where its chunks divide the block's threads, else the largest power-of-two share of it

@@ -167,6 +167,36 @@ def test_compute_capability_selects_the_forward(monkeypatch):
         assert launched == [kernel]
 
 
+@pytest.mark.parametrize("case,kernel", [
+    ("padded_rows", "attention_fwd_wgmma<__half, 64, 128>"),       # rows 144 bytes apart: TMA reads them
+    ("unaligned_rows", "attention_fwd_tc<__half, 64, 128, 64, 64, 1>"),  # 136 bytes: not a multiple of 16
+    ("packed", "attention_fwd_tc<__half, 64, 128, 64, 64, 1>"),     # a box would reach into the next sequence
+])
+def test_wgmma_forward_runs_where_tma_can_address_k_and_v(monkeypatch, case, kernel):
+    """The wgmma forward reads K and V through TMA maps; where TMA cannot address them the call
+    runs the mma.sync forward, which reads any strides, and says so in the log."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
+    launched = []
+    real_function = _compile.function
+    monkeypatch.setattr(_compile, "function", lambda target, f, name, **kw: launched.append(name) or real_function(target, f, name, **kw))
+    rng = np.random.default_rng(14)
+    if case == "packed":
+        lengths = [70, 13]
+        q, k, v = (rng.standard_normal((sum(lengths), 2, 64)).astype(np.float16) for _ in range(3))
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        out = cupy_attn.attention_varlen(q, k, v, cu, cu, 70, 70, causal=True, backend="emulator")
+        for s0, s1 in zip(cu[:-1], cu[1:]):
+            want, _ = reference.attention(*(x[s0:s1].transpose(1, 0, 2)[None] for x in (q, k, v)), causal=True)
+            assert_close(out[s0:s1], want[0].transpose(1, 0, 2), np.float16)
+    else:
+        q, k, v = random_qkv(rng, b=2, h=2, sq=70, sk=150, d=64, dtype=np.float16)
+        width = 72 if case == "padded_rows" else 68
+        wide = np.zeros(k.shape[:-1] + (width,), np.float16)
+        wide[..., :64] = k
+        check(q, wide[..., :64], v, np.float16, causal=True)
+    assert launched == [kernel]
+
+
 def test_environment_chooses_the_compute_capability(monkeypatch):
     launched = []
     real_function = _compile.function
