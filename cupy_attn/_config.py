@@ -198,13 +198,14 @@ class HopperTile:
 
 # Per thread: D/2 floats of O, block_n/2 of S and block_n/4 registers of packed P; shared memory
 # within the 227 KB a block may use on sm_90. The SASS audit's fastest path per 64 keys (fp16,
-# bench/RESULTS.md, 2026-12-01, third session): at D = 64 the softmax's ~4.5 instructions per score
-# outweigh the tensor work, which halves with D while the softmax's does not, so the per-tile
-# rest (staging, barrier, waits, O's rescale) is what a longer tile amortises: 128 keys give
-# issue_per_tensor 1.01 against 1.31 with 64 (211 registers against 151: 2 blocks per SM instead
-# of 3). At D = 128 the 64-key tile is already below 1 (0.81; 128 keys: 0.61, but 231 registers
-# and 144 KB shared, one block of 4 warps per SM, with nothing to hide the serial
-# load-S-softmax-P·V chain of a block), and D = 256 has no registers for more.
+# bench/RESULTS.md, 2026-12-01, third session, with cp.async staging): at D = 64 the softmax's
+# ~4.5 instructions per score outweigh the tensor work, which halves with D while the softmax's
+# does not, so the per-tile rest (staging, barrier, waits, O's rescale) is what a longer tile
+# amortises: 128 keys gave issue_per_tensor 1.01 against 1.31 with 64 (211 registers against 151).
+# At D = 128 the 64-key tile was already below 1 (0.81; 128 keys: 0.61, but 231 registers and
+# 144 KB shared, one block of 4 warps per SM, with nothing to hide the serial
+# load-S-softmax-P·V chain of a block), and D = 256 has no registers for more. With TMA staging
+# (fourth session) the same tiles issue 0.88, 0.70 and 0.47 (168, 149, 204 registers).
 HOPPER_TILES = (
     HopperTile(64, 128, "32 + 64 accumulators per thread; 72 KB shared"),
     HopperTile(128, 64, "64 + 32 accumulators per thread; 80 KB shared"),

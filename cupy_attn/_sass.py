@@ -14,7 +14,7 @@ reductions as any path has: a tile staged by the checked copy of a boundary tile
 one of an interior tile), with each conditional branch free to go either way. Features a call does not
 use (masks, softcap, ALiBi, boundary tiles) sit behind branches such a path skips, so it is what
 an interior tile of a call without them issues; `path_instructions` and the per-class counts
-(ldsm, lds, sts, ldgsts, bar, mufu, atomics) are of that path. Instructions predicated on !PT
+(ldsm, lds, sts, ldgsts, tma, bar, mufu, atomics) are of that path. Instructions predicated on !PT
 (ptxas pads cp.async with never-executed loads) take issue slots but count in no class.
 
 The model (README, "Performance without a GPU"): one warp scheduler per SM sub-partition issues
@@ -43,8 +43,8 @@ from functools import lru_cache
 from pathlib import Path
 
 # SASS opcode (before the first dot) -> the counter it adds to.
-COUNTED = {"LDSM": "ldsm", "LDS": "lds", "STS": "sts", "LDGSTS": "ldgsts", "BAR": "bar", "MUFU": "mufu",
-           "ATOM": "atomics", "ATOMS": "atomics", "ATOMG": "atomics", "RED": "atomics", "REDG": "atomics"}
+COUNTED = {"LDSM": "ldsm", "LDS": "lds", "STS": "sts", "LDGSTS": "ldgsts", "UTMALDG": "tma", "BAR": "bar",
+           "MUFU": "mufu", "ATOM": "atomics", "ATOMS": "atomics", "ATOMG": "atomics", "RED": "atomics", "REDG": "atomics"}
 TENSOR_OPCODES = ("HMMA", "HGMMA")
 
 # Dense fp16/bf16 multiply-adds per clock per SM sub-partition (fp32 accumulation): A100 (sm_80)
@@ -163,7 +163,7 @@ class LoopReport:
     loop_instructions: int = 0  # every instruction in the hot loop, all paths
     path_instructions: int = 0  # the fastest path's, per iteration
     tensor_instructions: dict = field(default_factory=dict)  # opcode -> count on the path
-    counts: dict = field(default_factory=dict)  # ldsm, lds, sts, ldgsts, bar, mufu, atomics on the path
+    counts: dict = field(default_factory=dict)  # ldsm, lds, sts, ldgsts, tma, bar, mufu, atomics on the path
     tensor_cycles: float = 0.0
     issue_per_tensor: float | None = None  # None: no tensor instruction in any loop
 
@@ -181,14 +181,18 @@ def _is_tensor(instruction: Instruction) -> bool:
 
 def steady_bytes(instruction: Instruction) -> int:
     """The memory work every iteration does, in bytes per lane: asynchronous copies (the next tile:
-    LDGSTS), 16-byte shared stores (staging through registers) and global reductions (dQ's
-    atomics, scalar or vector: RED.…F32, REDG.…F32x2). Bytes, not instructions, so that one
-    vector reduction weighs what the two scalar ones it replaces do."""
+    LDGSTS; or TMA's UTMALDG, one thread's copy of a whole box, weighed as one 16-byte chunk: the
+    path must issue it, in the warp whose thread does), 16-byte shared stores (staging through
+    registers) and global reductions (dQ's atomics, scalar or vector: RED.…F32, REDG.…F32x2).
+    Bytes, not instructions, so that one vector reduction weighs what the two scalar ones it
+    replaces do."""
     op = instruction.opcode
     if instruction.never:
         return 0
     if op.startswith("LDGSTS"):
         return 16 if ".128" in op else 8 if ".64" in op else 4
+    if op.startswith("UTMALDG"):
+        return 16
     if op == "STS.128":
         return 16
     if op.split(".")[0] in ("RED", "REDG", "ATOM", "ATOMG"):  # not REDUX, a warp reduction

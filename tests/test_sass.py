@@ -94,6 +94,18 @@ def test_fastest_path_keeps_tensor_work_and_asynchronous_copies():
     assert r.issue_per_tensor == pytest.approx(7 / 16)
 
 
+# The wgmma forward's loop: thread 0 issues the next tile's TMA copies behind a branch the other
+# threads take around them; the path issues them (in the warp whose thread does).
+TMA_BEHIND_A_BRANCH = FEATURE_BEHIND_A_BRANCH.replace(
+    "/*0030*/                   FMUL R4, R4, R5 ;", "/*0030*/                   UTMALDG.4D [UR8], [UR4] ;")
+
+
+def test_fastest_path_issues_the_tma_copies_of_the_thread_that_loads():
+    r = report(TMA_BEHIND_A_BRANCH, "sm_90a")
+    assert (r.loop_instructions, r.path_instructions) == (7, 7)
+    assert r.counts == {"ldsm": 1, "mufu": 1, "tma": 1}
+
+
 def test_hot_loop_is_the_innermost_with_the_most_tensor_instructions():
     instructions, labels = _sass.parse(NESTED)
     assert _sass.loops(instructions, labels) == [(0x10, 0x90), (0x20, 0x50)]
