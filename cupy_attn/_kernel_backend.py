@@ -244,6 +244,16 @@ def compute_capability(target: str) -> int:
     return requested
 
 
+_SAID = set()
+
+
+def _say_once(message: str) -> None:
+    """A fallback the caller did not ask for, logged as a warning the first time it happens."""
+    if message not in _SAID:
+        _SAID.add(message)
+        log.warning(message)
+
+
 def _pointer(x) -> int:
     return x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
 
@@ -258,8 +268,12 @@ def kv_tensor_maps(problem: Problem, k, v, tile, target: str):
     maps = []
     for name, x, head_dim in (("k", k, p.head_dim), ("v", v, p.head_dim_v)):
         batch, head, row = (int(s) * x.itemsize for s in _bhs_strides(p, x))
-        # A stride of an axis of one entry is never stepped along: any the driver takes will do.
-        strides = [s if n > 1 else 16 for s, n in ((row, p.seq_k), (head, p.kv_heads), (batch, p.batch))]
+        # An axis of one entry is never stepped along: its stride becomes the packed one (the inner
+        # axes' extent, a multiple of 16 bytes), which the driver takes whatever the array's is.
+        strides, extent = [], -(-head_dim * x.itemsize // 16) * 16
+        for stride, n in ((row, p.seq_k), (head, p.kv_heads), (batch, p.batch)):
+            strides.append(stride if n > 1 else extent)
+            extent = strides[-1] * n
         try:
             spec = TensorMapSpec(p.dtype, _pointer(x), (head_dim, p.seq_k, p.kv_heads, p.batch), strides,
                                  (dims, keys, 1, 1), swizzle=128)
@@ -285,8 +299,8 @@ def forward(problem: Problem, q, k, v, *, target: str):
     if isinstance(tile, _config.HopperTile):
         maps, why_not = kv_tensor_maps(p, k, v, tile, target)
         if maps is None:  # the cp.async kernels read any strides
-            log.info("the wgmma forward needs TMA, which cannot address this call's k and v (%s): the mma.sync "
-                     "forward runs instead", why_not)
+            _say_once(f"the wgmma forward needs TMA, which cannot address this call's k and v ({why_not}): the "
+                      "mma.sync forward runs instead")
             tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype, 80, module["features"])
             maps = ()
     out = _empty(xp, p.out_shape, p.dtype)

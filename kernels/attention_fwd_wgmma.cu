@@ -76,7 +76,8 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q,
     int n_begin, n_end;
     b.key_tiles(p, m0, kTcBlockM, kBlockN, &n_begin, &n_end);
     // Thread 0: the boxes of K and V of tile n_block (64 head dims each; TMA zero-fills keys past
-    // the sequence and dims past the head) into its stage, announced on the stage's mbarrier.
+    // seq_k and dims past the head; keys between a batch entry's length and seq_k are read, and
+    // masked, as the cp.async kernels do) into its stage, announced on the stage's mbarrier.
     auto load_keys = [&](int n_block) {
         const int stage = pipeline_stage<2>(n_block, n_begin);
         ptx::mbarrier_arrive_expect_tx(&landed[stage], 2 * kStageBytes);

@@ -20,6 +20,7 @@ struct StageRing {
             ptx::mbarrier_init(&full[s], 1);
             ptx::mbarrier_init(&empty[s], consumers);
         }
+        ptx::fence_mbarrier_init();  // visible to TMA's complete-tx
     }
 };
 

@@ -76,6 +76,8 @@ def test_mbarrier_transactions_may_complete_before_they_are_announced(sync):
      "completed phases up to 1"),
     # The thread saw phase 0; phases 1 and 2 complete; parity 1 means phase 1, which is two behind.
     ([(INIT, 1), (ARRIVE, 0), (WAIT, 0), (ARRIVE, 0), (ARRIVE, 0), (WAIT, 1)], "invalid phase use: parity 1 means phase 1"),
+    # Two arrivals where the phase expects one (the first leaves 16 bytes outstanding).
+    ([(INIT, 1), (ARRIVE_EXPECT_TX, 16), (ARRIVE, 0)], "an arrival beyond the 1 the phase expects"),
     # A wait that nothing completes.
     ([(INIT, 1), (WAIT, 0)], r"thread\(s\) \[0\] wait for phase 0 of the mbarrier at shared offset 0 \(1 of 1 "
                              r"arrivals pending, transaction count 0\)"),
@@ -195,9 +197,13 @@ def test_elect_from_a_mask_without_the_calling_lane_fails(sync):
 
 
 # ---- setmaxnreg -----------------------------------------------------------------------------------
-def test_setmaxnreg_producer_and_consumers(sync):
+@pytest.mark.parametrize("schedule", ["forward", "warps"])
+@pytest.mark.parametrize("mode", [0, 4])
+def test_setmaxnreg_producer_and_consumers(sync, mode, schedule):
+    # "warps": warp 0 lowers and raises again before warps 1-3 lowered; its second setmaxnreg is
+    # compared with the warpgroup's second, not with their first.
     out = np.zeros(384, np.int32)
-    sync.get_function("max_registers")(1, 384, (I32(0), out))
+    sync.get_function("max_registers")(1, 384, (I32(mode), out), schedule=schedule)
     assert (out == 1).all()
 
 

@@ -1,5 +1,5 @@
-"""Barrier mutations: removing any __syncthreads / __syncwarp (or cp.async / wgmma wait, or the
-fence.proxy.async that makes generic writes of shared memory visible to wgmma) from an attention
+"""Barrier mutations: removing any __syncthreads / __syncwarp (or cp.async / wgmma / mbarrier wait,
+or the fence.proxy.async that makes generic writes of shared memory visible to wgmma) from an attention
 kernel must make some emulated case fail in some schedule (a barrier that is only defensive would
 say so in a comment and be listed here as such; there are none).
 
@@ -13,7 +13,9 @@ from cupy_attn.emulator import EmulatorError, RawModule
 from helpers import random_qkv
 
 BARRIERS = ("__syncthreads();", "__syncwarp();", "ptx::cp_async_wait<0>();", "ptx::wgmma_wait<0>();",
-            "ptx::fence_proxy_async();")
+            "ptx::fence_proxy_async();",
+            # the wgmma forward's wait for a tile's TMA copies
+            "ptx::mbarrier_wait(&landed[stage], static_cast<unsigned>(n_block - n_begin) / 2 & 1);")
 KERNEL_FILES = ("attention_fwd.cu", "attention_fwd_tc.cu", "attention_fwd_wgmma.cu", "attention_bwd.cu",
                 "attention_bwd_tc.cu", "attention_bwd_wgmma.cu", "attention_decode.cu")
 

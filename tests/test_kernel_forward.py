@@ -2,6 +2,7 @@
 
 Outputs are poisoned with NaN before every launch, so an element the kernel fails to write shows.
 """
+import logging
 import sys
 import types
 
@@ -57,9 +58,23 @@ def test_head_dims(schedule, dtype, d, dv):
 @pytest.mark.parametrize("d,dv", [(16, 16), (64, 64), (80, 80), (128, 128), (256, 256), (7, 33), (200, 72), (130, 3)])
 def test_wgmma_head_dims(monkeypatch, schedule, dtype, d, dv):
     monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
+    launched = []
+    real_function = _compile.function
+    monkeypatch.setattr(_compile, "function", lambda target, f, name, **kw: launched.append(name) or real_function(target, f, name, **kw))
     rng = np.random.default_rng(d * 1000 + dv + 1)
     q, k, v = random_qkv(rng, b=2, h=2, hkv=1, sq=77, sk=150, d=d, dv=dv, dtype=dtype)
+    # k and v in rows padded to 16 bytes, as TMA needs (contiguous rows of 7 or 3 elements are not
+    # addressable: such calls run the mma.sync forward), so every case runs the wgmma forward.
+    k, v = (tma_addressable(x) for x in (k, v))
     check(q, k, v, dtype, causal=True)
+    assert len(launched) == 1 and launched[0].startswith("attention_fwd_wgmma<"), launched
+
+
+def tma_addressable(x):
+    """x in storage whose rows are a multiple of 16 bytes long (a view of a wider array)."""
+    wide = np.zeros(x.shape[:-1] + (-(-x.shape[-1] // 8) * 8,), x.dtype)
+    wide[..., :x.shape[-1]] = x
+    return wide[..., :x.shape[-1]]
 
 
 @pytest.mark.parametrize("sq,sk", [(1, 1), (1, 203), (7, 7), (113, 203), (203, 113), (64, 64), (65, 129), (257, 31)])
@@ -172,10 +187,12 @@ def test_compute_capability_selects_the_forward(monkeypatch):
     ("unaligned_rows", "attention_fwd_tc<__half, 64, 128, 64, 64, 1>"),  # 136 bytes: not a multiple of 16
     ("packed", "attention_fwd_tc<__half, 64, 128, 64, 64, 1>"),     # a box would reach into the next sequence
 ])
-def test_wgmma_forward_runs_where_tma_can_address_k_and_v(monkeypatch, case, kernel):
+def test_wgmma_forward_runs_where_tma_can_address_k_and_v(monkeypatch, caplog, case, kernel):
     """The wgmma forward reads K and V through TMA maps; where TMA cannot address them the call
     runs the mma.sync forward, which reads any strides, and says so in the log."""
     monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
+    monkeypatch.setattr(_kernel_backend, "_SAID", set())
+    caplog.set_level(logging.WARNING, logger="cupy_attn")
     launched = []
     real_function = _compile.function
     monkeypatch.setattr(_compile, "function", lambda target, f, name, **kw: launched.append(name) or real_function(target, f, name, **kw))
@@ -195,6 +212,7 @@ def test_wgmma_forward_runs_where_tma_can_address_k_and_v(monkeypatch, case, ker
         wide[..., :64] = k
         check(q, wide[..., :64], v, np.float16, causal=True)
     assert launched == [kernel]
+    assert ("the mma.sync forward runs instead" in caplog.text) == ("wgmma" not in kernel), caplog.text
 
 
 def test_environment_chooses_the_compute_capability(monkeypatch):

@@ -19,7 +19,10 @@ template <int kRank>
 __global__ void tma_box(const __grid_constant__ ptx::TensorMap map, const int* coords, int box_bytes, unsigned char* out) {
     extern __shared__ __align__(1024) unsigned char smem[];
     unsigned long long* bar = reinterpret_cast<unsigned long long*>(smem);
-    if (threadIdx.x == 0) ptx::mbarrier_init(bar, 1);
+    if (threadIdx.x == 0) {
+        ptx::mbarrier_init(bar, 1);
+        ptx::fence_mbarrier_init();
+    }
     __syncthreads();
     if (threadIdx.x == 0) {
         int at[kRank];
@@ -70,7 +73,10 @@ __global__ void tma_wgmma(const __grid_constant__ ptx::TensorMap a_map, const __
     unsigned long long* bar = reinterpret_cast<unsigned long long*>(smem);
     unsigned char* sA = smem + 1024;
     unsigned char* sB = sA + 8192;
-    if (threadIdx.x == 0) ptx::mbarrier_init(bar, 1);
+    if (threadIdx.x == 0) {
+        ptx::mbarrier_init(bar, 1);
+        ptx::fence_mbarrier_init();
+    }
     __syncthreads();
     if (threadIdx.x == 0) {
         ptx::mbarrier_arrive_expect_tx(bar, 2 * 8192);

@@ -90,6 +90,9 @@ inline void mbarrier_arrive(void* bar, unsigned expect_tx_bytes, bool arrive, co
     Mbarrier& m = mbarrier_at(offset, what);
     if (expect_tx_bytes >= (1u << 20)) fail(format("%s: %u bytes exceed the transaction count's range", what, expect_tx_bytes));
     m.tx += expect_tx_bytes;
+    if (arrive && m.pending == 0)
+        fail(format("%s: an arrival beyond the %u the phase expects (the mbarrier at shared offset %u waits only for "
+                    "%lld transaction bytes)", what, m.expected, offset, m.tx));
     if (arrive) m.pending--;
     mbarrier_try_complete(offset, m);
 }
@@ -106,7 +109,9 @@ inline void mbarrier_complete_tx(void* bar, unsigned bytes, const char* what) {
 // parity is that one's, else the next. The hardware compares the parity with the phase in
 // progress only, so a wait is invalid once the barrier has completed the meant phase and the one
 // after it: the same parity then names a later phase (the wait would block for it) or the
-// thread skipped a phase. Both are reported.
+// thread skipped a phase. Both are reported. This asks more than the PTX ISA does (a thread that
+// deliberately skips phases and waits with the parity of the current one is legal there): it is
+// the discipline of a pipeline, where every waiting thread sees every phase of its barriers.
 inline long long mbarrier_meant_phase(unsigned offset, const Mbarrier& m, unsigned parity, const char* what) {
     auto& seen = tl_fiber->phase_seen;
     const auto it = seen.find(offset);
@@ -147,7 +152,11 @@ inline void mbarrier_wait(const void* bar, unsigned parity) {
         f->waits_for_phase = meant;
         f->state = State::AtMbarrier;
         yield_to_scheduler();
-        mbarrier_at(offset, what);  // still the same object
+        // Woken once the meant phase completed; if the next one has completed too before this
+        // thread ran again, a try_wait polling now would see the later phase's parity: a race.
+        if (mbarrier_at(offset, what).phase > meant + 1)
+            fail(format("%s: invalid phase use: the mbarrier at shared offset %u completed phase %lld and the next one "
+                        "before this thread, waiting for the first, ran again", what, offset, meant));
     }
     f->phase_seen[offset] = meant;
 }
@@ -380,15 +389,16 @@ inline void set_max_registers_fn(void* const* lanes, unsigned mask) {
             fail("setmaxnreg: the lanes of a warp execute different setmaxnreg instructions");
     }
     const unsigned warp = tl_fiber->linear / 32, group = warp / 4;
-    Block::WarpgroupRequest& request = b->register_requests[group];
-    if (request.warps == 0) {
-        request.count = op.count;
-        request.increase = op.increase;
-    } else if (request.count != op.count || request.increase != op.increase) {
+    // A warp's i-th setmaxnreg must be its warpgroup's i-th, whichever warp gets there first.
+    std::vector<Block::WarpgroupRequest>& requests = b->register_requests[group];
+    const unsigned call = b->warp_register_calls[warp]++;
+    if (call == requests.size()) {
+        requests.push_back({op.count, op.increase});
+    } else if (requests[call].count != op.count || requests[call].increase != op.increase) {
         fail(format("setmaxnreg: warps of warpgroup %u execute setmaxnreg.%s %u and setmaxnreg.%s %u", group,
-                    request.increase ? "inc" : "dec", request.count, op.increase ? "inc" : "dec", op.count));
+                    requests[call].increase ? "inc" : "dec", requests[call].count, op.increase ? "inc" : "dec",
+                    op.count));
     }
-    request.warps = request.warps == 3 ? 0 : request.warps + 1;
     unsigned& current = b->warp_registers[warp];
     if (current && (op.increase ? op.count < current : op.count > current))
         fail(format("setmaxnreg.%s %u: warp %u holds %u registers per thread already", op.increase ? "inc" : "dec",
@@ -411,6 +421,7 @@ inline void set_max_registers(unsigned count, bool increase) {
         fail(format("setmaxnreg: the block's %zu threads are not whole warpgroups of 128", b->fibers.size()));
     if (b->warp_registers.empty()) {
         b->warp_registers.assign(b->fibers.size() / 32, 0);
+        b->warp_register_calls.assign(b->fibers.size() / 32, 0);
         b->register_requests.assign(b->fibers.size() / 128, {});
     }
     SetMaxRegistersOperand op{count, increase};

@@ -161,8 +161,9 @@ struct Block {
     std::vector<TmaCopy> tma_loads;  // TMA loads issued and not yet landed
     unsigned long long tma_issued = 0;
     std::vector<unsigned> warp_registers;  // setmaxnreg's per-thread count per warp; 0: as compiled
-    struct WarpgroupRequest { unsigned count = 0, warps = 0; bool increase = false; };
-    std::vector<WarpgroupRequest> register_requests;  // per warpgroup: the setmaxnreg its warps are in
+    std::vector<unsigned> warp_register_calls;  // how many setmaxnreg each warp executed
+    struct WarpgroupRequest { unsigned count; bool increase; };
+    std::vector<std::vector<WarpgroupRequest>> register_requests;  // per warpgroup: its i-th setmaxnreg
     Context scheduler;
     unsigned live = 0;
     int barrier_result = 0;
@@ -324,6 +325,11 @@ inline void run_block(Launch& L, unsigned long long linear_block) {
             b.aborted = true;
             b.error = deadlock_report(b);
         }
+    }
+    if (!b.aborted && !b.tma_loads.empty()) {
+        b.aborted = true;
+        b.error = block_name(b) + format(": the block exits with %zu TMA load(s) no thread waited for (their "
+                                         "mbarrier's phase was never awaited)", b.tma_loads.size());
     }
     tl_block = nullptr;
     if (b.aborted) {
