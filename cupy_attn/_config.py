@@ -168,48 +168,55 @@ TENSOR_CORE_DTYPES = (np.dtype(np.float16), BFLOAT16)
 
 @dataclass(frozen=True)
 class HopperTile:
-    """The fp16/bf16 forward on wgmma (sm_90a), chosen for compute capability 9.0 (which runs it
-    when asked for: DEFAULT_KERNELS_FOR) where TMA can address K and V: one warpgroup per 64 query
-    rows, block_n keys per tile (the N of the S instruction) loaded by TMA in boxes of 64 head dims
-    (tma_box), P·V in instructions of up to 128 head dims (head dims pad to 64)."""
+    """The fp16/bf16 forward on wgmma and TMA (sm_90a), chosen for compute capability 9.0 (which
+    runs it when asked for: DEFAULT_KERNELS_FOR) where TMA can address q, k, v and out: blocks of
+    block_m query rows in three warpgroups, a producer loading Q, K and V by TMA in boxes of 64
+    head dims (TMA_BOX_DIMS) and two consumers of 64 rows each taking turns at the tensor cores;
+    block_n keys per tile (the N of the S instruction), P·V in instructions of up to 128 head dims
+    (head dims pad to 64)."""
 
     filename: ClassVar[str] = "attention_fwd_wgmma.cu"
 
     head_dim: int
     block_n: int
     reason: str
-    block_m: int = 64
+    block_m: int = 128  # attn::kConsumerGroups x 64
+    threads: int = 384  # attn::kWsThreads
 
     @property
     def shared_bytes(self) -> int:
-        """Q (64, D) in the core-matrix layout and two stages of K and of V (block_n, D each) in
-        128-byte-swizzled boxes, 16-bit (V is read there as an MN-major operand: no transposed
-        copy), then the two stages' 8-byte mbarriers."""
-        return 2 * (self.block_m + 4 * self.block_n) * self.head_dim + 16
+        """Q (block_m, D) and two stages of K and of V (block_n, D each) in 128-byte-swizzled
+        boxes, 16-bit (V is read there as an MN-major operand: no transposed copy; O is staged in
+        Q's rows for the TMA store), then the barriers: full and empty of each stage of K and of V,
+        and Q's (9 x 8 bytes)."""
+        return 2 * (self.block_m + 4 * self.block_n) * self.head_dim + 72
 
-    @property
-    def tma_box(self) -> tuple[int, int]:
-        """(keys, head dims) of one TMA copy of K or V: 64 dims, one 128-byte swizzled line per key."""
-        return self.block_n, 64
+    def tma_rows(self, operand: str) -> int:
+        """Rows of one TMA box of q, k, v or out (each box TMA_BOX_DIMS head dims wide): the
+        block's query rows of q (loaded once), a tile's keys of k and v, a consumer group's 64
+        rows of out (each group stores its own)."""
+        return {"q": self.block_m, "k": self.block_n, "v": self.block_n, "out": self.block_m // 2}[operand]
 
     def name_expression(self, dtype) -> str:
         return f"attention_fwd_wgmma<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_n}>"
 
 
-# Per thread: D/2 floats of O, block_n/2 of S and block_n/4 registers of packed P; shared memory
-# within the 227 KB a block may use on sm_90. The SASS audit's fastest path per 64 keys (fp16,
-# bench/RESULTS.md, 2026-12-01, third session, with cp.async staging): at D = 64 the softmax's
-# ~4.5 instructions per score outweigh the tensor work, which halves with D while the softmax's
-# does not, so the per-tile rest (staging, barrier, waits, O's rescale) is what a longer tile
-# amortises: 128 keys gave issue_per_tensor 1.01 against 1.31 with 64 (211 registers against 151).
-# At D = 128 the 64-key tile was already below 1 (0.81; 128 keys: 0.61, but 231 registers and
-# 144 KB shared, one block of 4 warps per SM, with nothing to hide the serial
-# load-S-softmax-P·V chain of a block), and D = 256 has no registers for more. With TMA staging
-# (fourth session) the same tiles issue 0.88, 0.70 and 0.47 (168, 149, 204 registers).
+TMA_BOX_DIMS = 64  # head dims per TMA box: one 128-byte swizzled line of 16-bit elements
+
+
+# Per consumer thread: D/2 floats of O, block_n/2 of S and block_n/4 registers of packed P, all
+# live at once while the softmax of one tile overlaps P·V of the previous (240 registers after
+# setmaxnreg); shared memory within the 227 KB a block may use on sm_90. block_n is the N of the S
+# instruction, 64 or 128 (m64n176k16, FlashAttention-3's choice at D = 64, is a shape ptx.cuh does
+# not wrap). History of the SASS audit's path per tile (fp16, bench/RESULTS.md, 2026-12-01): with
+# one warpgroup per block and cp.async staging, 128 keys at D = 64 gave issue_per_tensor 1.01
+# against 1.31 with 64 (the softmax's ~4.5 instructions per score outweigh the tensor work at
+# D = 64, so the per-tile rest is what a longer tile amortises); D = 128 was at 0.81 with 64 keys;
+# D = 256 has no registers for more. TMA staging (fourth session) gave 0.88, 0.70 and 0.47.
 HOPPER_TILES = (
-    HopperTile(64, 128, "32 + 64 accumulators per thread; 72 KB shared"),
-    HopperTile(128, 64, "64 + 32 accumulators per thread; 80 KB shared"),
-    HopperTile(256, 64, "128 + 32 accumulators per thread; 160 KB shared"),
+    HopperTile(64, 128, "32 + 64 + 32 registers of O, S and P per consumer thread; 80 KB shared"),
+    HopperTile(128, 128, "64 + 64 + 32 registers of O, S and P per consumer thread; 160 KB shared"),
+    HopperTile(256, 64, "128 + 32 + 16 registers of O, S and P per consumer thread; 192 KB shared"),
 )
 HOPPER_ARCH = "sm_90a"  # what NVRTC compiles the wgmma kernels for
 

@@ -117,7 +117,7 @@ def _module(problem: Problem) -> dict:
     return dict(features=score_features(p), packed=p.packing is not None, mods=mods)
 
 
-def _launch(target: str, filename: str, name: str, grid, args, shared_bytes: int = 0, *,
+def _launch(target: str, filename: str, name: str, grid, args, shared_bytes: int = 0, *, threads: int = _config.THREADS,
             features: int = _config.PLAIN_FEATURES, packed: bool = False, mods=None):
     if 0 in grid:
         return  # nothing to compute (an empty batch, head or sequence axis)
@@ -130,7 +130,7 @@ def _launch(target: str, filename: str, name: str, grid, args, shared_bytes: int
         return
     if shared_bytes > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_bytes:
         fn.max_dynamic_shared_size_bytes = shared_bytes
-    block = (_config.THREADS,)
+    block = (threads,)
     if target == "emulator":
         fn(grid, block, args, shared_mem=shared_bytes, schedule=EMULATOR_SCHEDULE)
     else:
@@ -258,25 +258,28 @@ def _pointer(x) -> int:
     return x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
 
 
-def kv_tensor_maps(problem: Problem, k, v, tile, target: str):
-    """The wgmma forward's TMA maps of k and v (dims: head dims, keys, kv heads, batch; boxes of
-    tile.tma_box, 128-byte swizzle) as kernel arguments, or the reason TMA cannot address them."""
+def tensor_maps(problem: Problem, tile, target: str, **operands):
+    """The wgmma forward's TMA maps of q, k, v and out (dims: head dims, rows, heads, batch; boxes
+    of TMA_BOX_DIMS dims x tile.tma_rows(name) rows, 128-byte swizzle) as kernel arguments, in the
+    order given, or the reason TMA cannot address one of them."""
     p = problem
     if p.packing is not None:
         return None, "a packed (varlen) batch: a box would reach into the next sequence"
-    keys, dims = tile.tma_box
+    shapes = {"q": (p.head_dim, p.seq_q, p.heads), "k": (p.head_dim, p.seq_k, p.kv_heads),
+              "v": (p.head_dim_v, p.seq_k, p.kv_heads), "out": (p.head_dim_v, p.seq_q, p.heads)}
     maps = []
-    for name, x, head_dim in (("k", k, p.head_dim), ("v", v, p.head_dim_v)):
+    for name, x in operands.items():
+        head_dim, rows, heads = shapes[name]
         batch, head, row = (int(s) * x.itemsize for s in _bhs_strides(p, x))
         # An axis of one entry is never stepped along: its stride becomes the packed one (the inner
         # axes' extent, a multiple of 16 bytes), which the driver takes whatever the array's is.
         strides, extent = [], -(-head_dim * x.itemsize // 16) * 16
-        for stride, n in ((row, p.seq_k), (head, p.kv_heads), (batch, p.batch)):
+        for stride, n in ((row, rows), (head, heads), (batch, p.batch)):
             strides.append(stride if n > 1 else extent)
             extent = strides[-1] * n
         try:
-            spec = TensorMapSpec(p.dtype, _pointer(x), (head_dim, p.seq_k, p.kv_heads, p.batch), strides,
-                                 (dims, keys, 1, 1), swizzle=128)
+            spec = TensorMapSpec(p.dtype, _pointer(x), (head_dim, rows, heads, p.batch), strides,
+                                 (_config.TMA_BOX_DIMS, tile.tma_rows(name), 1, 1), swizzle=128)
         except TensorMapError as error:
             return None, f"{name}: {error}"
         maps.append(spec)
@@ -289,22 +292,34 @@ def kv_tensor_maps(problem: Problem, k, v, tile, target: str):
     return [m.encoded() for m in maps], None
 
 
+def _output(problem: Problem, tma: bool):
+    """The forward's out: contiguous, or for the TMA store (whose rows must be a multiple of 16
+    bytes apart) rows padded to 8 elements where Dv is not a multiple of 8: a view of wider rows,
+    which the caller gets as a contiguous copy."""
+    p = problem
+    padded = -(-p.head_dim_v // 8) * 8 if tma else p.head_dim_v
+    if padded == p.head_dim_v:
+        return _empty(p.xp, p.out_shape, p.dtype)
+    return _empty(p.xp, p.out_shape[:-1] + (padded,), p.dtype)[..., :p.head_dim_v]
+
+
 def forward(problem: Problem, q, k, v, *, target: str):
     p, xp = problem, problem.xp
     check_supported(p, target)
     module = _module(p)
     tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype, compute_capability(target), module["features"])
     q, k, v = (_last_dim_contiguous(xp, x) for x in (q, k, v))
+    hopper = isinstance(tile, _config.HopperTile)
+    out = _output(p, hopper)
+    lse = _empty(xp, p.lse_shape, np.float32)
     maps = ()
-    if isinstance(tile, _config.HopperTile):
-        maps, why_not = kv_tensor_maps(p, k, v, tile, target)
-        if maps is None:  # the cp.async kernels read any strides
-            _say_once(f"the wgmma forward needs TMA, which cannot address this call's k and v ({why_not}): the "
+    if hopper:
+        maps, why_not = tensor_maps(p, tile, target, q=q, k=k, v=v, out=out)
+        if maps is None:  # the cp.async kernels read and write any strides
+            _say_once(f"the wgmma forward needs TMA, which cannot address this call's operands ({why_not}): the "
                       "mma.sync forward runs instead")
             tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype, 80, module["features"])
-            maps = ()
-    out = _empty(xp, p.out_shape, p.dtype)
-    lse = _empty(xp, p.lse_shape, np.float32)
+            out, maps = _output(p, False), ()
     grid = (_blocks(p.seq_q, tile.block_m), p.heads, p.batch)
     # A tile computing fewer value dims per launch than Dv runs once per slice of v and out (views:
     # same strides, shifted base), each launch writing the same lse.
@@ -313,12 +328,13 @@ def forward(problem: Problem, q, k, v, *, target: str):
         d1 = min(d0 + width, p.head_dim_v)
         part = p if (d0, d1) == (0, p.head_dim_v) else dataclasses.replace(p, head_dim_v=d1 - d0)
         v_part, out_part = v[..., d0:d1], out[..., d0:d1]
-        # The tensor-core kernels take a `vectorised` flag after lse; the fp32 kernel does not.
-        flags = () if isinstance(tile, _config.ForwardTile) else (_vector_flags(q, k, v_part),)
+        # The mma.sync kernels take a `vectorised` flag after lse; the fp32 and TMA ones do not.
+        flags = (_vector_flags(q, k, v_part),) if isinstance(tile, _config.TensorCoreTile) else ()
         args = (q, k, v_part, out_part, lse, *flags, *maps,
                 *_common_args(part, q, k, v_part, out_part, (tile.block_m, tile.block_n)))
-        _launch(target, tile.filename, tile.name_expression(p.dtype), grid, args, tile.shared_bytes, **module)
-    return out, lse
+        _launch(target, tile.filename, tile.name_expression(p.dtype), grid, args, tile.shared_bytes,
+                threads=getattr(tile, "threads", _config.THREADS), **module)
+    return (out if out.flags.c_contiguous else xp.ascontiguousarray(out)), lse
 
 
 def _vector_flags(*arrays):

@@ -153,9 +153,30 @@ def disassemble(cubin: bytes) -> tuple[list[Instruction], dict[str, int]]:
 
 
 def loops(instructions: list[Instruction], labels: dict[str, int]) -> list[tuple[int, int]]:
-    """(first offset, last offset) of every loop: a branch back to an earlier (or its own) label."""
+    """(first offset, last offset) of every loop: a branch back to an earlier (or its own) label,
+    other than an out-of-line stub's return (_returns_from_stub)."""
+    at = {i.offset: n for n, i in enumerate(instructions)}
     return sorted({(labels[i.target], i.offset) for i in instructions
-                   if i.target in labels and labels[i.target] <= i.offset})
+                   if i.target in labels and labels[i.target] <= i.offset
+                   and not _returns_from_stub(instructions, at, labels, i)})
+
+
+def _returns_from_stub(instructions: list[Instruction], at: dict[int, int], labels: dict[str, int],
+                       jump: Instruction) -> bool:
+    """Whether the unconditional back-jump `jump` ends an out-of-line stub: code that only a branch
+    right before the jump's target enters and that goes back to where that branch was. ptxas puts
+    an mbarrier wait's retry loop so, after the kernel's end (TRYWAIT; @!P BRA wait, BRA back to
+    the instruction after the one that branched to the stub): a detour, not a loop around the code
+    in between."""
+    target = at.get(labels[jump.target])
+    if jump.predicated or not target:
+        return False
+    entry = instructions[target - 1]
+    stub = labels.get(entry.target)
+    if stub is None or not labels[jump.target] < stub <= jump.offset or instructions[at[stub] - 1].falls_through:
+        return False
+    return all(i is jump or i.target is None or labels.get(i.target) == stub
+               for i in instructions[at[stub]:at[jump.offset] + 1])
 
 
 @dataclass

@@ -1,26 +1,37 @@
-// The Hopper (sm_90a) forward for fp16/bf16: FlashAttention-2's algorithm on wgmma.
+// The Hopper (sm_90a) forward for fp16/bf16: FlashAttention-3's structure on wgmma and TMA.
 //
-// One block is one warpgroup (4 warps, 128 threads) per (64 query rows, head, batch entry). The
-// accumulators of wgmma m64nNk16 give warp w rows 16w..16w+15 in the same layout as mma.sync's,
-// so the online softmax, the re-packing of P as an A operand and the epilogue are those of
-// attention_fwd_tc.cu (tc_forward.cuh). Per tile of kBlockN keys (the tile table's block_n: 64 or
-// 128, the N of the S instruction):
-//   S = Q·Kᵀ     wgmma SS: Q in shared memory in the core-matrix layout (cp.async, once per
-//                block), K in boxes of 64 head dims that TMA loads with 128-byte swizzle (K and V
-//                in two stages: thread 0 loads the next tile during this one, its bytes completing
-//                on the stage's mbarrier); K is S's B operand K-major (its head dims, the reduced
-//                ones, are consecutive)
-//   O += P·V     wgmma RS: P from registers, V from shared memory in the same boxes as K, read as
-//                an MN-major B operand (its head dims, N here, are consecutive): no transpose; up
-//                to 128 head dims per instruction
-// TMA makes each thread's staging of K and V one mbarrier wait (thread 0 issues the copies); the
-// launcher uses this kernel where TMA can address K and V (cupy_attn/_tensor_map.py) and the
-// mma.sync forward elsewhere. Q's cp.async copies are fenced to the async proxy before the barrier
-// that precedes the first wgmma reading them.
+// One block per (128 query rows, head, batch entry), three warpgroups with their roles fixed at
+// the start (warp specialisation):
+//   producer   warpgroup 0 gives up registers (setmaxnreg.dec 24); one elected thread of its
+//              first warp loads the block's Q once and each key tile's K and V with TMA into
+//              128-byte-swizzled boxes of 64 head dims, K and V into rings of two stages
+//              (pipeline.cuh) whose full barriers count the bytes that landed and whose empty
+//              barriers count the consumer threads done reading. Its other threads exit.
+//   consumers  warpgroups 1 and 2 take the registers (setmaxnreg.inc 240) and own 64 query rows
+//              each. The accumulators of wgmma m64nNk16 give warp w of a group its rows 16w..+15
+//              in mma.sync's layout, so the online softmax, the packing of P as an A operand and
+//              the normalisation are tc_forward.cuh's, shared with the mma.sync forward.
+// Per key tile n of kBlockN keys (the tile table's block_n, the N of the S instruction), each
+// consumer group issues, on its turn,
+//   S_n = Q·K_nᵀ        wgmma SS: Q and K K-major from their swizzled boxes (head dims reduced)
+//   O  += P_{n-1}·V_{n-1}  wgmma RS: P from registers, V an MN-major operand (no transpose); up to
+//                       128 head dims per instruction
+// and then computes the softmax of S_n while the tensor cores still work on P_{n-1}·V_{n-1}
+// (wgmma.wait_group 1: FlashAttention-3's intra-warpgroup overlap; O is rescaled once that
+// product is in). The two groups take turns at the tensor cores on two named barriers (ping-
+// pong): a group issues its products once the other has issued its own, so one group's softmax
+// runs while the other's products do. Rows whose scores the mask kills are handled as in every
+// kernel (tc_forward.cuh); the key range is the whole block's, so a group may visit a tile none
+// of its rows attends (its probabilities are 0).
+// The epilogue stages each group's normalised O in its own rows of the Q tile (swizzled as TMA
+// reads them; Q is dead there once the group's last S is in) and one thread stores them with TMA,
+// which clips rows past the sequence and head dims past Dv. The launcher uses this kernel where
+// TMA can address q, k, v and out (cupy_attn/_tensor_map.py) and the mma.sync forward elsewhere.
 #include "block_info.cuh"
 #include "dropout.cuh"
 #include "mask.cuh"
 #include "numeric.cuh"
+#include "pipeline.cuh"
 #include "ptx.cuh"
 #include "softmax.cuh"
 #include "tc_forward.cuh"
@@ -28,113 +39,144 @@
 
 namespace attn {
 
+constexpr int kConsumerGroups = 2;                        // warpgroups computing, 64 query rows each
+constexpr int kWsThreads = 128 * (1 + kConsumerGroups);   // and the producer's
+constexpr int kKvStages = 2;
+// Named barriers (0 is __syncthreads'): consumer group g's turn at the tensor cores, and its O
+// staged for the TMA store.
+constexpr unsigned kTurnBarrier = 1, kStagedBarrier = kTurnBarrier + kConsumerGroups;
+// Registers per thread after the split: 24 + 2 x 240 = 504 per lane-triple, 64512 of the SM's
+// 65536 (the launch gives each thread 65536 / 384 = 168, rounded to 8).
+constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
+
+struct ForwardBarriers {
+    StageRing<kKvStages> k, v;
+    unsigned long long q_landed;
+};
+
+// TMA copies of rows [row0, row0 + Layout's rows) x all head dims of a (head dims, rows, heads,
+// batch) tensor map, one box of 64 dims each, into (or out of) a tile laid out by Layout.
+template <class Layout, class T>
+__device__ __forceinline__ void load_tile(T* tile, const ptx::TensorMap& map, int row0, int head, int batch,
+                                          unsigned long long* landed, int dims) {
+    for (int c = 0; c < dims / Layout::kBoxCols; ++c) {
+        const int box[4] = {c * Layout::kBoxCols, row0, head, batch};
+        ptx::tma_load<4>(tile + Layout::offset(0, c * Layout::kBoxCols), map, box, landed);
+    }
+}
+
 template <class T, int kHeadDim, int kBlockN>
-__device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q, T* out, float* lse,
-                                                    const long long (&strides)[12], int vectorised,
-                                                    const ptx::TensorMap& k_map, const ptx::TensorMap& v_map) {
+__device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse, const long long (&strides)[12],
+                                                    const ptx::TensorMap& q_map, const ptx::TensorMap& k_map,
+                                                    const ptx::TensorMap& v_map, const ptx::TensorMap& o_map) {
     // Head dims per P·V instruction (its N): all of them up to 128 (one m64n128k16 covers O's 64
     // accumulators per lane at D = 128), in instructions of 128 beyond.
     constexpr int kPvDims = kHeadDim < 128 ? kHeadDim : 128;
     static_assert(kHeadDim % 64 == 0 && kHeadDim % kPvDims == 0, "head-dim tiles are multiples of 64");
     static_assert(kBlockN == 64 || kBlockN == 128, "S instructions m64n64k16 or m64n128k16");
-    using QTile = CoreMatrixLayout<kHeadDim>;                 // Q: rows x head dims
-    using KvTile = SwizzledBoxLayout<kBlockN, kHeadDim>;      // K and V: keys x head dims
+    constexpr int kBlockM = 64 * kConsumerGroups;
+    using QTile = SwizzledBoxLayout<kBlockM, kHeadDim>;   // Q, then O: rows x head dims
+    using KvTile = SwizzledBoxLayout<kBlockN, kHeadDim>;  // K and V: keys x head dims
     constexpr int kNTiles = kBlockN / 8;     // 8-key column tiles of S
     constexpr int kDTiles = kHeadDim / 8;    // 8-dim column tiles of O
-    constexpr unsigned kStageBytes = sizeof(T) * kBlockN * kHeadDim;  // one stage of K or of V
+    constexpr unsigned kTileElements = kBlockN * kHeadDim;  // one stage of K or of V
     extern __shared__ __align__(1024) unsigned char smem_bytes[];
-    // Q (64 x kHeadDim), K stages 0 and 1, V stages 0 and 1 (kBlockN x kHeadDim each; all
-    // multiples of 1024 bytes, so every box starts a swizzle atom), then each stage's mbarrier.
-    // Stages by arithmetic: a run-time index into a pointer array would put it in local memory.
+    // Q (kBlockM x kHeadDim), K's stages, V's stages (kBlockN x kHeadDim each; all multiples of
+    // 1024 bytes, so every box starts a swizzle atom), then the barriers. Stages by arithmetic: a
+    // run-time index into a pointer array would put it in local memory.
     T* sQ = reinterpret_cast<T*>(smem_bytes);
-    auto stage_k = [&](int stage) { return sQ + (kTcBlockM + kBlockN * stage) * kHeadDim; };
-    auto stage_v = [&](int stage) { return stage_k(2) + kBlockN * kHeadDim * stage; };
-    unsigned long long* landed = reinterpret_cast<unsigned long long*>(stage_v(2));  // [2]
+    T* sK = sQ + kBlockM * kHeadDim;
+    T* sV = sK + kKvStages * kTileElements;
+    ForwardBarriers& bars = *reinterpret_cast<ForwardBarriers*>(sV + kKvStages * kTileElements);
 
     const BlockInfo b(p, blockIdx.y, blockIdx.z);
+    const int m0 = blockIdx.x * kBlockM;
+    int n_begin, n_end;
+    b.key_tiles(p, m0, kBlockM, kBlockN, &n_begin, &n_end);
+    if (threadIdx.x == 0) {
+        bars.k.init(128 * kConsumerGroups);
+        bars.v.init(128 * kConsumerGroups);
+        ptx::mbarrier_init(&bars.q_landed, 1);
+        ptx::fence_mbarrier_init();
+    }
+    __syncthreads();  // the barriers are initialised; the last block-wide barrier (the producer's threads exit)
+
+    if (threadIdx.x < 128) {
+        ptx::set_max_registers<kProducerRegisters, false>();
+        // Q, K and V go in whole boxes, zero-filled past the tensor (keys past seq_k, rows past
+        // seq_q, dims past the head); keys between a batch entry's length and seq_k are read,
+        // and masked, as the cp.async kernels do. Each full barrier learns the whole boxes' bytes.
+        if (threadIdx.x < 32 && ptx::elect_one() && n_begin < n_end) {
+            ptx::mbarrier_arrive_expect_tx(&bars.q_landed, sizeof(T) * kBlockM * kHeadDim);
+            load_tile<QTile>(sQ, q_map, m0, b.bidh, b.bidb, &bars.q_landed, kHeadDim);
+            StageCursor<kKvStages> at;
+            for (int n_block = n_begin; n_block < n_end; ++n_block, at.advance()) {
+                producer_acquire(bars.k, at, sizeof(T) * kTileElements);
+                load_tile<KvTile>(sK + at.stage * kTileElements, k_map, n_block * kBlockN, b.bidh_kv, b.bidb,
+                                  &bars.k.full[at.stage], kHeadDim);
+                producer_acquire(bars.v, at, sizeof(T) * kTileElements);
+                load_tile<KvTile>(sV + at.stage * kTileElements, v_map, n_block * kBlockN, b.bidh_kv, b.bidb,
+                                  &bars.v.full[at.stage], kHeadDim);
+            }
+        }
+        return;
+    }
+    ptx::set_max_registers<kConsumerRegisters, true>();
+
+    const int group = threadIdx.x / 128 - 1;  // consumer group: query rows 64·group .. + 63 of the block
+    const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32, t = lane % 4;
+    const int group_row0 = 64 * group;
+    const int row_lo = m0 + group_row0 + warp * 16 + lane / 4;  // this lane's two rows: row_lo and row_lo + 8
     const ScoreTransform score(p, b);
     const Dropout dropout(p, b);
     const HeadView at = head_view(p, b, strides);
-    const int m0 = blockIdx.x * kTcBlockM;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
-    const int row_lo = m0 + warp * 16 + lane / 4;  // this lane's two rows: row_lo and row_lo + 8
 
     // Descriptors built once per block; a tile's stage and a k-step's columns are offsets added to
     // them.
-    const unsigned long long q_desc = ptx::wgmma_descriptor(sQ, QTile::kLbo, QTile::kSbo);
+    const unsigned long long q_desc = ptx::wgmma_descriptor(sQ + QTile::offset(group_row0, 0), QTile::kKMajorLbo,
+                                                            QTile::kKMajorSbo, ptx::Swizzle::B128);
     const unsigned long long k_desc0 =
-        ptx::wgmma_descriptor(stage_k(0), KvTile::kKMajorLbo, KvTile::kKMajorSbo, ptx::Swizzle::B128);
+        ptx::wgmma_descriptor(sK, KvTile::kKMajorLbo, KvTile::kKMajorSbo, ptx::Swizzle::B128);
     const unsigned long long v_desc0 =
-        ptx::wgmma_descriptor(stage_v(0), KvTile::kMnMajorLbo, KvTile::kMnMajorSbo, ptx::Swizzle::B128);
+        ptx::wgmma_descriptor(sV, KvTile::kMnMajorLbo, KvTile::kMnMajorSbo, ptx::Swizzle::B128);
 
     float o[kDTiles][4];
 #pragma unroll
     for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
     float(&o_flat)[4 * kDTiles] = reinterpret_cast<float(&)[4 * kDTiles]>(o);
     OnlineSoftmax<4> softmax[2];
+    float s[kNTiles][4];
+    float(&s_flat)[4 * kNTiles] = reinterpret_cast<float(&)[4 * kNTiles]>(s);
+    unsigned pa[kBlockN / 16][4];  // P of the previous tile as A fragments (16 keys each)
+    unsigned(&pa_flat)[kBlockN / 4] = reinterpret_cast<unsigned(&)[kBlockN / 4]>(pa);
+    float rescale[2];
+    StageCursor<kKvStages> k_at, v_at;
 
-    int n_begin, n_end;
-    b.key_tiles(p, m0, kTcBlockM, kBlockN, &n_begin, &n_end);
-    // Thread 0: the boxes of K and V of tile n_block (64 head dims each; TMA zero-fills keys past
-    // seq_k and dims past the head; keys between a batch entry's length and seq_k are read, and
-    // masked, as the cp.async kernels do) into its stage, announced on the stage's mbarrier.
-    auto load_keys = [&](int n_block) {
-        const int stage = pipeline_stage<2>(n_block, n_begin);
-        ptx::mbarrier_arrive_expect_tx(&landed[stage], 2 * kStageBytes);
-#pragma unroll
-        for (int c = 0; c < kHeadDim / KvTile::kBoxCols; ++c) {
-            const int box[4] = {c * KvTile::kBoxCols, n_block * kBlockN, b.bidh_kv, b.bidb};
-            ptx::tma_load<4>(stage_k(stage) + KvTile::offset(0, c * KvTile::kBoxCols), k_map, box, &landed[stage]);
-            ptx::tma_load<4>(stage_v(stage) + KvTile::offset(0, c * KvTile::kBoxCols), v_map, box, &landed[stage]);
-        }
+    // Turns: a group waits on its own barrier (its 128 threads sync, the other group's 128 arrive)
+    // before issuing a tile's products, and hands the turn over once they are issued. Group 1
+    // hands group 0 the first turn; group 1 skips its last hand-over (group 0 has no turn left to
+    // take), so every barrier generation is complete when the block exits.
+    auto take_turn = [&] { ptx::named_barrier_sync(kTurnBarrier + group, 256); };
+    auto pass_turn = [&](int n_block) {
+        if (group == 0 || n_block + 1 < n_end) ptx::named_barrier_arrive(kTurnBarrier + (group + 1) % 2, 256);
     };
-    if (n_begin < n_end) {  // Q only then: the epilogue stages O in Q's rows, where no copy may still land
-        stage_async<kTcBlockM, kHeadDim, QTile>(sQ, q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim, vectorised & 1);
-        ptx::cp_async_commit();
-        if (threadIdx.x == 0) {
-            ptx::mbarrier_init(&landed[0], 1);
-            ptx::mbarrier_init(&landed[1], 1);
-            ptx::fence_mbarrier_init();
-        }
-        ptx::cp_async_wait<0>();    // this thread's copies of Q have landed
-        ptx::fence_proxy_async();   // and are visible to wgmma
-        __syncthreads();            // everyone's, and the mbarriers are initialised
-        if (threadIdx.x == 0) load_keys(n_begin);
-    }
-    for (int n_block = n_begin; n_block < n_end; ++n_block) {
-        const int n0 = n_block * kBlockN;
-        const int stage = pipeline_stage<2>(n_block, n_begin);
-        const unsigned long long k_desc = ptx::descriptor_plus(k_desc0, stage * kStageBytes);
-        const unsigned long long v_desc = ptx::descriptor_plus(v_desc0, stage * kStageBytes);
-        // This tile's K and V have landed (the stage's (n_block - n_begin) / 2-th phase).
-        ptx::mbarrier_wait(&landed[stage], static_cast<unsigned>(n_block - n_begin) / 2 & 1);
-        // Every warp is done with the previous tile, whose stage the next load overwrites.
-        __syncthreads();
-
-        // S = Q·Kᵀ (64 rows x kBlockN keys for the warpgroup), 16 head dims per instruction.
-        float s[kNTiles][4];
-        float(&s_flat)[4 * kNTiles] = reinterpret_cast<float(&)[4 * kNTiles]>(s);
+    auto issue_s = [&] {
+        const unsigned long long k_desc = ptx::descriptor_plus(k_desc0, sizeof(T) * k_at.stage * kTileElements);
+        // At D = 256 the 16 k-steps' descriptors of Q, hoisted out of the key loop, would hold 32
+        // registers for the whole loop and spill (NVRTC 13.5); recomputed per tile they cost 17
+        // uniform adds. Narrower heads keep them hoisted.
+        const unsigned long long q_tile = kHeadDim > 128 ? ptx::opaque(q_desc) : q_desc;
         ptx::fence_operands(s_flat);
         ptx::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk)
             ptx::wgmma_m64k16_ss<T, kBlockN, ptx::Major::K>(
-                s_flat, ptx::descriptor_plus(q_desc, sizeof(T) * QTile::offset(0, 16 * kk)),
+                s_flat, ptx::descriptor_plus(q_tile, sizeof(T) * QTile::offset(0, 16 * kk)),
                 ptx::descriptor_plus(k_desc, sizeof(T) * KvTile::offset(0, 16 * kk)), kk > 0);
         ptx::wgmma_commit();
-        if (threadIdx.x == 0 && n_block + 1 < n_end) load_keys(n_block + 1);  // while the tensor cores compute S
-        ptx::wgmma_wait<0>();  // S is in registers
-        ptx::fence_operands(s_flat);
-
-        const int checks = b.tile_checks(p, m0, kTcBlockM, n0, kBlockN);
-        softmax_tile(s, o, softmax, p, b, score, dropout, row_lo, n0, t, checks);
-
-        // O += P·V: P re-packed as A fragments (16 keys each), all of them before the first
-        // instruction reads them asynchronously; each instruction covers kPvDims head dims.
-        unsigned pa[kBlockN / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) accumulators_as_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
-        unsigned(&pa_flat)[kBlockN / 4] = reinterpret_cast<unsigned(&)[kBlockN / 4]>(pa);
+    };
+    auto issue_pv = [&] {
+        const unsigned long long v_desc = ptx::descriptor_plus(v_desc0, sizeof(T) * v_at.stage * kTileElements);
         ptx::fence_operands(pa_flat);
         ptx::fence_operands(o_flat);
         ptx::wgmma_fence();
@@ -146,29 +188,93 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const T* q,
                     reinterpret_cast<float(&)[kPvDims / 2]>(o_flat[c * kPvDims / 2]), pa[kk],
                     ptx::descriptor_plus(v_desc, sizeof(T) * KvTile::offset(16 * kk, c * kPvDims)), 1);
         ptx::wgmma_commit();
-        ptx::wgmma_wait<0>();  // O is in registers before the next tile rescales it
+    };
+    // S of tile n_block, in registers and done with its stage of K, to probabilities (rescale: the
+    // factor O must take before P·V of this tile adds to it).
+    auto softmax_of = [&](int n_block) {
+        ptx::fence_operands(s_flat);
+        consumer_release(bars.k, k_at);
+        k_at.advance();
+        const int n0 = n_block * kBlockN;
+        softmax_scores(s, rescale, softmax, p, b, score, dropout, row_lo, n0, t,
+                       b.tile_checks(p, m0, kBlockM, n0, kBlockN));
+    };
+    auto pack_p = [&] {
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) accumulators_as_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
+    };
+    // P·V of the previous tile is in O: its stage of V is free and O may be rescaled.
+    auto pv_done = [&] {
         ptx::fence_operands(o_flat);
         ptx::fence_operands(pa_flat);
+        consumer_release(bars.v, v_at);
+        v_at.advance();
+    };
+
+    if (n_begin < n_end) {
+        if (group == 1) ptx::named_barrier_arrive(kTurnBarrier, 256);  // group 0 goes first
+        ptx::mbarrier_wait(&bars.q_landed, 0);
+        take_turn();
+        consumer_wait(bars.k, k_at);
+        issue_s();
+        pass_turn(n_begin);
+        ptx::wgmma_wait<0>();
+        softmax_of(n_begin);  // O is 0: its rescale is moot
+        pack_p();
+        for (int n_block = n_begin + 1; n_block < n_end; ++n_block) {
+            take_turn();
+            consumer_wait(bars.k, k_at);
+            issue_s();
+            consumer_wait(bars.v, v_at);
+            issue_pv();
+            pass_turn(n_block);
+            ptx::wgmma_wait<1>();  // S is in; P·V of the previous tile may still run
+            softmax_of(n_block);
+            ptx::wgmma_wait<0>();
+            pv_done();
+            rescale_rows(o, rescale);
+            pack_p();
+        }
+        consumer_wait(bars.v, v_at);
+        issue_pv();
+        ptx::wgmma_wait<0>();
+        pv_done();
     }
 
-    // O through this warp's rows of Q (16 of the core-matrix layout: 16·kHeadDim contiguous elements),
-    // dead once its last S is in registers: every other warp's S reads only its own rows of Q.
-    store_rows<T>(p, b, at, out, lse, o, softmax, row_lo, lane, sQ + 16 * warp * kHeadDim);
+    // O through this group's rows of the Q tile (no TMA copy into them is in flight: Q was loaded
+    // only when the block has key tiles, and waited for), then out by TMA.
+    float inv[2];
+    finish_rows(p, b, at, lse, softmax, row_lo, t, inv);
+    stage_pairs<T>(o, inv, lane, sQ, [&](int row, int col) {
+        return QTile::swizzled(group_row0 + 16 * warp + row, col);
+    });
+    ptx::fence_proxy_async();  // the group's stores, visible to the TMA store
+    ptx::named_barrier_sync(kStagedBarrier + group, 128);
+    if (threadIdx.x % 128 == 0) {
+        for (int c = 0; c < kHeadDim / QTile::kBoxCols; ++c) {
+            const int box[4] = {c * QTile::kBoxCols, m0 + group_row0, b.bidh, b.bidb};
+            ptx::tma_store<4>(o_map, box, sQ + QTile::offset(group_row0, c * QTile::kBoxCols));
+        }
+        ptx::bulk_commit();
+        ptx::bulk_wait_read<0>();  // shared memory must outlive the store's reads of it
+    }
 }
 
 }  // namespace attn
 
-// grid (ceil(Sq / 64), H, B) of a padded batch, block 128 threads (one warpgroup), dynamic shared
-// memory: Q (64 x kHeadDim) and two stages of K and of V (kBlockN x kHeadDim each), 16-bit, and
-// two mbarriers. k_map, v_map: TMA maps of k and v (head dims, keys, kv heads, batch) with boxes of
-// 64 head dims x kBlockN keys and 128-byte swizzle; k and v are read through them only (their
-// pointers and strides in ATTN_PARAMS go unused). vectorised: bit 0 set when q's rows may be
-// copied in 16-byte chunks. Compiled for sm_90a only.
+// grid (ceil(Sq / 128), H, B) of a padded batch, block 384 threads (a producer warpgroup and two
+// consumers), dynamic shared memory: Q (128 x kHeadDim) and two stages of K and of V (kBlockN x
+// kHeadDim each), 16-bit, then the barriers. q_map, k_map, v_map, o_map: TMA maps of q, k, v and
+// out (head dims, rows, heads, batch) with 128-byte swizzle and boxes of 64 head dims x 128 query
+// rows (q), kBlockN keys (k, v) and 64 query rows (out: one consumer group's); q, k, v and out are
+// read and written through them only (their pointers and strides in ATTN_PARAMS go unused; lse is
+// written directly). Compiled for sm_90a only.
 template <class T, int kHeadDim, int kBlockN>
-__global__ void __launch_bounds__(attn::kThreads, 1)
-attention_fwd_wgmma(const T* q, const T* k, const T* v, T* out, float* lse, int vectorised,
-                    const __grid_constant__ ptx::TensorMap k_map, const __grid_constant__ ptx::TensorMap v_map,
+__global__ void __launch_bounds__(attn::kWsThreads, 1)
+attention_fwd_wgmma(const T* q, const T* k, const T* v, T* out, float* lse,
+                    const __grid_constant__ ptx::TensorMap q_map, const __grid_constant__ ptx::TensorMap k_map,
+                    const __grid_constant__ ptx::TensorMap v_map, const __grid_constant__ ptx::TensorMap o_map,
                     ATTN_PARAMS) {
     ATTN_UNPACK_PARAMS;
-    attn::forward_wgmma_block<T, kHeadDim, kBlockN>(p, q, out, lse, strides, vectorised, k_map, v_map);
+    attn::forward_wgmma_block<T, kHeadDim, kBlockN>(p, lse, strides, q_map, k_map, v_map, o_map);
 }

@@ -347,6 +347,15 @@ __device__ __forceinline__ unsigned long long descriptor_plus(unsigned long long
     return desc + (bytes >> 4);
 }
 
+// x, which the compiler must take as computed here: values derived from it (a k-step's descriptors)
+// are then computed where they are used, not hoisted out of a loop to stay live in registers.
+__device__ __forceinline__ unsigned long long opaque(unsigned long long x) {
+#ifdef __CUDA_ARCH__
+    asm volatile("mov.b64 %0, %0;\n" : "+l"(x));
+#endif
+    return x;
+}
+
 // Order this thread's earlier register writes (accumulators, A fragments) before the next wgmma.
 __device__ __forceinline__ void wgmma_fence() {
 #ifdef __CUDA_ARCH__

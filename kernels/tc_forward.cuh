@@ -14,29 +14,44 @@ namespace attn {
 
 // This tile's scores (s: kNTiles 8-key column tiles from key n0) -> base-2 units with every
 // feature applied (-inf where masked), then probabilities by the online softmax of this lane's
-// two rows (row_lo, row_lo + 8), whose columns are spread over the lane's quad; o is rescaled
-// to the new running max. Dropout then zeroes (or scales) the probabilities P·V sees, after the
-// row sums took them all.
-template <int kNTiles, int kDTiles>
-__device__ __forceinline__ void softmax_tile(float (&s)[kNTiles][4], float (&o)[kDTiles][4], OnlineSoftmax<4> (&softmax)[2],
-                                             const Params& p, const BlockInfo& b, const ScoreTransform& score,
-                                             const Dropout& dropout, int row_lo, int n0, int t, int checks) {
+// two rows (row_lo, row_lo + 8), whose columns are spread over the lane's quad; rescale[r] is the
+// factor by which row r's earlier accumulators must be scaled to the new running max (a caller
+// whose O is still being summed by the tensor cores applies it once they are done). Dropout then
+// zeroes (or scales) the probabilities P·V sees, after the row sums took them all.
+template <int kNTiles>
+__device__ __forceinline__ void softmax_scores(float (&s)[kNTiles][4], float (&rescale)[2], OnlineSoftmax<4> (&softmax)[2],
+                                               const Params& p, const BlockInfo& b, const ScoreTransform& score,
+                                               const Dropout& dropout, int row_lo, int n0, int t, int checks) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float row[2 * kNTiles];
 #pragma unroll
         for (int c = 0; c < 2 * kNTiles; ++c)
             row[c] = score(p, b, s[c / 2][2 * r + c % 2], row_lo + 8 * r, n0 + (c / 2) * 8 + 2 * t + c % 2, checks);
-        const float rescale = softmax[r].update(row, score.softmax_scale());
+        rescale[r] = softmax[r].update(row, score.softmax_scale());
 #pragma unroll
         for (int c = 0; c < 2 * kNTiles; ++c)
             s[c / 2][2 * r + c % 2] = row[c] * dropout.factor(row_lo + 8 * r, n0 + (c / 2) * 8 + 2 * t + c % 2);
-#pragma unroll
-        for (int d = 0; d < kDTiles; ++d) {
-            o[d][2 * r] *= rescale;
-            o[d][2 * r + 1] *= rescale;
-        }
     }
+}
+
+// o's rows (2r, 2r + 1 of each 8-dim tile: row r of the lane) scaled by rescale[r].
+template <int kDTiles>
+__device__ __forceinline__ void rescale_rows(float (&o)[kDTiles][4], const float (&rescale)[2]) {
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[d][e] *= rescale[e / 2];
+}
+
+// softmax_scores, with o rescaled at once (for a caller whose O is in registers).
+template <int kNTiles, int kDTiles>
+__device__ __forceinline__ void softmax_tile(float (&s)[kNTiles][4], float (&o)[kDTiles][4], OnlineSoftmax<4> (&softmax)[2],
+                                             const Params& p, const BlockInfo& b, const ScoreTransform& score,
+                                             const Dropout& dropout, int row_lo, int n0, int t, int checks) {
+    float rescale[2];
+    softmax_scores(s, rescale, softmax, p, b, score, dropout, row_lo, n0, t, checks);
+    rescale_rows(o, rescale);
 }
 
 // Where a warp stages 16 rows x kDims 16-bit elements of its output: rows kDims apart, no padding
@@ -54,33 +69,54 @@ struct OutputStaging {
     }
 };
 
-// Normalise once and write this lane's two rows of O (and, from one lane per quad, their lse);
-// rows that attended nothing (row_sum 0) give 0, not 0/0. Every row inside the sequence is
-// written. O goes out through `staging`: 16 rows of shared memory (OutputStaging) that this warp
-// alone uses, its own rows of the Q tile (dead once its last S is in registers, and no copy into
-// them is in flight: Q is staged only when the block has key tiles, and the first tile's wait
-// covers it). Each lane writes its pairs there, then stores 16 contiguous bytes of a row (8
-// lanes per row of 64 dims: whole 32-byte sectors), where out's rows are 16-byte aligned and the
-// chunk lies inside the head; element by element otherwise.
+// After the last tile: each of this lane's two rows' sums gathered and its attention sink folded
+// in; inv[r] is the factor that normalises row r's accumulators (0 for a row that attended
+// nothing: its output is 0, not 0/0), and one lane per quad writes the row's lse where the row
+// lies inside the sequence. Every lane of the warp together (the sums are shuffles).
+__device__ __forceinline__ void finish_rows(const Params& p, const BlockInfo& b, const HeadView& at, float* lse,
+                                            OnlineSoftmax<4> (&softmax)[2], int row_lo, int t, float (&inv)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        softmax[r].gather_sum();
+        const float sink_rescale = softmax[r].add_sink(sink_log2(p, b));  // before inverse_sum and lse
+        inv[r] = sink_rescale * softmax[r].inverse_sum();
+        if (t == 0 && row_lo + 8 * r < b.q_rows(p)) lse[at.stats + row_lo + 8 * r] = softmax[r].lse();
+    }
+}
+
+// This lane's pairs of o (rows g and g + 8 of its warp's 16, columns 8d + 2t and + 1), normalised
+// by inv and rounded to T, written to shared memory at staging + offset(row, column): one 4-byte
+// store per pair.
+template <class T, int kDTiles, class Offset>
+__device__ __forceinline__ void stage_pairs(const float (&o)[kDTiles][4], const float (&inv)[2], int lane, T* staging,
+                                            Offset offset) {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d) {
+            T* dst = staging + offset(g + 8 * r, d * 8 + 2 * t);
+            ATTN_COUNT_SHARED(dst, 4);
+            *reinterpret_cast<unsigned*>(dst) = pack_pair<T>(o[d][2 * r] * inv[r], o[d][2 * r + 1] * inv[r]);
+        }
+}
+
+// Normalise once and write this lane's two rows of O (finish_rows: and their lse). Every row
+// inside the sequence is written. O goes out through `staging`: 16 rows of shared memory
+// (OutputStaging) that this warp alone uses, its own rows of the Q tile (dead once its last S is
+// in registers, and no copy into them is in flight: Q is staged only when the block has key
+// tiles, and the first tile's wait covers it). Each lane writes its pairs there, then stores 16
+// contiguous bytes of a row (8 lanes per row of 64 dims: whole 32-byte sectors), where out's rows
+// are 16-byte aligned and the chunk lies inside the head; element by element otherwise.
 template <class T, int kDTiles>
 __device__ __forceinline__ void store_rows(const Params& p, const BlockInfo& b, const HeadView& at, T* out,
                                            float* lse, const float (&o)[kDTiles][4],
                                            OnlineSoftmax<4> (&softmax)[2], int row_lo, int lane, T* staging) {
     using Staging = OutputStaging<8 * kDTiles>;
-    const int g = lane / 4, t = lane % 4;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        softmax[r].gather_sum();  // every lane: the shuffles need the whole warp
-        const float sink_rescale = softmax[r].add_sink(sink_log2(p, b));  // before inverse_sum and lse
-        const float inv = sink_rescale * softmax[r].inverse_sum();
-#pragma unroll
-        for (int d = 0; d < kDTiles; ++d) {
-            T* dst = staging + Staging::offset(g + 8 * r, d * 8 + 2 * t);
-            ATTN_COUNT_SHARED(dst, 4);
-            *reinterpret_cast<unsigned*>(dst) = pack_pair<T>(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
-        }
-        if (t == 0 && row_lo + 8 * r < b.q_rows(p)) lse[at.stats + row_lo + 8 * r] = softmax[r].lse();
-    }
+    const int g = lane / 4;
+    float inv[2];
+    finish_rows(p, b, at, lse, softmax, row_lo, lane % 4, inv);
+    stage_pairs<T>(o, inv, lane, staging, [](int row, int col) { return Staging::offset(row, col); });
     __syncwarp();  // the warp's rows are staged
     const bool chunks = reinterpret_cast<unsigned long long>(out + at.o) % 16 == 0 && at.o_row % 8 == 0;
     const int row0 = row_lo - g;  // the warp's first row

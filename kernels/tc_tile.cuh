@@ -60,6 +60,12 @@ struct SwizzledBoxLayout {
     static __device__ __forceinline__ int offset(int r, int c) {
         return (c / kBoxCols) * (kBoxCols * kRows) + r * kBoxCols + c % kBoxCols;
     }
+    // Where (r, c) lies once swizzled, for a thread's own (generic-proxy) reads and writes: the
+    // 16-byte chunk's index within its line XORed with the row's position in its 8-row atom. A
+    // thread storing pairs of a 16 x 8 accumulator tile (8 rows x 4 lanes) so hits 32 banks.
+    static __device__ __forceinline__ int swizzled(int r, int c) {
+        return (c / kBoxCols) * (kBoxCols * kRows) + r * kBoxCols + 8 * ((c % kBoxCols / 8) ^ (r % 8)) + c % 8;
+    }
 };
 
 // Row-major rows of kHeadDim + 8 elements (the mma.sync kernels' ldmatrix layout). Staging:

@@ -63,9 +63,11 @@ def test_wgmma_head_dims(monkeypatch, schedule, dtype, d, dv):
     monkeypatch.setattr(_compile, "function", lambda target, f, name, **kw: launched.append(name) or real_function(target, f, name, **kw))
     rng = np.random.default_rng(d * 1000 + dv + 1)
     q, k, v = random_qkv(rng, b=2, h=2, hkv=1, sq=77, sk=150, d=d, dv=dv, dtype=dtype)
-    # k and v in rows padded to 16 bytes, as TMA needs (contiguous rows of 7 or 3 elements are not
-    # addressable: such calls run the mma.sync forward), so every case runs the wgmma forward.
-    k, v = (tma_addressable(x) for x in (k, v))
+    # q, k and v in rows padded to 16 bytes, as TMA needs (contiguous rows of 7 or 3 elements are
+    # not addressable: such calls run the mma.sync forward), so every case runs the wgmma forward;
+    # out gets such rows from the launcher (a contiguous copy is returned where Dv is not a
+    # multiple of 8).
+    q, k, v = (tma_addressable(x) for x in (q, k, v))
     check(q, k, v, dtype, causal=True)
     assert len(launched) == 1 and launched[0].startswith("attention_fwd_wgmma<"), launched
 
