@@ -180,6 +180,7 @@ class HopperTile:
     head_dim: int
     block_n: int
     reason: str
+    plain_only: bool = False  # for calls without score features or mods (whose build overlaps tiles)
     block_m: int = 128  # attn::kConsumerGroups x 64
     threads: int = 384  # attn::kWsThreads
 
@@ -204,19 +205,25 @@ class HopperTile:
 TMA_BOX_DIMS = 64  # head dims per TMA box: one 128-byte swizzled line of 16-bit elements
 
 
-# Per consumer thread: D/2 floats of O, block_n/2 of S and block_n/4 registers of packed P, all
-# live at once while the softmax of one tile overlaps P·V of the previous (240 registers after
-# setmaxnreg); shared memory within the 227 KB a block may use on sm_90. block_n is the N of the S
-# instruction, 64 or 128 (m64n176k16, FlashAttention-3's choice at D = 64, is a shape ptx.cuh does
-# not wrap). History of the SASS audit's path per tile (fp16, bench/RESULTS.md, 2026-12-01): with
-# one warpgroup per block and cp.async staging, 128 keys at D = 64 gave issue_per_tensor 1.01
-# against 1.31 with 64 (the softmax's ~4.5 instructions per score outweigh the tensor work at
-# D = 64, so the per-tile rest is what a longer tile amortises); D = 128 was at 0.81 with 64 keys;
-# D = 256 has no registers for more. TMA staging (fourth session) gave 0.88, 0.70 and 0.47.
+# Per consumer thread (240 registers after setmaxnreg): D/2 floats of O, block_n/2 of S and
+# block_n/4 registers of packed P. A plain build (no score feature, no mods) overlaps the softmax of
+# one tile with P·V of the previous, so all three are live at once; builds with features take each
+# tile in turn but hold the features' state (attention_fwd_wgmma.cu, kOverlap). Measured with
+# NVRTC 13.5 (fp16; bench/RESULTS.md, 2026-12-01, fifth session): 128 keys at D = 128 spill 4-24
+# bytes with a float mask and softcap, ALiBi (and dropout), 64 keys at D = 256 spill 12-120 with a
+# float mask; 64 and 32 keys do not. So a plain call takes the first tile below for its head dim,
+# a call with features the first that is not plain_only. block_n is the N of the S instruction
+# (m64n176k16, FlashAttention-3's choice at D = 64, is not a shape ptx.cuh wraps). Shared memory
+# within the 227 KB a block may use on sm_90. Earlier: with one warpgroup per block and cp.async,
+# 128 keys at D = 64 gave issue_per_tensor 1.01 against 1.31 with 64 (the softmax's ~4.5
+# instructions per score outweigh D = 64's tensor work, so the per-tile rest is what a longer tile
+# amortises); TMA staging (fourth session) gave 0.88 at D = 64, 0.70 at 128, 0.47 at 256.
 HOPPER_TILES = (
     HopperTile(64, 128, "32 + 64 + 32 registers of O, S and P per consumer thread; 80 KB shared"),
-    HopperTile(128, 128, "64 + 64 + 32 registers of O, S and P per consumer thread; 160 KB shared"),
-    HopperTile(256, 64, "128 + 32 + 16 registers of O, S and P per consumer thread; 192 KB shared"),
+    HopperTile(128, 128, "64 + 64 + 32 registers of O, S and P; 160 KB shared", plain_only=True),
+    HopperTile(128, 64, "64 + 32 + 16 registers of O, S and P besides the features'; 96 KB shared"),
+    HopperTile(256, 64, "128 + 32 + 16 registers of O, S and P; 192 KB shared", plain_only=True),
+    HopperTile(256, 32, "128 + 16 + 8 registers of O, S and P besides the features'; 128 KB shared"),
 )
 HOPPER_ARCH = "sm_90a"  # what NVRTC compiles the wgmma kernels for
 
@@ -466,14 +473,17 @@ HOPPER_DROPOUT_HEAD_DIM = 128
 
 
 def forward_tile(head_dim: int, head_dim_v: int, dtype=np.float32, compute_capability: int = 80,
-                 features: int = PLAIN_FEATURES):
-    """The forward configuration for a call with these score features: wgmma on compute capability
-    9.0 (up to its widest tile, or HOPPER_DROPOUT_HEAD_DIM with dropout) and mma.sync otherwise for
+                 features: int = PLAIN_FEATURES, mods: bool = False):
+    """The forward configuration for a call with these score features (and a score_mod or mask_mod
+    where mods): wgmma on compute capability 9.0 (up to its widest tile, or HOPPER_DROPOUT_HEAD_DIM
+    with dropout; HOPPER_TILES' plain_only tiles for plain calls only) and mma.sync otherwise for
     fp16/bf16, CUDA cores for fp32."""
     if np.dtype(dtype) in TENSOR_CORE_DTYPES:
         widest = HOPPER_DROPOUT_HEAD_DIM if features & DROPOUT else HOPPER_TILES[-1].head_dim
-        hopper = compute_capability == 90 and max(head_dim, head_dim_v) <= widest
-        return _pick(HOPPER_TILES if hopper else TENSOR_CORE_TILES, head_dim, head_dim_v)
+        if compute_capability == 90 and max(head_dim, head_dim_v) <= widest:
+            plain = features == PLAIN_FEATURES and not mods
+            return _pick([t for t in HOPPER_TILES if plain or not t.plain_only], head_dim, head_dim_v)
+        return _pick(TENSOR_CORE_TILES, head_dim, head_dim_v)
     return _pick(FORWARD_TILES, head_dim, head_dim_v)
 
 

@@ -307,7 +307,8 @@ def forward(problem: Problem, q, k, v, *, target: str):
     p, xp = problem, problem.xp
     check_supported(p, target)
     module = _module(p)
-    tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype, compute_capability(target), module["features"])
+    tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype, compute_capability(target), module["features"],
+                                mods=module["mods"] is not None)
     q, k, v = (_last_dim_contiguous(xp, x) for x in (q, k, v))
     hopper = isinstance(tile, _config.HopperTile)
     out = _output(p, hopper)

@@ -21,6 +21,61 @@
 
 namespace attn {
 
+// Where a warp stages 16 rows x kDims 16-bit elements of its output: rows kDims apart, no padding
+// (so the rows fit in the warp's own rows of any Q tile layout), with each 16-byte chunk's index
+// XORed by the row's position among the rows of one 128-byte line, so that the lanes' pair
+// writes (8 rows of one 8-dim tile at a time) and the chunk reads (128 contiguous bytes per 8
+// lanes) are both free of bank conflicts.
+template <int kDims>
+struct OutputStaging {
+    static constexpr int kChunks = kDims / 8;                          // 16-byte chunks per row
+    static constexpr int kRowsPerLine = kChunks < 8 ? 8 / kChunks : 1;  // rows per 128 bytes
+    static constexpr int kSwizzle = kChunks < 8 ? kChunks : 8;
+    static __device__ __forceinline__ int offset(int row, int col) {
+        return row * kDims + 8 * ((col / 8) ^ (row / kRowsPerLine % kSwizzle)) + col % 8;
+    }
+};
+
+// Normalise once and write this lane's two rows of O (finish_rows: and their lse). Every row
+// inside the sequence is written. O goes out through `staging`: 16 rows of shared memory
+// (OutputStaging) that this warp alone uses, its own rows of the Q tile (dead once its last S is
+// in registers, and no copy into them is in flight: Q is staged only when the block has key
+// tiles, and the first tile's wait covers it). Each lane writes its pairs there, then stores 16
+// contiguous bytes of a row (8 lanes per row of 64 dims: whole 32-byte sectors), where out's rows
+// are 16-byte aligned and the chunk lies inside the head; element by element otherwise.
+template <class T, int kDTiles>
+__device__ __forceinline__ void store_rows(const Params& p, const BlockInfo& b, const HeadView& at, T* out,
+                                           float* lse, const float (&o)[kDTiles][4],
+                                           OnlineSoftmax<4> (&softmax)[2], int row_lo, int lane, T* staging) {
+    using Staging = OutputStaging<8 * kDTiles>;
+    const int g = lane / 4;
+    float inv[2];
+    finish_rows(p, b, at, lse, softmax, row_lo, lane % 4, inv);
+    stage_pairs<T>(o, inv, lane, staging, [](int row, int col) { return Staging::offset(row, col); });
+    __syncwarp();  // the warp's rows are staged
+    const bool chunks = reinterpret_cast<unsigned long long>(out + at.o) % 16 == 0 && at.o_row % 8 == 0;
+    const int row0 = row_lo - g;  // the warp's first row
+    static_assert(16 * Staging::kChunks % 32 == 0, "whole passes of the warp over its 16 rows");
+#pragma unroll
+    for (int pass = 0; pass < 16 * Staging::kChunks / 32; ++pass) {
+        const int idx = lane + 32 * pass;
+        const int row = idx / Staging::kChunks, col = idx % Staging::kChunks * 8, i = row0 + row;
+        if (i >= b.q_rows(p)) continue;
+        const T* src = staging + Staging::offset(row, col);
+        T* dst = out + at.o + i * at.o_row + col;
+        if (chunks && col + 8 <= p.head_dim_v) {
+            ATTN_COUNT_SHARED(src, 16);
+            ATTN_COUNT_GLOBAL(dst, 16);
+            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+            continue;
+        }
+        for (int e = 0; e < 8 && col + e < p.head_dim_v; ++e) {
+            ATTN_COUNT_GLOBAL(dst + e, sizeof(T)); ATTN_COUNT_SHARED(src + e, sizeof(T));
+            dst[e] = src[e];
+        }
+    }
+}
+
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kHeadDimV>
 __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, const T* k, const T* v, T* out, float* lse,
                                                  const long long (&strides)[12], int vectorised) {

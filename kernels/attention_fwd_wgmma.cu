@@ -73,12 +73,18 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse,
     // accumulators per lane at D = 128), in instructions of 128 beyond.
     constexpr int kPvDims = kHeadDim < 128 ? kHeadDim : 128;
     static_assert(kHeadDim % 64 == 0 && kHeadDim % kPvDims == 0, "head-dim tiles are multiples of 64");
-    static_assert(kBlockN == 64 || kBlockN == 128, "S instructions m64n64k16 or m64n128k16");
+    static_assert(kBlockN == 32 || kBlockN == 64 || kBlockN == 128, "S instructions m64n32k16, m64n64k16 or m64n128k16");
     constexpr int kBlockM = 64 * kConsumerGroups;
     using QTile = SwizzledBoxLayout<kBlockM, kHeadDim>;   // Q, then O: rows x head dims
     using KvTile = SwizzledBoxLayout<kBlockN, kHeadDim>;  // K and V: keys x head dims
     constexpr int kNTiles = kBlockN / 8;     // 8-key column tiles of S
     constexpr int kDTiles = kHeadDim / 8;    // 8-dim column tiles of O
+    // The softmax of a tile overlapping P·V of the previous one holds S, P and O at once (D/2 +
+    // 3·kBlockN/4 registers) besides what the score features need: builds with none of them do it;
+    // with softcap, ALiBi, a mask, mods or dropout, ptxas spilled at 240 registers (NVRTC 13.5:
+    // 8-284 bytes at D = 128, 12-52 at D = 64 with dropout and ALiBi), so those take each tile's
+    // S, softmax and P·V in turn.
+    constexpr bool kOverlap = ScoreTransform::kPlain;
     constexpr unsigned kTileElements = kBlockN * kHeadDim;  // one stage of K or of V
     extern __shared__ __align__(1024) unsigned char smem_bytes[];
     // Q (kBlockM x kHeadDim), K's stages, V's stages (kBlockN x kHeadDim each; all multiples of
@@ -162,10 +168,10 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse,
     };
     auto issue_s = [&] {
         const unsigned long long k_desc = ptx::descriptor_plus(k_desc0, sizeof(T) * k_at.stage * kTileElements);
-        // At D = 256 the 16 k-steps' descriptors of Q, hoisted out of the key loop, would hold 32
-        // registers for the whole loop and spill (NVRTC 13.5); recomputed per tile they cost 17
-        // uniform adds. Narrower heads keep them hoisted.
-        const unsigned long long q_tile = kHeadDim > 128 ? ptx::opaque(q_desc) : q_desc;
+        // From D = 128 the k-steps' descriptors of Q, hoisted out of the key loop, would hold 16
+        // or 32 registers for the whole loop and spill (NVRTC 13.5); recomputed per tile they cost
+        // a uniform add per k-step. D = 64 keeps its four hoisted.
+        const unsigned long long q_tile = kHeadDim >= 128 ? ptx::opaque(q_desc) : q_desc;
         ptx::fence_operands(s_flat);
         ptx::wgmma_fence();
 #pragma unroll
@@ -211,7 +217,25 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse,
         v_at.advance();
     };
 
-    if (n_begin < n_end) {
+    if (n_begin < n_end && !kOverlap) {  // one tile after the other
+        if (group == 1) ptx::named_barrier_arrive(kTurnBarrier, 256);  // group 0 goes first
+        ptx::mbarrier_wait(&bars.q_landed, 0);
+        for (int n_block = n_begin; n_block < n_end; ++n_block) {
+            take_turn();
+            consumer_wait(bars.k, k_at);
+            issue_s();
+            pass_turn(n_block);
+            ptx::wgmma_wait<0>();
+            softmax_of(n_block);
+            rescale_rows(o, rescale);
+            pack_p();
+            consumer_wait(bars.v, v_at);
+            issue_pv();
+            ptx::wgmma_wait<0>();
+            pv_done();
+        }
+    }
+    if (n_begin < n_end && kOverlap) {
         if (group == 1) ptx::named_barrier_arrive(kTurnBarrier, 256);  // group 0 goes first
         ptx::mbarrier_wait(&bars.q_landed, 0);
         take_turn();

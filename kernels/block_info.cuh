@@ -198,14 +198,15 @@ struct BlockInfo {
     }
 
     // The checks the scores of the tile at (m0, n0) need: the structure on boundary tiles, the
-    // mask_mod unless a block mask knows the tile to be full.
+    // mask_mod (where one is compiled in) unless a block mask knows the tile to be full. 0 for an
+    // interior tile of a call without a mask_mod, which the softmax takes as its unchecked copy.
     __device__ __forceinline__ int tile_checks(const Params& p, int m0, int block_m, int n0, int block_n) const {
         int checks = tile_is_interior(p, m0, block_m, n0, block_n) ? 0 : kCheckStructure;
 #if ATTN_BLOCK_MASK
         const long long tile = (static_cast<long long>(bidb * p.heads + bidh) * p.block_m_tiles + m0 / block_m) *
                                p.block_n_tiles + n0 / block_n;
         if (!p.block_full[tile]) checks |= kCheckMods;
-#else
+#elif ATTN_MASK_MOD
         checks |= kCheckMods;
 #endif
         return checks;

@@ -1,6 +1,7 @@
 // What the two tensor-core forwards (mma.sync and wgmma) share: both hold S and O in the
 // m16n8 accumulator layout (warp w: rows 16w + g and 16w + g + 8, columns 8j + 2t and + 1), so
-// the per-tile online softmax and the epilogue are the same code.
+// the per-tile online softmax, the normalisation of O and the staging of its pairs in shared
+// memory are the same code (each kernel stores the staged rows its own way).
 #pragma once
 #include "access_count.cuh"
 #include "block_info.cuh"
@@ -22,17 +23,25 @@ template <int kNTiles>
 __device__ __forceinline__ void softmax_scores(float (&s)[kNTiles][4], float (&rescale)[2], OnlineSoftmax<4> (&softmax)[2],
                                                const Params& p, const BlockInfo& b, const ScoreTransform& score,
                                                const Dropout& dropout, int row_lo, int n0, int t, int checks) {
+    auto tile = [&](int tile_checks) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float row[2 * kNTiles];
+        for (int r = 0; r < 2; ++r) {
+            float row[2 * kNTiles];
 #pragma unroll
-        for (int c = 0; c < 2 * kNTiles; ++c)
-            row[c] = score(p, b, s[c / 2][2 * r + c % 2], row_lo + 8 * r, n0 + (c / 2) * 8 + 2 * t + c % 2, checks);
-        rescale[r] = softmax[r].update(row, score.softmax_scale());
+            for (int c = 0; c < 2 * kNTiles; ++c)
+                row[c] = score(p, b, s[c / 2][2 * r + c % 2], row_lo + 8 * r, n0 + (c / 2) * 8 + 2 * t + c % 2,
+                               tile_checks);
+            rescale[r] = softmax[r].update(row, score.softmax_scale());
 #pragma unroll
-        for (int c = 0; c < 2 * kNTiles; ++c)
-            s[c / 2][2 * r + c % 2] = row[c] * dropout.factor(row_lo + 8 * r, n0 + (c / 2) * 8 + 2 * t + c % 2);
-    }
+            for (int c = 0; c < 2 * kNTiles; ++c)
+                s[c / 2][2 * r + c % 2] = row[c] * dropout.factor(row_lo + 8 * r, n0 + (c / 2) * 8 + 2 * t + c % 2);
+        }
+    };
+    // An interior tile's copy with the checks a constant 0: no test per score. (ptxas does not
+    // always split the loop on checks itself: the warp-specialised wgmma forward kept a branch
+    // and an index add per score, 64 instructions per tile of 128 keys at D = 64.)
+    if (checks) tile(checks);
+    else tile(0);
 }
 
 // o's rows (2r, 2r + 1 of each 8-dim tile: row r of the lane) scaled by rescale[r].
@@ -53,21 +62,6 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNTiles][4], float (&o)[
     softmax_scores(s, rescale, softmax, p, b, score, dropout, row_lo, n0, t, checks);
     rescale_rows(o, rescale);
 }
-
-// Where a warp stages 16 rows x kDims 16-bit elements of its output: rows kDims apart, no padding
-// (so the rows fit in the warp's own rows of any Q tile layout), with each 16-byte chunk's index
-// XORed by the row's position among the rows of one 128-byte line, so that the lanes' pair
-// writes (8 rows of one 8-dim tile at a time) and the chunk reads (128 contiguous bytes per 8
-// lanes) are both free of bank conflicts.
-template <int kDims>
-struct OutputStaging {
-    static constexpr int kChunks = kDims / 8;                          // 16-byte chunks per row
-    static constexpr int kRowsPerLine = kChunks < 8 ? 8 / kChunks : 1;  // rows per 128 bytes
-    static constexpr int kSwizzle = kChunks < 8 ? kChunks : 8;
-    static __device__ __forceinline__ int offset(int row, int col) {
-        return row * kDims + 8 * ((col / 8) ^ (row / kRowsPerLine % kSwizzle)) + col % 8;
-    }
-};
 
 // After the last tile: each of this lane's two rows' sums gathered and its attention sink folded
 // in; inv[r] is the factor that normalises row r's accumulators (0 for a row that attended
@@ -99,46 +93,6 @@ __device__ __forceinline__ void stage_pairs(const float (&o)[kDTiles][4], const 
             ATTN_COUNT_SHARED(dst, 4);
             *reinterpret_cast<unsigned*>(dst) = pack_pair<T>(o[d][2 * r] * inv[r], o[d][2 * r + 1] * inv[r]);
         }
-}
-
-// Normalise once and write this lane's two rows of O (finish_rows: and their lse). Every row
-// inside the sequence is written. O goes out through `staging`: 16 rows of shared memory
-// (OutputStaging) that this warp alone uses, its own rows of the Q tile (dead once its last S is
-// in registers, and no copy into them is in flight: Q is staged only when the block has key
-// tiles, and the first tile's wait covers it). Each lane writes its pairs there, then stores 16
-// contiguous bytes of a row (8 lanes per row of 64 dims: whole 32-byte sectors), where out's rows
-// are 16-byte aligned and the chunk lies inside the head; element by element otherwise.
-template <class T, int kDTiles>
-__device__ __forceinline__ void store_rows(const Params& p, const BlockInfo& b, const HeadView& at, T* out,
-                                           float* lse, const float (&o)[kDTiles][4],
-                                           OnlineSoftmax<4> (&softmax)[2], int row_lo, int lane, T* staging) {
-    using Staging = OutputStaging<8 * kDTiles>;
-    const int g = lane / 4;
-    float inv[2];
-    finish_rows(p, b, at, lse, softmax, row_lo, lane % 4, inv);
-    stage_pairs<T>(o, inv, lane, staging, [](int row, int col) { return Staging::offset(row, col); });
-    __syncwarp();  // the warp's rows are staged
-    const bool chunks = reinterpret_cast<unsigned long long>(out + at.o) % 16 == 0 && at.o_row % 8 == 0;
-    const int row0 = row_lo - g;  // the warp's first row
-    static_assert(16 * Staging::kChunks % 32 == 0, "whole passes of the warp over its 16 rows");
-#pragma unroll
-    for (int pass = 0; pass < 16 * Staging::kChunks / 32; ++pass) {
-        const int idx = lane + 32 * pass;
-        const int row = idx / Staging::kChunks, col = idx % Staging::kChunks * 8, i = row0 + row;
-        if (i >= b.q_rows(p)) continue;
-        const T* src = staging + Staging::offset(row, col);
-        T* dst = out + at.o + i * at.o_row + col;
-        if (chunks && col + 8 <= p.head_dim_v) {
-            ATTN_COUNT_SHARED(src, 16);
-            ATTN_COUNT_GLOBAL(dst, 16);
-            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-            continue;
-        }
-        for (int e = 0; e < 8 && col + e < p.head_dim_v; ++e) {
-            ATTN_COUNT_GLOBAL(dst + e, sizeof(T)); ATTN_COUNT_SHARED(src + e, sizeof(T));
-            dst[e] = src[e];
-        }
-    }
 }
 
 }  // namespace attn

@@ -29,8 +29,14 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
                       if (words == "plain" or str(dtype) not in PLAIN_ONLY) and _config.selectable(filename, name, features))
     assert sorted((r["name"], r["features"]) for r in rows) == expected
     # unselectable, so not listed: the dropout builds of the wgmma forwards above HOPPER_DROPOUT_HEAD_DIM
+    # and of the tiles for plain calls only; the plain builds of the tiles for calls with features
     assert sum(not _config.selectable(f, n, _config.DROPOUT_FEATURES) for f, n, _ in _config.kernel_variants("sm_90")) \
-        == len(_config.TENSOR_CORE_DTYPES) * sum(t.head_dim > _config.HOPPER_DROPOUT_HEAD_DIM for t in _config.HOPPER_TILES)
+        == len(_config.TENSOR_CORE_DTYPES) * sum(t.plain_only or t.head_dim > _config.HOPPER_DROPOUT_HEAD_DIM
+                                                 for t in _config.HOPPER_TILES)
+    assert sum(not _config.selectable(f, n, _config.PLAIN_FEATURES) for f, n, _ in _config.kernel_variants("sm_90")) \
+        == len(_config.TENSOR_CORE_DTYPES) * sum(
+            any(u.plain_only and u.head_dim == t.head_dim for u in _config.HOPPER_TILES) and not t.plain_only
+            for t in _config.HOPPER_TILES)
     keys = {"name", "features", "arch", "attempts", "registers", "spill_stores", "spill_loads", "stack_frame_bytes", "static_shared_bytes",
             "compile_seconds"}
     for row in rows:
@@ -48,7 +54,9 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
         for dtype in ("float16", "bfloat16", "float32"):
             tensor_cores = dtype != "float32"
             if arch == "sm_90a":  # only the Hopper kernels are built for sm_90a
-                expected = {"attention_fwd_wgmma": len(_config.HOPPER_TILES) if tensor_cores else 0,
+                plain_tiles = sum(_config.selectable(_config.HopperTile.filename, t.name_expression(np.float16),
+                                                     _config.PLAIN_FEATURES) for t in _config.HOPPER_TILES)
+                expected = {"attention_fwd_wgmma": plain_tiles if tensor_cores else 0,
                             "attention_bwd_dkdv_wgmma": len(_config.HOPPER_BACKWARD_TILES) if tensor_cores else 0}
                 for kernel, count in expected.items():
                     files = list(tmp_path.glob(f"{kernel}_*_{dtype}_{arch}_plain.ptx"))

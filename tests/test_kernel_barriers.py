@@ -13,9 +13,16 @@ from cupy_attn.emulator import EmulatorError, RawModule
 from helpers import random_qkv
 
 BARRIERS = ("__syncthreads();", "__syncwarp();", "ptx::cp_async_wait<0>();", "ptx::wgmma_wait<0>();",
-            "ptx::fence_proxy_async();",
-            # the wgmma forward's wait for a tile's TMA copies
-            "ptx::mbarrier_wait(&landed[stage], static_cast<unsigned>(n_block - n_begin) / 2 & 1);")
+            "ptx::wgmma_wait<1>();", "ptx::fence_proxy_async();",
+            # the warp-specialised wgmma forward: Q's TMA copies landed; the stage ring's waits
+            # (kernels/pipeline.cuh: a consumer's for the data, the producer's for a free stage);
+            # a consumer group's O staged before its TMA store, whose reads of it must be done
+            # before the block exits; the consumer groups' turns at the tensor cores (a protocol:
+            # without the wait the other group's arrivals pile up, which the emulator reports)
+            "ptx::mbarrier_wait(&bars.q_landed, 0);", "ptx::mbarrier_wait(&ring.full[at.stage], at.phase);",
+            "ptx::mbarrier_wait(&ring.empty[at.stage], at.phase ^ 1);",
+            "ptx::named_barrier_sync(kStagedBarrier + group, 128);", "ptx::bulk_wait_read<0>();",
+            "ptx::named_barrier_sync(kTurnBarrier + group, 256);")
 KERNEL_FILES = ("attention_fwd.cu", "attention_fwd_tc.cu", "attention_fwd_wgmma.cu", "attention_bwd.cu",
                 "attention_bwd_tc.cu", "attention_bwd_wgmma.cu", "attention_decode.cu")
 
@@ -37,7 +44,10 @@ def results(filename):
     if filename.startswith("attention_fwd"):
         # The wgmma forward's 128-key tiles: three, so the third reloads the first one's stage.
         q, k, v = random_qkv(rng, b=1, h=2, sq=150, sk=300 if "wgmma" in filename else 200, d=32, dtype=dtype)
-        return [cupy_attn.attention(q, k, v, backend="emulator")]
+        outs = [cupy_attn.attention(q, k, v, backend="emulator")]
+        if "wgmma" in filename:  # a build with a score feature: one tile after the other (kOverlap)
+            outs.append(cupy_attn.attention(q, k, v, softcap=5.0, backend="emulator"))
+        return outs
     # D = 256 too: its tensor-core dK/dV tile splits key groups over two warps, which exchange
     # partial sums through shared memory.
     cases = [dict(sq=150, sk=200, d=32)] + ([dict(sq=40, sk=70, d=256)] if filename == "attention_bwd_tc.cu" else [])
