@@ -10,6 +10,7 @@ driver takes them.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -117,25 +118,33 @@ class TensorMapSpec:
 
     def encoded(self) -> np.void:
         """The driver's CUtensorMap for this map, as a kernel argument (needs the CUDA driver and
-        cuda-bindings)."""
-        from cuda.bindings import driver
+        cuda-bindings). Encoded once per distinct map: the map is a function of the fields alone
+        (address, geometry, swizzle, fill), so a cached one is exact, for any array at that
+        address."""
+        return _encode(self).copy()
 
-        def check(result):
-            status, *value = result
-            if status != driver.CUresult.CUDA_SUCCESS:
-                raise TensorMapError(f"cuTensorMapEncodeTiled refused {self}: {status.name}")
-            return value[0]
 
-        rank = len(self.dims)
-        swizzle = {0: "NONE", 32: "32B", 64: "64B", 128: "128B"}[self.swizzle]
-        tensor_map = check(driver.cuTensorMapEncodeTiled(
-            getattr(driver.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{_DTYPES[self.dtype]}"), rank, self.address,
-            [driver.cuuint64_t(d) for d in self.dims], [driver.cuuint64_t(s) for s in self.strides],
-            [driver.cuuint32_t(b) for b in self.box], [driver.cuuint32_t(1)] * rank,
-            driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-            getattr(driver.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swizzle}"),
-            driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-            driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA if self.oob_nan
-            else driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
-        words = np.array([int(w) for w in tensor_map.opaque], np.uint64)
-        return np.frombuffer(words.tobytes(), ARGUMENT)[0]
+@functools.lru_cache(maxsize=4096)
+def _encode(spec: TensorMapSpec) -> np.void:
+    """cuTensorMapEncodeTiled of spec (TensorMapSpec.encoded), remembered per spec."""
+    from cuda.bindings import driver
+
+    def check(result):
+        status, *value = result
+        if status != driver.CUresult.CUDA_SUCCESS:
+            raise TensorMapError(f"cuTensorMapEncodeTiled refused {spec}: {status.name}")
+        return value[0]
+
+    rank = len(spec.dims)
+    swizzle = {0: "NONE", 32: "32B", 64: "64B", 128: "128B"}[spec.swizzle]
+    tensor_map = check(driver.cuTensorMapEncodeTiled(
+        getattr(driver.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{_DTYPES[spec.dtype]}"), rank, spec.address,
+        [driver.cuuint64_t(d) for d in spec.dims], [driver.cuuint64_t(s) for s in spec.strides],
+        [driver.cuuint32_t(b) for b in spec.box], [driver.cuuint32_t(1)] * rank,
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        getattr(driver.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swizzle}"),
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA if spec.oob_nan
+        else driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
+    words = np.array([int(w) for w in tensor_map.opaque], np.uint64)
+    return np.frombuffer(words.tobytes(), ARGUMENT)[0]

@@ -2,6 +2,8 @@
 driver's rules, box loads and stores with each swizzle and out-of-bounds elements against a NumPy
 model of the layout, wgmma reading the swizzled boxes, deliberately wrong uses, and the real
 instructions through NVRTC and SASS."""
+import sys
+import types
 from pathlib import Path
 
 import ml_dtypes
@@ -268,3 +270,56 @@ def test_pipeline_compiles_for_sm90a_to_the_hopper_instructions():
     opcodes = {i.opcode for i in _sass.disassemble(compiled.cubin)[0]}
     for wanted in ("UTMALDG.2D", "SYNCS.PHASECHK.TRANS64.TRYWAIT", "SYNCS.ARRIVE.TRANS64", "USETMAXREG", "ELECT"):
         assert any(op.startswith(wanted) for op in opcodes), (wanted, sorted(opcodes))
+
+
+_OK = types.SimpleNamespace(name="CUDA_SUCCESS")
+
+
+class _FakeDriver(types.ModuleType):
+    """cuda.bindings.driver as _tensor_map uses it: every enum member a name, and an encoder that
+    counts its calls and returns a map whose words are the call's number."""
+
+    def __init__(self):
+        super().__init__("cuda.bindings.driver")
+        self.calls = 0
+        self.CUresult = types.SimpleNamespace(CUDA_SUCCESS=_OK)
+        for enum in ("CUtensorMapDataType", "CUtensorMapInterleave", "CUtensorMapSwizzle", "CUtensorMapL2promotion",
+                     "CUtensorMapFloatOOBfill"):
+            setattr(self, enum, _Names())
+        self.cuuint64_t = self.cuuint32_t = int
+
+    def cuTensorMapEncodeTiled(self, *args):
+        self.calls += 1
+        return _OK, types.SimpleNamespace(opaque=[self.calls] * 16)
+
+
+class _Names:
+    def __getattr__(self, name):
+        return name
+
+
+def test_encoded_maps_are_cached_per_map(monkeypatch):
+    """The driver encodes each distinct map once: the same array and box again reuse it (a copy),
+    another address or box is encoded anew, and a refusal is not remembered."""
+    from cupy_attn import _tensor_map
+
+    driver = _FakeDriver()
+    package = types.ModuleType("cuda.bindings")
+    package.driver = driver
+    monkeypatch.setitem(sys.modules, "cuda", types.ModuleType("cuda"))
+    monkeypatch.setitem(sys.modules, "cuda.bindings", package)
+    monkeypatch.setitem(sys.modules, "cuda.bindings.driver", driver)
+    _tensor_map._encode.cache_clear()
+    spec = dict(dtype=np.float16, address=1 << 20, dims=(64, 300), strides=(128,), box=(64, 128), swizzle=128)
+    first = TensorMapSpec(**spec).encoded()
+    again = TensorMapSpec(**spec).encoded()
+    assert driver.calls == 1 and bytes(first) == bytes(again) and first is not again
+    other = TensorMapSpec(**{**spec, "address": 2 << 20}).encoded()
+    TensorMapSpec(**{**spec, "box": (64, 64)}).encoded()
+    assert driver.calls == 3 and bytes(other) != bytes(first)
+    monkeypatch.setattr(driver, "cuTensorMapEncodeTiled", lambda *args: (types.SimpleNamespace(name="INVALID"), None))
+    wrong = TensorMapSpec(**{**spec, "address": 3 << 20})
+    for _ in range(2):
+        with pytest.raises(TensorMapError, match="refused"):
+            wrong.encoded()
+    _tensor_map._encode.cache_clear()

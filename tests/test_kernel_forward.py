@@ -119,6 +119,24 @@ def test_wgmma_features(monkeypatch, feature, layout):
     check(q, k, v, np.float16, layout=layout, **feature_keywords(feature, rng))
 
 
+@pytest.mark.parametrize("d,dv", [(100, 100), (200, 136)])
+@pytest.mark.parametrize("feature", ["everything", "softcap", "window_both"])
+def test_wgmma_tiles_of_calls_with_features(monkeypatch, schedule, d, dv, feature):
+    """Calls with score features at D > 64 take the wgmma forward's tiles of 64 and 32 keys, which
+    compute each tile in turn (plain calls take 128 and 64 keys and overlap the softmax of one tile
+    with P·V of the previous); a window alone is no score feature, so it keeps the plain tile."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
+    launched = []
+    real_function = _compile.function
+    monkeypatch.setattr(_compile, "function", lambda target, f, name, **kw: launched.append(name) or real_function(target, f, name, **kw))
+    rng = np.random.default_rng(d + len(feature))
+    q, k, v = random_qkv(rng, b=3, h=4, hkv=2, sq=113, sk=203, d=d, dv=dv, dtype=np.float16)
+    check(*(tma_addressable(x) for x in (q, k, v)), np.float16, **feature_keywords(feature, rng))
+    plain = feature == "window_both"
+    keys = {(100, True): 128, (100, False): 64, (200, True): 64, (200, False): 32}[d, plain]
+    assert launched == [f"attention_fwd_wgmma<__half, {128 if d == 100 else 256}, {keys}>"], launched
+
+
 @pytest.mark.parametrize("feature", ["everything", "lengths_causal", "bool_mask"])
 def test_features_random_schedule(monkeypatch, tensor_core_kernel, feature):
     monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", "random")
@@ -187,11 +205,14 @@ def test_compute_capability_selects_the_forward(monkeypatch):
 @pytest.mark.parametrize("case,kernel", [
     ("padded_rows", "attention_fwd_wgmma<__half, 64, 128>"),       # rows 144 bytes apart: TMA reads them
     ("unaligned_rows", "attention_fwd_tc<__half, 64, 128, 64, 64, 1>"),  # 136 bytes: not a multiple of 16
+    ("unaligned_q", "attention_fwd_tc<__half, 64, 128, 64, 64, 1>"),  # q's rows 136 bytes apart
+    ("odd_value_dims", "attention_fwd_wgmma<__half, 64, 128>"),    # Dv = 36: out in rows of 40 (a copy returned)
     ("packed", "attention_fwd_tc<__half, 64, 128, 64, 64, 1>"),     # a box would reach into the next sequence
 ])
-def test_wgmma_forward_runs_where_tma_can_address_k_and_v(monkeypatch, caplog, case, kernel):
-    """The wgmma forward reads K and V through TMA maps; where TMA cannot address them the call
-    runs the mma.sync forward, which reads any strides, and says so in the log."""
+def test_wgmma_forward_runs_where_tma_can_address_its_operands(monkeypatch, caplog, case, kernel):
+    """The wgmma forward reads q, k and v and writes out through TMA maps; where TMA cannot address
+    them the call runs the mma.sync forward, which reads and writes any strides, and says so in the
+    log. Out is the launcher's: rows of a multiple of 8 elements, returned contiguous."""
     monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
     monkeypatch.setattr(_kernel_backend, "_SAID", set())
     caplog.set_level(logging.WARNING, logger="cupy_attn")
@@ -207,12 +228,20 @@ def test_wgmma_forward_runs_where_tma_can_address_k_and_v(monkeypatch, caplog, c
         for s0, s1 in zip(cu[:-1], cu[1:]):
             want, _ = reference.attention(*(x[s0:s1].transpose(1, 0, 2)[None] for x in (q, k, v)), causal=True)
             assert_close(out[s0:s1], want[0].transpose(1, 0, 2), np.float16)
+    elif case == "odd_value_dims":
+        q, k, v = random_qkv(rng, b=2, h=2, sq=70, sk=150, d=64, dv=36, dtype=np.float16)
+        out, _ = check(q, k, tma_addressable(v), np.float16, causal=True)  # v in rows of 40
+        assert out.flags.c_contiguous and out.shape == (2, 2, 70, 36)
     else:
         q, k, v = random_qkv(rng, b=2, h=2, sq=70, sk=150, d=64, dtype=np.float16)
         width = 72 if case == "padded_rows" else 68
-        wide = np.zeros(k.shape[:-1] + (width,), np.float16)
-        wide[..., :64] = k
-        check(q, wide[..., :64], v, np.float16, causal=True)
+        x = q if case == "unaligned_q" else k
+        wide = np.zeros(x.shape[:-1] + (width,), np.float16)
+        wide[..., :64] = x
+        if case == "unaligned_q":
+            check(wide[..., :64], k, v, np.float16, causal=True)
+        else:
+            check(q, wide[..., :64], v, np.float16, causal=True)
     assert launched == [kernel]
     assert ("the mma.sync forward runs instead" in caplog.text) == ("wgmma" not in kernel), caplog.text
 

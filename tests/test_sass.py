@@ -117,6 +117,47 @@ def test_hot_loop_is_the_innermost_with_the_most_tensor_instructions():
     assert r.issue_per_tensor == pytest.approx(4 / 128)
 
 
+# The warp-specialised forward's shape: its key loop (0x40..0x90) waits on an mbarrier whose retry
+# ptxas puts after the kernel's end (0xb0..0xd0: TRYWAIT, @!P BRA to itself, BRA back to the
+# instruction after the branch that entered it). An earlier wait (0x10), before the loop, has
+# such a stub too (0xe0..0x100), whose jump back to 0x30 spans the loop: neither is a loop.
+WAIT_STUBS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2 ;
+        /*0020*/              @!P0 BRA `(.L_x_7) ;
+.L_x_5:
+        /*0030*/                   IADD3 R0, R0, 0x1, RZ ;
+.L_x_0:
+        /*0040*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR6], R2 ;
+        /*0050*/              @!P0 BRA `(.L_x_2) ;
+.L_x_3:
+        /*0060*/                   HGMMA.64x128x16.F32 R24, gdesc[UR4], R24 ;
+        /*0070*/                   MUFU.EX2 R3, R3 ;
+        /*0080*/                   ISETP.GE.AND P1, PT, R0, R1, PT ;
+        /*0090*/              @!P1 BRA `(.L_x_0) ;
+        /*00a0*/                   EXIT ;
+.L_x_2:
+        /*00b0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR6], R2 ;
+        /*00c0*/              @!P0 BRA `(.L_x_2) ;
+        /*00d0*/                   BRA `(.L_x_3) ;
+.L_x_7:
+        /*00e0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2 ;
+        /*00f0*/              @!P0 BRA `(.L_x_7) ;
+        /*0100*/                   BRA `(.L_x_5) ;
+"""
+
+
+def test_an_mbarrier_wait_retried_out_of_line_is_no_loop():
+    instructions, labels = _sass.parse(WAIT_STUBS)
+    assert _sass.loops(instructions, labels) == [(0x40, 0x90), (0xb0, 0xc0), (0xe0, 0xf0)]
+    r = _sass.hot_loop_report(instructions, labels, "sm_90a")
+    assert (r.loop_instructions, r.path_instructions) == (6, 6)
+    assert r.tensor_instructions == {"HGMMA.64x128x16.F32": 1}
+    # a jump back that is not a stub's return (the code before it falls into it) stays a loop
+    merged = WAIT_STUBS.replace("/*00a0*/                   EXIT ;", "/*00a0*/                   NOP ;")
+    assert (0x60, 0xd0) in _sass.loops(*_sass.parse(merged))
+
+
 def test_never_executed_padding_takes_a_slot_but_counts_in_no_class():
     text = FEATURE_BEHIND_A_BRANCH.replace("/*0060*/                   MUFU.EX2 R3, R3 ;",
                                            "/*0060*/              @!PT LDS RZ, [RZ] ;")
