@@ -34,9 +34,26 @@ def shared_bytes() -> dict[str, int]:
     return sizes
 
 
-def blocks_per_sm(registers: int, shared: int) -> int:
+def threads(name: str) -> int:
+    """Threads per block of the kernel `name`: the tile table's where it says (the warp-specialised
+    wgmma forward's three warpgroups), else every kernel's."""
+    tile = next((t for t in _config.HOPPER_TILES if t.name_expression(FP16) == name), None)
+    return getattr(tile, "threads", _config.THREADS)
+
+
+def blocks_per_sm(registers: int, shared: int, block_threads: int = _config.THREADS) -> int:
+    """Blocks per SM on sm_90 that registers (at the launch's count per thread) and shared memory allow."""
     warps = min(64, 65536 // (-(-registers * 32 // 256) * 256))
-    return min(warps * 32 // _config.THREADS, (228 * 1024) // (shared + 1024), 32)
+    return min(warps * 32 // block_threads, (228 * 1024) // (shared + 1024), 32)
+
+
+def featured_name(name: str) -> str:
+    """The kernel a call with softcap, ALiBi and a float mask runs where a plain call runs `name`:
+    the same, except for a wgmma forward tile that serves plain calls only."""
+    tile = next((t for t in _config.HOPPER_TILES if t.name_expression(FP16) == name), None)
+    if tile is None or not tile.plain_only:
+        return name
+    return _config.forward_tile(tile.head_dim, tile.head_dim, FP16, 90, _config.ALL_FEATURES).name_expression(FP16)
 
 
 # The tensor-core kernels the tables show: (audit table label, resource table label, name prefix).
@@ -65,11 +82,11 @@ def table(rows: list[dict]) -> str:
                     continue
                 if r.get("features", "plain") != "plain":
                     continue
-                other = general.get((r["name"], r["arch"]))
+                other = general.get((featured_name(r["name"]), r["arch"]))
                 built_in = f"{other['path_instructions']} / {other['loop_instructions']}" if other else "—"
                 tensors = ", ".join(f"{n} {op}" for op, n in r["tensor_instructions"].items())
-                blocks = blocks_per_sm(r["registers"], sizes[r["name"]])
-                occupancy = f"{blocks} ({blocks * _config.THREADS // 32})" if r["arch"] != "sm_80" else "—"
+                blocks = blocks_per_sm(r["registers"], sizes[r["name"]], threads(r["name"]))
+                occupancy = f"{blocks} ({blocks * threads(r['name']) // 32})" if r["arch"] != "sm_80" else "—"
                 lines.append(f"| {kind} | {d} | {r['arch']} | {r['path_instructions']} / {r['loop_instructions']} "
                              f"| {built_in} | {tensors} | {r['ldsm']} | {r['lds']} | {r['sts']} | {r['bar']} | {r['mufu']} "
                              f"| {r['issue_per_tensor']:.2f} | {r['registers']} | {occupancy} |")
@@ -83,19 +100,26 @@ def resources_table(rows: list[dict]) -> str:
     registers = {(r["name"], r["arch"], r.get("features", "plain")): r["registers"] for r in rows
                  if r["dtype"] == "float16"}
     lines = ["| kernel (fp16) | registers sm_80 / sm_90, plain build (softcap, ALiBi, float mask) | shared memory "
-             "| blocks of 4 warps per SM on sm_90, plain (softcap, ALiBi, float mask) |", "|---|---|---|---|"]
+             "| threads per block | blocks per SM on sm_90, plain (softcap, ALiBi, float mask) |", "|---|---|---|---|---|"]
+
+    def shown(x):
+        return "—" if x is None else x
+
     def regs(name, arch):
         plain, general = registers.get((name, arch, "plain")), registers.get((name, arch, "all"))
-        return "—" if plain is None else f"{plain} ({general})"
+        return "—" if plain is None and general is None else f"{shown(plain)} ({shown(general)})"
 
     for _, kind, prefix in KERNELS:
         for d in (64, 128, 256):
             for name in sorted({n for n, _, _ in registers if is_fp16_variant(n, prefix, d)}):
                 hopper = "_wgmma<" in name
                 sm90 = "sm_90a" if hopper else "sm_90"
-                blocks = [blocks_per_sm(registers[(name, sm90, f)], sizes[name]) for f in ("plain", "all")]
-                lines.append(f"| {kind}, D = {d} | {regs(name, 'sm_80')} / {regs(name, sm90)}{' (sm_90a)' if hopper else ''} "
-                             f"| {round(sizes[name] / 1024)} KB | {blocks[0]} ({blocks[1]}) |")
+                blocks = [shown(registers.get((name, sm90, f)) and
+                                blocks_per_sm(registers[(name, sm90, f)], sizes[name], threads(name)))
+                          for f in ("plain", "all")]
+                label = f"{kind}, D = {d}" + (f", {name.split(', ')[-1][:-1]} keys" if name.startswith("attention_fwd_wgmma<") else "")
+                lines.append(f"| {label} | {regs(name, 'sm_80')} / {regs(name, sm90)}{' (sm_90a)' if hopper else ''} "
+                             f"| {round(sizes[name] / 1024)} KB | {threads(name)} | {blocks[0]} ({blocks[1]}) |")
     return "\n".join(lines)
 
 

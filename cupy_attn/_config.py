@@ -211,7 +211,8 @@ TMA_BOX_DIMS = 64  # head dims per TMA box: one 128-byte swizzled line of 16-bit
 # tile in turn but hold the features' state (attention_fwd_wgmma.cu, kOverlap). Measured with
 # NVRTC 13.5 (fp16; bench/RESULTS.md, 2026-12-01, fifth session): 128 keys at D = 128 spill 4-24
 # bytes with a float mask and softcap, ALiBi (and dropout), 64 keys at D = 256 spill 12-120 with a
-# float mask; 64 and 32 keys do not. So a plain call takes the first tile below for its head dim,
+# float mask; 64 and 32 keys do not, with any set of features (dropout included, at D = 256 too).
+# So a plain call takes the first tile below for its head dim,
 # a call with features the first that is not plain_only. block_n is the N of the S instruction
 # (m64n176k16, FlashAttention-3's choice at D = 64, is not a shape ptx.cuh wraps). Shared memory
 # within the 227 KB a block may use on sm_90. Earlier: with one warpgroup per block and cp.async,
@@ -465,22 +466,13 @@ def _pick(tiles, head_dim: int, head_dim_v: int):
     )
 
 
-# The wgmma forward's D = 256 tile holds 128 O accumulators per thread, which leaves dropout's
-# Philox no registers: with dropout and a mask ptxas spills (measured 2026-12-01, NVRTC 13.5: 255
-# registers and 8-64 bytes spilled for every such set but one; dropout alone takes 255). Calls
-# with dropout therefore run the wgmma forward up to this head dim only, the mma.sync one above.
-HOPPER_DROPOUT_HEAD_DIM = 128
-
-
 def forward_tile(head_dim: int, head_dim_v: int, dtype=np.float32, compute_capability: int = 80,
                  features: int = PLAIN_FEATURES, mods: bool = False):
     """The forward configuration for a call with these score features (and a score_mod or mask_mod
-    where mods): wgmma on compute capability 9.0 (up to its widest tile, or HOPPER_DROPOUT_HEAD_DIM
-    with dropout; HOPPER_TILES' plain_only tiles for plain calls only) and mma.sync otherwise for
-    fp16/bf16, CUDA cores for fp32."""
+    where mods): wgmma on compute capability 9.0 up to its widest tile (HOPPER_TILES' plain_only
+    tiles for plain calls only) and mma.sync otherwise for fp16/bf16, CUDA cores for fp32."""
     if np.dtype(dtype) in TENSOR_CORE_DTYPES:
-        widest = HOPPER_DROPOUT_HEAD_DIM if features & DROPOUT else HOPPER_TILES[-1].head_dim
-        if compute_capability == 90 and max(head_dim, head_dim_v) <= widest:
+        if compute_capability == 90 and max(head_dim, head_dim_v) <= HOPPER_TILES[-1].head_dim:
             plain = features == PLAIN_FEATURES and not mods
             return _pick([t for t in HOPPER_TILES if plain or not t.plain_only], head_dim, head_dim_v)
         return _pick(TENSOR_CORE_TILES, head_dim, head_dim_v)
@@ -489,8 +481,8 @@ def forward_tile(head_dim: int, head_dim_v: int, dtype=np.float32, compute_capab
 
 def selectable(filename: str, name_expression: str, features: int) -> bool:
     """Whether a call with these features can run this variant: forward_tile's choice for its head
-    dim (of the wgmma forwards, none above HOPPER_DROPOUT_HEAD_DIM with dropout); every variant of
-    the other files."""
+    dim (of the wgmma forwards, the plain_only tiles for plain calls, the others for calls with
+    features); every variant of the other files."""
     if filename != HopperTile.filename:
         return True
     return any(forward_tile(t.head_dim, t.head_dim, dtype, 90, features) is t for t in HOPPER_TILES

@@ -141,7 +141,7 @@ def kernels(args) -> int:
     for requested in args.arch:
         for (filename, name, dtype), features in itertools.product(_config.kernel_variants(requested), args.features):
             if str(dtype) not in args.dtypes or not _config.selectable(filename, name, levels[features]):
-                continue  # not asked for, or no call runs it (_config.HOPPER_DROPOUT_HEAD_DIM)
+                continue  # not asked for, or no call runs it (_config.HopperTile.plain_only)
             arch = _config.FILE_ARCH.get(filename, requested)
             c, attempts = _nvrtc.compile_kernel_least_spills(_compile.kernel_source(filename), name, arch,
                                                              _compile.gpu_build_options(filename, levels[features]))

@@ -54,12 +54,14 @@ struct ForwardBarriers {
     unsigned long long q_landed;
 };
 
-// TMA copies of rows [row0, row0 + Layout's rows) x all head dims of a (head dims, rows, heads,
-// batch) tensor map, one box of 64 dims each, into (or out of) a tile laid out by Layout.
-template <class Layout, class T>
+// TMA copies of rows [row0, row0 + Layout's rows) x kDims head dims of a (head dims, rows, heads,
+// batch) tensor map, one box of 64 dims each, into a tile laid out by Layout; their bytes complete
+// on `landed`.
+template <class Layout, int kDims, class T>
 __device__ __forceinline__ void load_tile(T* tile, const ptx::TensorMap& map, int row0, int head, int batch,
-                                          unsigned long long* landed, int dims) {
-    for (int c = 0; c < dims / Layout::kBoxCols; ++c) {
+                                          unsigned long long* landed) {
+#pragma unroll
+    for (int c = 0; c < kDims / Layout::kBoxCols; ++c) {
         const int box[4] = {c * Layout::kBoxCols, row0, head, batch};
         ptx::tma_load<4>(tile + Layout::offset(0, c * Layout::kBoxCols), map, box, landed);
     }
@@ -114,15 +116,15 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse,
         // and masked, as the cp.async kernels do. Each full barrier learns the whole boxes' bytes.
         if (threadIdx.x < 32 && ptx::elect_one() && n_begin < n_end) {
             ptx::mbarrier_arrive_expect_tx(&bars.q_landed, sizeof(T) * kBlockM * kHeadDim);
-            load_tile<QTile>(sQ, q_map, m0, b.bidh, b.bidb, &bars.q_landed, kHeadDim);
+            load_tile<QTile, kHeadDim>(sQ, q_map, m0, b.bidh, b.bidb, &bars.q_landed);
             StageCursor<kKvStages> at;
             for (int n_block = n_begin; n_block < n_end; ++n_block, at.advance()) {
                 producer_acquire(bars.k, at, sizeof(T) * kTileElements);
-                load_tile<KvTile>(sK + at.stage * kTileElements, k_map, n_block * kBlockN, b.bidh_kv, b.bidb,
-                                  &bars.k.full[at.stage], kHeadDim);
+                load_tile<KvTile, kHeadDim>(sK + at.stage * kTileElements, k_map, n_block * kBlockN, b.bidh_kv,
+                                            b.bidb, &bars.k.full[at.stage]);
                 producer_acquire(bars.v, at, sizeof(T) * kTileElements);
-                load_tile<KvTile>(sV + at.stage * kTileElements, v_map, n_block * kBlockN, b.bidh_kv, b.bidb,
-                                  &bars.v.full[at.stage], kHeadDim);
+                load_tile<KvTile, kHeadDim>(sV + at.stage * kTileElements, v_map, n_block * kBlockN, b.bidh_kv,
+                                            b.bidb, &bars.v.full[at.stage]);
             }
         }
         return;
@@ -217,52 +219,51 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse,
         v_at.advance();
     };
 
-    if (n_begin < n_end && !kOverlap) {  // one tile after the other
+    if (n_begin < n_end) {
         if (group == 1) ptx::named_barrier_arrive(kTurnBarrier, 256);  // group 0 goes first
         ptx::mbarrier_wait(&bars.q_landed, 0);
-        for (int n_block = n_begin; n_block < n_end; ++n_block) {
+        if constexpr (!kOverlap) {  // one tile after the other
+            for (int n_block = n_begin; n_block < n_end; ++n_block) {
+                take_turn();
+                consumer_wait(bars.k, k_at);
+                issue_s();
+                pass_turn(n_block);
+                ptx::wgmma_wait<0>();
+                softmax_of(n_block);
+                rescale_rows(o, rescale);
+                pack_p();
+                consumer_wait(bars.v, v_at);
+                issue_pv();
+                ptx::wgmma_wait<0>();
+                pv_done();
+            }
+        } else {  // S of each tile issued with P·V of the one before
             take_turn();
             consumer_wait(bars.k, k_at);
             issue_s();
-            pass_turn(n_block);
+            pass_turn(n_begin);
             ptx::wgmma_wait<0>();
-            softmax_of(n_block);
-            rescale_rows(o, rescale);
+            softmax_of(n_begin);  // O is 0: its rescale is moot
             pack_p();
+            for (int n_block = n_begin + 1; n_block < n_end; ++n_block) {
+                take_turn();
+                consumer_wait(bars.k, k_at);
+                issue_s();
+                consumer_wait(bars.v, v_at);
+                issue_pv();
+                pass_turn(n_block);
+                ptx::wgmma_wait<1>();  // S is in; P·V of the previous tile may still run
+                softmax_of(n_block);
+                ptx::wgmma_wait<0>();
+                pv_done();
+                rescale_rows(o, rescale);
+                pack_p();
+            }
             consumer_wait(bars.v, v_at);
             issue_pv();
             ptx::wgmma_wait<0>();
             pv_done();
         }
-    }
-    if (n_begin < n_end && kOverlap) {
-        if (group == 1) ptx::named_barrier_arrive(kTurnBarrier, 256);  // group 0 goes first
-        ptx::mbarrier_wait(&bars.q_landed, 0);
-        take_turn();
-        consumer_wait(bars.k, k_at);
-        issue_s();
-        pass_turn(n_begin);
-        ptx::wgmma_wait<0>();
-        softmax_of(n_begin);  // O is 0: its rescale is moot
-        pack_p();
-        for (int n_block = n_begin + 1; n_block < n_end; ++n_block) {
-            take_turn();
-            consumer_wait(bars.k, k_at);
-            issue_s();
-            consumer_wait(bars.v, v_at);
-            issue_pv();
-            pass_turn(n_block);
-            ptx::wgmma_wait<1>();  // S is in; P·V of the previous tile may still run
-            softmax_of(n_block);
-            ptx::wgmma_wait<0>();
-            pv_done();
-            rescale_rows(o, rescale);
-            pack_p();
-        }
-        consumer_wait(bars.v, v_at);
-        issue_pv();
-        ptx::wgmma_wait<0>();
-        pv_done();
     }
 
     // O through this group's rows of the Q tile (no TMA copy into them is in flight: Q was loaded

@@ -28,11 +28,10 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
                       for words, features in _config.FEATURE_NAMES.items()
                       if (words == "plain" or str(dtype) not in PLAIN_ONLY) and _config.selectable(filename, name, features))
     assert sorted((r["name"], r["features"]) for r in rows) == expected
-    # unselectable, so not listed: the dropout builds of the wgmma forwards above HOPPER_DROPOUT_HEAD_DIM
-    # and of the tiles for plain calls only; the plain builds of the tiles for calls with features
+    # unselectable, so not listed: the dropout builds of the wgmma forward's tiles for plain calls
+    # only; the plain builds of the tiles for calls with features
     assert sum(not _config.selectable(f, n, _config.DROPOUT_FEATURES) for f, n, _ in _config.kernel_variants("sm_90")) \
-        == len(_config.TENSOR_CORE_DTYPES) * sum(t.plain_only or t.head_dim > _config.HOPPER_DROPOUT_HEAD_DIM
-                                                 for t in _config.HOPPER_TILES)
+        == len(_config.TENSOR_CORE_DTYPES) * sum(t.plain_only for t in _config.HOPPER_TILES)
     assert sum(not _config.selectable(f, n, _config.PLAIN_FEATURES) for f, n, _ in _config.kernel_variants("sm_90")) \
         == len(_config.TENSOR_CORE_DTYPES) * sum(
             any(u.plain_only and u.head_dim == t.head_dim for u in _config.HOPPER_TILES) and not t.plain_only
@@ -114,10 +113,14 @@ def test_tile_tables_cover_every_head_dim():
         else:
             assert hopper is tc
         dropout = _config.forward_tile(d, d, BF16, compute_capability=90, features=_config.DROPOUT | _config.BOOL_MASK)
-        assert dropout is (hopper if d <= _config.HOPPER_DROPOUT_HEAD_DIM else tc)
+        if hopper is tc:
+            assert dropout is tc
+        else:  # the tile of calls with features: the plain call's unless that one is plain_only
+            assert isinstance(dropout, _config.HopperTile) and not dropout.plain_only
+            assert dropout.head_dim == hopper.head_dim and (dropout is hopper) == (not hopper.plain_only)
         assert _config.selectable(dropout.filename, dropout.name_expression(BF16), _config.DROPOUT)
         assert _config.selectable(hopper.filename, hopper.name_expression(BF16), _config.DROPOUT) \
-            == (d <= _config.HOPPER_DROPOUT_HEAD_DIM or hopper is tc)
+            == (not getattr(hopper, "plain_only", False))
         assert isinstance(_config.forward_tile(d, d, np.float32, compute_capability=90), _config.ForwardTile)
         for dtype in (np.float16, BF16):
             tcb = _config.backward_tile(d, d, dtype)

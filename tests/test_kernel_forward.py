@@ -137,6 +137,21 @@ def test_wgmma_tiles_of_calls_with_features(monkeypatch, schedule, d, dv, featur
     assert launched == [f"attention_fwd_wgmma<__half, {128 if d == 100 else 256}, {keys}>"], launched
 
 
+@pytest.mark.parametrize("schedule_name", ["forward", "reverse", "random", "warps", "warps_reverse"])
+@pytest.mark.parametrize("sq,sk,kw", [(1, 1100, {}), (203, 1000, dict(causal=True)),
+                                      (113, 1030, dict(causal="top_left", softcap=3.0, kv_lengths=[1030, 517]))])
+def test_wgmma_forward_over_many_key_tiles(monkeypatch, schedule_name, sq, sk, kw):
+    """Eight or nine key tiles: the producer's stage rings go round four times and the consumer
+    groups take as many turns, on every schedule, the producer far ahead of the consumers (warps)
+    and starving them (warps_reverse); a plain build (overlapping tiles) and one with softcap (one
+    tile after the other); a block of one query row, whose second consumer group has none."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", schedule_name)
+    rng = np.random.default_rng(sq + sk)
+    q, k, v = random_qkv(rng, b=2, h=2, hkv=1, sq=sq, sk=sk, d=64, dtype=np.float16)
+    check(q, k, v, np.float16, **kw)
+
+
 @pytest.mark.parametrize("feature", ["everything", "lengths_causal", "bool_mask"])
 def test_features_random_schedule(monkeypatch, tensor_core_kernel, feature):
     monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", "random")
