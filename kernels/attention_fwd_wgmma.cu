@@ -219,36 +219,41 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse,
         v_at.advance();
     };
 
+    // On this group's turn, once the tile's K landed: S = Q·Kᵀ issued.
+    auto start_s = [&] {
+        take_turn();
+        consumer_wait(bars.k, k_at);
+        issue_s();
+    };
+    // P·V of the last tile softmax_of saw, issued once its V landed, and waited for.
+    auto finish_pv = [&] {
+        consumer_wait(bars.v, v_at);
+        issue_pv();
+        ptx::wgmma_wait<0>();
+        pv_done();
+    };
+
     if (n_begin < n_end) {
         if (group == 1) ptx::named_barrier_arrive(kTurnBarrier, 256);  // group 0 goes first
         ptx::mbarrier_wait(&bars.q_landed, 0);
         if constexpr (!kOverlap) {  // one tile after the other
             for (int n_block = n_begin; n_block < n_end; ++n_block) {
-                take_turn();
-                consumer_wait(bars.k, k_at);
-                issue_s();
+                start_s();
                 pass_turn(n_block);
                 ptx::wgmma_wait<0>();
                 softmax_of(n_block);
                 rescale_rows(o, rescale);
                 pack_p();
-                consumer_wait(bars.v, v_at);
-                issue_pv();
-                ptx::wgmma_wait<0>();
-                pv_done();
+                finish_pv();
             }
         } else {  // S of each tile issued with P·V of the one before
-            take_turn();
-            consumer_wait(bars.k, k_at);
-            issue_s();
+            start_s();
             pass_turn(n_begin);
             ptx::wgmma_wait<0>();
             softmax_of(n_begin);  // O is 0: its rescale is moot
             pack_p();
             for (int n_block = n_begin + 1; n_block < n_end; ++n_block) {
-                take_turn();
-                consumer_wait(bars.k, k_at);
-                issue_s();
+                start_s();
                 consumer_wait(bars.v, v_at);
                 issue_pv();
                 pass_turn(n_block);
@@ -259,10 +264,7 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse,
                 rescale_rows(o, rescale);
                 pack_p();
             }
-            consumer_wait(bars.v, v_at);
-            issue_pv();
-            ptx::wgmma_wait<0>();
-            pv_done();
+            finish_pv();
         }
     }
 

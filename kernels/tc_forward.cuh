@@ -74,7 +74,10 @@ __device__ __forceinline__ void finish_rows(const Params& p, const BlockInfo& b,
         softmax[r].gather_sum();
         const float sink_rescale = softmax[r].add_sink(sink_log2(p, b));  // before inverse_sum and lse
         inv[r] = sink_rescale * softmax[r].inverse_sum();
-        if (t == 0 && row_lo + 8 * r < b.q_rows(p)) lse[at.stats + row_lo + 8 * r] = softmax[r].lse();
+        if (t == 0 && row_lo + 8 * r < b.q_rows(p)) {
+            ATTN_COUNT_GLOBAL(&lse[at.stats + row_lo + 8 * r], 4);
+            lse[at.stats + row_lo + 8 * r] = softmax[r].lse();
+        }
     }
 }
 

@@ -166,7 +166,10 @@ def check_sass_budgets(rows):
     for r in rows:
         if r["issue_per_tensor"] is not None:
             assert r["path_instructions"] <= r["loop_instructions"]
-            assert sum(r["tensor_instructions"].values()) > 0 and r["ldgsts"] + r["tma"] > 0  # every tile loads
+            assert sum(r["tensor_instructions"].values()) > 0
+            # every tile loads: in the loop itself, or (the warp-specialised wgmma forward, whose hot
+            # loop is a consumer's) in the producer's, which the consumers' mbarrier waits stand for
+            assert r["ldgsts"] + r["tma"] > 0 or r["name"].startswith("attention_fwd_wgmma<")
     # A plain call's build carries no trace of softcap, ALiBi or masks: fewer instructions per tile
     # than the build of a call with all three.
     featured = {(r["name"], r["arch"]): r for r in rows if r["features"] == "all"}
