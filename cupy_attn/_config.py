@@ -209,11 +209,11 @@ TMA_BOX_DIMS = 64  # head dims per TMA box: one 128-byte swizzled line of 16-bit
 # block_n/4 registers of packed P. A plain build (no score feature, no mods) overlaps the softmax of
 # one tile with P·V of the previous, so all three are live at once; builds with features take each
 # tile in turn but hold the features' state (attention_fwd_wgmma.cu, kOverlap). Measured with
-# NVRTC 13.5 (fp16; bench/RESULTS.md, 2026-12-01, fifth session): 128 keys at D = 128 spill 4-24
-# bytes with a float mask and softcap, ALiBi (and dropout), 64 keys at D = 256 spill 12-120 with a
-# float mask; 64 and 32 keys do not, with any set of features (dropout included, at D = 256 too).
-# So a plain call takes the first tile below for its head dim,
-# a call with features the first that is not plain_only. block_n is the N of the S instruction
+# NVRTC 13.5 (fp16; bench/RESULTS.md, 2026-12-01, fifth session): without the overlap 128 keys at
+# D = 128 spill 4-24 bytes with softcap, ALiBi and a float mask (and dropout), 64 keys at D = 256
+# 12-120 with a float mask; 64 and 32 keys spilled with none of the feature sets tried (dropout
+# among them, at D = 256 too). So a plain call takes the first tile below for its head dim, a call
+# with features the first that is not plain_only. block_n is the N of the S instruction
 # (m64n176k16, FlashAttention-3's choice at D = 64, is not a shape ptx.cuh wraps). Shared memory
 # within the 227 KB a block may use on sm_90. Earlier: with one warpgroup per block and cp.async,
 # 128 keys at D = 64 gave issue_per_tensor 1.01 against 1.31 with 64 (the softmax's ~4.5

@@ -289,7 +289,10 @@ def tensor_maps(problem: Problem, tile, target: str, **operands):
         import cuda.bindings.driver  # noqa: F401
     except ImportError:
         return None, "cuda-bindings is not installed (pip install cuda-bindings; the cuda12/cuda13 extras have it)"
-    return [m.encoded() for m in maps], None
+    try:
+        return [m.encoded() for m in maps], None
+    except TensorMapError as error:  # a rule of the driver's that TensorMapSpec does not check
+        return None, str(error)
 
 
 def _output(problem: Problem, tma: bool):
@@ -314,7 +317,7 @@ def forward(problem: Problem, q, k, v, *, target: str):
     out = _output(p, hopper)
     lse = _empty(xp, p.lse_shape, np.float32)
     maps = ()
-    if hopper:
+    if hopper and 0 not in (p.seq_q, p.heads, p.batch):  # else nothing is launched
         maps, why_not = tensor_maps(p, tile, target, q=q, k=k, v=v, out=out)
         if maps is None:  # the cp.async kernels read and write any strides
             _say_once(f"the wgmma forward needs TMA, which cannot address this call's operands ({why_not}): the "

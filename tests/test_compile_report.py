@@ -42,6 +42,10 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
         assert keys <= row.keys()
         assert row["spill_stores"] == 0 and row["spill_loads"] == 0 and row["stack_frame_bytes"] == 0, row
         assert 0 < row["registers"] <= 255
+        if row["name"].startswith("attention_fwd_wgmma<"):
+            # 168 per thread at launch, 384 x 168 = 64512 = 128 x 24 + 256 x 240: what the
+            # warpgroups' setmaxnreg redistributes (with fewer, .inc 240 would wait forever)
+            assert row["registers"] == 65536 // 384 // 8 * 8, row
         assert row["arch"] == ("sm_90a" if "_wgmma<" in row["name"] else row["arch"])
     # the report builds as CuPy does on a GPU (test_report_builds_with_the_options_cupy_adds)
     filename, name = "attention_fwd_tc.cu", _config.TENSOR_CORE_TILES[1].name_expression(np.float16)
@@ -191,12 +195,15 @@ def _packed_build(variant):
 
 def test_packed_builds_compile_without_spills():
     """The attention kernels' packed (attention_varlen) builds, -DATTN_PACKED=1, for every tile
-    and report build attention_varlen can select (it takes no dropout): they compile under NVRTC and hold no spills either."""
+    and report build attention_varlen can select (it takes no dropout; the wgmma forward, whose TMA
+    boxes would reach into the next sequence, never runs a packed batch): they compile under NVRTC
+    and hold no spills either."""
     from concurrent.futures import ThreadPoolExecutor
 
     variants = [(filename, name, _config.FILE_ARCH.get(filename, arch), features)
                 for arch in ("sm_80", "sm_90") for filename, name, _ in _config.kernel_variants(arch)
                 if filename.startswith(("attention_fwd", "attention_bwd")) and "preprocess" not in name
+                and filename != _config.HopperTile.filename
                 for features in _config.FEATURE_LEVELS if features != _config.DROPOUT_FEATURES]  # no varlen dropout
     assert len(variants) > 100
     # Threads: NVRTC runs outside the GIL, and a forked process would inherit JAX's threads (the

@@ -54,6 +54,18 @@ def test_head_dims(schedule, dtype, d, dv):
     check(q, k, v, dtype, causal=True)
 
 
+@pytest.mark.parametrize("shape", [dict(b=0), dict(sq=0)])
+def test_wgmma_forward_of_nothing_builds_no_map_and_says_nothing(monkeypatch, caplog, shape):
+    """An empty batch or query axis launches nothing: no tensor map is built (TMA refuses an axis
+    of no entries), so no fallback is announced."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
+    monkeypatch.setattr(_kernel_backend, "_SAID", set())
+    caplog.set_level(logging.WARNING, logger="cupy_attn")
+    q, k, v = random_qkv(np.random.default_rng(3), **dict(dict(b=2, h=2, sq=5, sk=9, d=64, dtype=np.float16), **shape))
+    out = cupy_attn.attention(q, k, v, backend="emulator")
+    assert out.shape == q.shape and caplog.text == ""
+
+
 @pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
 @pytest.mark.parametrize("d,dv", [(16, 16), (64, 64), (80, 80), (128, 128), (256, 256), (7, 33), (200, 72), (130, 3)])
 def test_wgmma_head_dims(monkeypatch, schedule, dtype, d, dv):
