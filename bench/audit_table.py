@@ -34,11 +34,15 @@ def shared_bytes() -> dict[str, int]:
     return sizes
 
 
+def hopper_tile(name: str):
+    """The wgmma forward's tile whose fp16 kernel is `name`, or None."""
+    return next((t for t in _config.HOPPER_TILES if t.name_expression(FP16) == name), None)
+
+
 def threads(name: str) -> int:
     """Threads per block of the kernel `name`: the tile table's where it says (the warp-specialised
     wgmma forward's three warpgroups), else every kernel's."""
-    tile = next((t for t in _config.HOPPER_TILES if t.name_expression(FP16) == name), None)
-    return getattr(tile, "threads", _config.THREADS)
+    return getattr(hopper_tile(name), "threads", _config.THREADS)
 
 
 def blocks_per_sm(registers: int, shared: int, block_threads: int = _config.THREADS) -> int:
@@ -50,7 +54,7 @@ def blocks_per_sm(registers: int, shared: int, block_threads: int = _config.THRE
 def featured_name(name: str) -> str:
     """The kernel a call with softcap, ALiBi and a float mask runs where a plain call runs `name`:
     the same, except for a wgmma forward tile that serves plain calls only."""
-    tile = next((t for t in _config.HOPPER_TILES if t.name_expression(FP16) == name), None)
+    tile = hopper_tile(name)
     if tile is None or not tile.plain_only:
         return name
     return _config.forward_tile(tile.head_dim, tile.head_dim, FP16, 90, _config.ALL_FEATURES).name_expression(FP16)

@@ -181,8 +181,8 @@ class HopperTile:
     block_n: int
     reason: str
     plain_only: bool = False  # for calls without score features or mods (whose build overlaps tiles)
-    block_m: int = 128  # attn::kConsumerGroups x 64
-    threads: int = 384  # attn::kWsThreads
+    block_m: ClassVar[int] = 128  # attn::kConsumerGroups x 64, every tile
+    threads: ClassVar[int] = 384  # attn::kWsThreads, every tile
 
     @property
     def shared_bytes(self) -> int:
