@@ -41,8 +41,9 @@ def hopper_tile(name: str):
 
 def threads(name: str) -> int:
     """Threads per block of the kernel `name`: the tile table's where it says (the warp-specialised
-    wgmma forward's three warpgroups), else every kernel's."""
-    return getattr(hopper_tile(name), "threads", _config.THREADS)
+    wgmma kernels' three warpgroups), else every kernel's."""
+    backward = next((t for t in _config.HOPPER_BACKWARD_TILES if t.name_expression(FP16) == name), None)
+    return getattr(hopper_tile(name) or backward, "threads", _config.THREADS)
 
 
 def blocks_per_sm(registers: int, shared: int, block_threads: int = _config.THREADS) -> int:

@@ -278,36 +278,44 @@ TENSOR_CORE_BACKWARD_TILES = (
 
 @dataclass(frozen=True)
 class HopperBackwardTile:
-    """The fp16/bf16 dK/dV kernel on wgmma (sm_90a), chosen for compute capability 9.0 (when asked
-    for: DEFAULT_KERNELS_FOR) for head dims up to 128: one warpgroup per 64 keys, block_m query
-    rows per step, Q and dO in two stages. Its dq goes by atomics, or comes from the deterministic
-    tensor-core dQ kernel."""
+    """The fp16/bf16 dK/dV kernel on wgmma and TMA (sm_90a), chosen for compute capability 9.0
+    (when asked for: DEFAULT_KERNELS_FOR) for head dims up to 128 where TMA can address q, k, v
+    and dout: blocks of 128 keys in three warpgroups, a producer loading K and V once and each
+    query tile's Q, dO (TMA, boxes of TMA_BOX_DIMS head dims) and row statistics into two stages,
+    and two consumers of 64 keys each; block_m query rows per tile. Its dq goes by atomics, or
+    comes from the deterministic tensor-core dQ kernel."""
 
     filename: ClassVar[str] = "attention_bwd_wgmma.cu"
+    block_n: ClassVar[int] = 128  # the kernel's keys per block: two consumer warpgroups of 64
+    threads: ClassVar[int] = 384
 
     head_dim: int
     block_m: int
     reason: str
-    block_n: int = 64
 
     @property
     def shared_bytes(self) -> int:
-        """K, V (64, D) in core matrices and K again (64, D + 8) row-major, dS (block_m, 72), two
-        stages of Q, dO (block_m, D) in core matrices (read there as MN-major operands too: no
-        transposed copies), 16-bit; two stages of lse, delta (block_m floats)."""
+        """K, V (128, D) and two stages of Q, dO (block_m, D), 16-bit, in swizzled boxes; two
+        stages of lse, delta (block_m floats); per consumer two dS buffers (block_m, 72), 16-bit;
+        the barriers (five of 8 bytes)."""
         m, d = self.block_m, self.head_dim
-        return 2 * (2 * 64 * d + 64 * (d + 8) + m * 72 + 2 * 2 * m * d) + 4 * 2 * 2 * m
+        return 2 * (2 * self.block_n * d + 2 * 2 * m * d) + 4 * 2 * 2 * m + 2 * 2 * 2 * m * 72 + 40
+
+    def tma_rows(self, operand: str) -> int:
+        """Rows of one TMA box of q, k, v or dout (each box TMA_BOX_DIMS head dims wide): a query
+        tile's of q and dout, the block's keys of k and v."""
+        return {"q": self.block_m, "dout": self.block_m, "k": self.block_n, "v": self.block_n}[operand]
 
     def name_expression(self, dtype) -> str:
         return f"attention_bwd_dkdv_wgmma<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_m}>"
 
 
-# Per thread: D/2 + D/2 floats of dK and dV, block_m/2 + block_m/2 of Sᵀ and dPᵀ and block_m/4
-# registers of packed Pᵀ, dSᵀ. D = 256 would need 256 accumulators per thread: it stays on the
-# mma.sync kernel, which splits the dims over two warps.
+# Per consumer thread: D/2 + D/2 floats of dK and dV, block_m/2 + block_m/2 of Sᵀ and dPᵀ and
+# block_m/4 registers of packed Pᵀ, dSᵀ, under setmaxnreg's 240. D = 256 would need 256
+# accumulators per thread: it stays on the mma.sync kernel, which splits the dims over two warps.
 HOPPER_BACKWARD_TILES = (
-    HopperBackwardTile(64, 64, "64 + 64 accumulators per thread; 67 KB shared"),
-    HopperBackwardTile(128, 32, "128 + 32 accumulators per thread; 86 KB shared"),
+    HopperBackwardTile(64, 64, "64 + 64 accumulators per thread; 101 KB shared"),
+    HopperBackwardTile(128, 64, "128 + 64 accumulators per thread; 151 KB shared"),
 )
 # Score features a module is built for (-DATTN_SCORE_FEATURES, kernels/mask.cuh): exactly those a
 # call uses, one bit each, so a call's loops carry no trace of a feature it lacks and no run-time

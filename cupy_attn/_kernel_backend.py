@@ -259,14 +259,14 @@ def _pointer(x) -> int:
 
 
 def tensor_maps(problem: Problem, tile, target: str, **operands):
-    """The wgmma forward's TMA maps of q, k, v and out (dims: head dims, rows, heads, batch; boxes
+    """The wgmma kernels' TMA maps of q, k, v, out and dout (dims: head dims, rows, heads, batch; boxes
     of TMA_BOX_DIMS dims x tile.tma_rows(name) rows, 128-byte swizzle) as kernel arguments, in the
     order given, or the reason TMA cannot address one of them."""
     p = problem
     if p.packing is not None:
         return None, "a packed (varlen) batch: a box would reach into the next sequence"
     shapes = {"q": (p.head_dim, p.seq_q, p.heads), "k": (p.head_dim, p.seq_k, p.kv_heads),
-              "v": (p.head_dim_v, p.seq_k, p.kv_heads), "out": (p.head_dim_v, p.seq_q, p.heads)}
+              "v": (p.head_dim_v, p.seq_k, p.kv_heads), "out": (p.head_dim_v, p.seq_q, p.heads), "dout": (p.head_dim_v, p.seq_q, p.heads)}
     maps = []
     for name, x in operands.items():
         head_dim, rows, heads = shapes[name]
@@ -397,13 +397,28 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     dv = _per_head(p, rows_k, p.head_dim_v)
     common = _common_args(p, q, k, v, dout, (tile.block_m, tile.block_n))
     module = _module(p)
-    dkdv_grid = (_blocks(sk, tile.block_n), h, b)
     vectorised = _vector_flags(q, k, v, dout)
+    maps = ()
+    if isinstance(tile, _config.HopperBackwardTile):
+        # No query rows (dK = dV = 0) or nothing to launch: no map to build; the mma.sync kernel
+        # writes the zeros.
+        maps, why_not = tensor_maps(p, tile, target, q=q, k=k, v=v, dout=dout) if 0 not in (sq, sk, h, b) else (None, "")
+        if maps is None:  # the cp.async kernels read any strides
+            if why_not:
+                _say_once(f"the wgmma backward needs TMA, which cannot address this call's operands ({why_not}): "
+                          "the mma.sync backward runs instead")
+            tile = _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, 80)
+            common = _common_args(p, q, k, v, dout, (tile.block_m, tile.block_n))
+    dkdv_grid = (_blocks(sk, tile.block_n), h, b)
     if isinstance(tile, _config.BackwardTile):  # fp32: CUDA cores
         _launch(target, "attention_bwd.cu", tile.dkdv_name(p.dtype), dkdv_grid,
                 (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), *common), tile.dkdv_shared_bytes,
                 **module)
-    else:  # tensor cores: mma.sync or wgmma
+    elif isinstance(tile, _config.HopperBackwardTile):  # wgmma and TMA: q, k, v, dout through their maps
+        _launch(target, tile.filename, tile.name_expression(p.dtype), dkdv_grid,
+                (lse, delta, dq, dk, dv, I32(not deterministic), *maps, *common), tile.shared_bytes,
+                threads=tile.threads, **module)
+    else:  # mma.sync
         _launch(target, tile.filename, tile.name_expression(p.dtype), dkdv_grid,
                 (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), vectorised, *common), tile.shared_bytes,
                 **module)

@@ -164,7 +164,9 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
 
         if (accumulate_dq) {
             __syncthreads();  // every warp's dS is in shared memory
-            atomic_dq<T, kHeadDim, kBlockM, kBlockN, kSStride>(p, b, at, dq_accum, sDS, sK, m0, warp, lane);
+            atomic_dq<T, kHeadDim, kBlockM, kBlockN, kSStride>(p, b, at, dq_accum, sDS, [&](int key, int dim) {
+                return sK + key * kStride + dim;
+            }, m0, warp, lane);
         }
     }
 

@@ -1,75 +1,171 @@
-// The Hopper (sm_90a) dK/dV kernel for fp16/bf16: attention_bwd_tc.cu's algorithm on wgmma.
+// The Hopper (sm_90a) dK/dV kernel for fp16/bf16: FlashAttention-3's backward structure on wgmma
+// and TMA.
 //
-// One block is one warpgroup per (64 keys, query head, batch entry); the accumulators of wgmma
-// (M = 64 keys) give warp w keys 16w..16w+15, the layout of the mma.sync kernel, whose P/dS and
-// dQ steps (tc_backward.cuh) this kernel shares. For each query tile of kBlockM rows that can see
-// the block's keys (Q, dO and their row statistics in two stages: the next tile loads during
-// this one):
-//   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ      wgmma SS, N = kBlockM: K, V, Q and dO in shared memory in one
-//                               core-matrix layout (rows x head dims), Q and dO read K-major
+// One block per (128 keys, query head, batch entry), three warpgroups with their roles fixed at
+// the start (warp specialisation):
+//   producer   warpgroup 0 gives up registers (setmaxnreg.dec 24). Its first warp loads the
+//              block's K and V once (TMA, 128-byte-swizzled boxes of 64 head dims) and, for each
+//              query tile of kBlockM rows that can see the block's keys, fills a stage of a two-
+//              stage ring (pipeline.cuh): Q and dO by TMA (an elected lane), the rows' lse (base
+//              2) and delta by the warp's own loads and stores (-inf and 0 past the sequence,
+//              backward_stats.cuh), so the full barrier counts the warp's 32 arrivals and the
+//              TMA bytes. Its other warps exit.
+//   consumers  warpgroups 1 and 2 take the registers (setmaxnreg.inc 240) and own 64 keys each;
+//              the accumulators of wgmma (M = 64 keys) give warp w of a group keys 16w..16w+15
+//              in mma.sync's layout, so P/dS and dQ (tc_backward.cuh) are shared with the
+//              mma.sync backward.
+// Per query tile each consumer group computes, from the same stage,
+//   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ      wgmma SS, N = kBlockM: its 64 rows of K, V and the stage's Q, dO,
+//                               all K-major in their swizzled boxes (head dims reduced)
 //   Pᵀ, dSᵀ                     in registers
-//   dV += Pᵀ·dO, dK += dSᵀ·Q    wgmma RS: Pᵀ and dSᵀ from registers, dO and Q from the same
-//                               shared memory read MN-major (head dims, N here, consecutive):
-//                               no transpose; 64 head dims per instruction
-//   dQ += dS·K·scale            mma.sync from dS and a row-major copy of K, float32 atomics,
-//                               unless the deterministic dQ kernel runs after.
+//   dV += Pᵀ·dO, dK += dSᵀ·Q    wgmma RS: Pᵀ and dSᵀ from registers, dO and Q MN-major from the
+//                               same boxes (no transpose); up to 128 head dims per instruction
+//   dQ += dS·K·scale            mma.sync from its dS (shared memory, two buffers: one named
+//                               barrier per tile) and its rows of the swizzled K, float32
+//                               reductions of pairs, unless the deterministic dQ kernel runs after
+// and releases the stage once its dK, dV products are in. The groups never wait for each other.
 // Head dims up to 128: dK and dV of 64 keys take D floats per thread, so D = 256 stays on the
-// mma.sync kernel, which splits its dims over two warps.
+// mma.sync kernel, which splits its dims over two warps. The launcher uses this kernel where TMA
+// can address q, k, v and dout (cupy_attn/_tensor_map.py) and the mma.sync kernel elsewhere.
 #include "backward_stats.cuh"
 #include "block_info.cuh"
 #include "dropout.cuh"
 #include "mask.cuh"
 #include "numeric.cuh"
+#include "pipeline.cuh"
 #include "ptx.cuh"
 #include "tc_backward.cuh"
 #include "tc_tile.cuh"
 
 namespace attn {
 
-constexpr int kWgmmaBwdKeys = 64;  // keys per block: M of every wgmma
-constexpr int kWgmmaBwdDims = 64;  // head dims per dV/dK instruction (its N)
+constexpr int kBwdConsumerGroups = 2;                       // warpgroups computing, 64 keys each
+constexpr int kBwdKeys = 64 * kBwdConsumerGroups;           // keys per block
+constexpr int kBwdThreads = 128 * (1 + kBwdConsumerGroups);  // and the producer's
+constexpr int kQueryStages = 2;
+// Named barriers (0 is __syncthreads'): consumer group g's dS is in shared memory.
+constexpr unsigned kDsBarrier = 1;
+// The register split of attention_fwd_wgmma.cu: 24 + 2 x 240 per lane-triple, from a launch of
+// 168 per thread.
+constexpr int kBwdProducerRegisters = 24, kBwdConsumerRegisters = 240;
+
+struct BackwardBarriers {
+    StageRing<kQueryStages> queries;  // Q, dO, lse2, delta of a query tile
+    unsigned long long kv_landed;
+};
 
 template <class T, int kHeadDim, int kBlockM>
-__device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const T* q, const T* k, const T* v, const T* dout,
-                                                 const float* lse, const float* delta, float* dq_accum, float* dk_part,
-                                                 float* dv_part, int accumulate_dq, int vectorised,
-                                                 const long long (&strides)[12]) {
-    static_assert(kHeadDim % kWgmmaBwdDims == 0 && kHeadDim <= 128, "head-dim tiles 64 and 128");
+__device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* lse, const float* delta, float* dq_accum,
+                                                 float* dk_part, float* dv_part, int accumulate_dq,
+                                                 const long long (&strides)[12], const ptx::TensorMap& q_map,
+                                                 const ptx::TensorMap& k_map, const ptx::TensorMap& v_map,
+                                                 const ptx::TensorMap& do_map) {
+    static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "head-dim tiles 64 and 128");
     static_assert(kBlockM == 32 || kBlockM == 64, "Sᵀ and dPᵀ are m64n32k16 or m64n64k16 products");
-    constexpr int kKeys = kWgmmaBwdKeys;
-    constexpr int kStride = TcLayout<kHeadDim>::kStride, kSStride = kKeys + 8;
+    // Head dims per dV/dK instruction (its N): all of them (one m64n128k16 at D = 128).
+    constexpr int kDims = kHeadDim;
+    constexpr int kSStride = 64 + 8;  // dS rows: a group's 64 keys, padded (ldmatrix without conflicts)
     constexpr int kQTiles = kBlockM / 8, kDTiles = kHeadDim / 8;
-    using Rows = CoreMatrixLayout<kHeadDim>;  // K, V, Q, dO: rows x head dims
-    extern __shared__ __align__(128) unsigned char smem_bytes[];
-    // K, V (64 x kHeadDim, core matrices); K again row-major (64 x kStride) for dQ; dS
-    // (kBlockM x kSStride); per stage Q, dO (kBlockM x kHeadDim, core matrices) and lse (base 2),
-    // delta (kBlockM floats each).
+    constexpr int kStatsPerLane = (kBlockM + 31) / 32;
+    using KvTile = SwizzledBoxLayout<kBwdKeys, kHeadDim>;  // K, V: keys x head dims
+    using QTile = SwizzledBoxLayout<kBlockM, kHeadDim>;    // Q, dO: query rows x head dims
+    constexpr unsigned kQElements = kBlockM * kHeadDim, kKvElements = kBwdKeys * kHeadDim;
+    extern __shared__ __align__(1024) unsigned char smem_bytes[];
+    // K, V, then per stage Q, dO (all multiples of 1024 bytes: every box starts a swizzle atom),
+    // per stage lse2, delta (kBlockM floats each), per group two dS buffers (kBlockM x kSStride),
+    // the barriers. Stages by arithmetic: a run-time index into a pointer array would be local
+    // memory.
     T* sK = reinterpret_cast<T*>(smem_bytes);
-    T* sV = sK + kKeys * kHeadDim;
-    T* sKRows = sV + kKeys * kHeadDim;
-    T* sDS = sKRows + kKeys * kStride;
-    T* sQDO = sDS + kBlockM * kSStride;
-    float* sStats = reinterpret_cast<float*>(sQDO + 2 * 2 * kBlockM * kHeadDim);
-    // Stages by arithmetic: a run-time index into an array of pointers would be local memory.
-    auto sQ = [&](int stage) { return sQDO + stage * 2 * kBlockM * kHeadDim; };
-    auto sDO = [&](int stage) { return sQ(stage) + kBlockM * kHeadDim; };
-    auto sLse2 = [&](int stage) { return sStats + stage * 2 * kBlockM; };
+    T* sV = sK + kKvElements;
+    T* sQ0 = sV + kKvElements;
+    float* sStats0 = reinterpret_cast<float*>(sQ0 + kQueryStages * 2 * kQElements);
+    T* sDS0 = reinterpret_cast<T*>(sStats0 + kQueryStages * 2 * kBlockM);
+    BackwardBarriers& bars =
+        *reinterpret_cast<BackwardBarriers*>(sDS0 + kBwdConsumerGroups * 2 * kBlockM * kSStride);
+    auto sQ = [&](int stage) { return sQ0 + stage * 2 * kQElements; };
+    auto sDO = [&](int stage) { return sQ(stage) + kQElements; };
+    auto sLse2 = [&](int stage) { return sStats0 + stage * 2 * kBlockM; };
     auto sDelta = [&](int stage) { return sLse2(stage) + kBlockM; };
 
     const BlockInfo b(p, blockIdx.y, blockIdx.z);
+    const HeadView at = head_view(p, b, strides);  // .stats indexes lse, delta and dq rows
+    const int n0 = blockIdx.x * kBwdKeys;
+    int m_begin, m_end;
+    b.row_tiles(p, n0, kBwdKeys, kBlockM, &m_begin, &m_end);
+    if (threadIdx.x == 0) {
+        bars.queries.init(128 * kBwdConsumerGroups, 32);
+        ptx::mbarrier_init(&bars.kv_landed, 1);
+        ptx::fence_mbarrier_init();
+    }
+    __syncthreads();  // the barriers are initialised; the last block-wide barrier (the producer's threads exit)
+
+    if (threadIdx.x < 128) {
+        ptx::set_max_registers<kBwdProducerRegisters, false>();
+        if (threadIdx.x >= 32 || m_begin >= m_end) return;
+        // Whole boxes, zero-filled past the tensor (rows past seq_q or seq_k, dims past the head);
+        // each barrier learns the whole boxes' bytes.
+        const int lane = threadIdx.x;
+        const bool elected = ptx::elect_one();
+        if (elected) {
+            ptx::mbarrier_arrive_expect_tx(&bars.kv_landed, 2 * sizeof(T) * kKvElements);
+            for (int c = 0; c < kHeadDim / KvTile::kBoxCols; ++c) {
+                const int box[4] = {c * KvTile::kBoxCols, n0, b.bidh_kv, b.bidb};
+                ptx::tma_load<4>(sK + KvTile::offset(0, c * KvTile::kBoxCols), k_map, box, &bars.kv_landed);
+                ptx::tma_load<4>(sV + KvTile::offset(0, c * KvTile::kBoxCols), v_map, box, &bars.kv_landed);
+            }
+        }
+        StageCursor<kQueryStages> stage_at;
+        for (int m_block = m_begin; m_block < m_end; ++m_block, stage_at.advance()) {
+            const int m0 = m_block * kBlockM;
+            float lse2[kStatsPerLane], row_delta[kStatsPerLane];  // loaded before the stage is free
+#pragma unroll
+            for (int i = 0; i < kStatsPerLane; ++i)
+                if (lane + 32 * i < kBlockM)
+                    row_stats(lse, delta, at.stats, m0 + lane + 32 * i, b.q_rows(p), lse2[i], row_delta[i]);
+            producer_wait(bars.queries, stage_at);  // every lane: each stores into the stage
+            const int stage = stage_at.stage;
+#pragma unroll
+            for (int i = 0; i < kStatsPerLane; ++i)
+                if (lane + 32 * i < kBlockM) {
+                    ATTN_COUNT_SHARED(sLse2(stage) + lane + 32 * i, 4);
+                    ATTN_COUNT_SHARED(sDelta(stage) + lane + 32 * i, 4);
+                    sLse2(stage)[lane + 32 * i] = lse2[i];
+                    sDelta(stage)[lane + 32 * i] = row_delta[i];
+                }
+            unsigned long long* full = &bars.queries.full[stage];
+            if (!elected) {
+                ptx::mbarrier_arrive(full);  // this lane's statistics are stored
+                continue;
+            }
+            ptx::mbarrier_arrive_expect_tx(full, 2 * sizeof(T) * kQElements);
+            for (int c = 0; c < kHeadDim / QTile::kBoxCols; ++c) {
+                const int box[4] = {c * QTile::kBoxCols, m0, b.bidh, b.bidb};
+                ptx::tma_load<4>(sQ(stage) + QTile::offset(0, c * QTile::kBoxCols), q_map, box, full);
+                ptx::tma_load<4>(sDO(stage) + QTile::offset(0, c * QTile::kBoxCols), do_map, box, full);
+            }
+        }
+        return;
+    }
+    ptx::set_max_registers<kBwdConsumerRegisters, true>();
+
+    const int group = threadIdx.x / 128 - 1;  // consumer group: keys 64·group .. + 63 of the block
+    const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int group_n0 = n0 + 64 * group;
     const ScoreTransform score(p, b);
     const Dropout dropout(p, b);
-    const HeadView at = head_view(p, b, strides);  // .o is dout; .stats indexes lse, delta, dq rows
-    const int n0 = blockIdx.x * kKeys;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const bool vq = vectorised & 1, vk = vectorised & 2, vv = vectorised & 4, vdo = vectorised & 8;
-    // Descriptors are built once (K, V) or once per tile (the Q and dO stages, K-major for Sᵀ and
-    // dPᵀ, MN-major for dK and dV) and advanced by constant offsets within it.
-    const unsigned long long k_desc = ptx::wgmma_descriptor(sK, Rows::kLbo, Rows::kSbo);
-    const unsigned long long v_desc = ptx::wgmma_descriptor(sV, Rows::kLbo, Rows::kSbo);
-    stage_async<kKeys, kHeadDim, Rows>(sK, k + at.k, at.k_row, n0, b.kv_rows(p), p.head_dim, vk);
-    stage_async<kKeys, kHeadDim, Rows>(sV, v + at.v, at.v_row, n0, b.kv_rows(p), p.head_dim_v, vv);
-    if (accumulate_dq) stage_async<kKeys, kHeadDim>(sKRows, k + at.k, at.k_row, n0, b.kv_rows(p), p.head_dim, vk);
+
+    // Descriptors built once per block; a stage and a k-step's columns are offsets added to them.
+    // Q and dO are read K-major for Sᵀ and dPᵀ and MN-major (head dims, N there, consecutive) for
+    // dK and dV.
+    const unsigned long long k_desc = ptx::wgmma_descriptor(sK + KvTile::offset(64 * group, 0), KvTile::kKMajorLbo,
+                                                            KvTile::kKMajorSbo, ptx::Swizzle::B128);
+    const unsigned long long v_desc = ptx::wgmma_descriptor(sV + KvTile::offset(64 * group, 0), KvTile::kKMajorLbo,
+                                                            KvTile::kKMajorSbo, ptx::Swizzle::B128);
+    const unsigned long long q_desc0 =
+        ptx::wgmma_descriptor(sQ(0), QTile::kKMajorLbo, QTile::kKMajorSbo, ptx::Swizzle::B128);
+    const unsigned long long q_mn_desc0 =
+        ptx::wgmma_descriptor(sQ(0), QTile::kMnMajorLbo, QTile::kMnMajorSbo, ptx::Swizzle::B128);
+    constexpr unsigned kDoOffset = sizeof(T) * kQElements, kStageBytes = 2 * kDoOffset;
 
     float dk[kDTiles][4], dv[kDTiles][4];
 #pragma unroll
@@ -79,30 +175,15 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const T* q, co
     float(&dk_flat)[4 * kDTiles] = reinterpret_cast<float(&)[4 * kDTiles]>(dk);
     float(&dv_flat)[4 * kDTiles] = reinterpret_cast<float(&)[4 * kDTiles]>(dv);
 
-    int m_begin, m_end;
-    b.row_tiles(p, n0, kKeys, kBlockM, &m_begin, &m_end);
-    auto stage_queries = [&](int m_block) {
-        const int stage = pipeline_stage<2>(m_block, m_begin), m0 = m_block * kBlockM;
-        stage_async<kBlockM, kHeadDim, Rows>(sQ(stage), q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim, vq);
-        stage_async<kBlockM, kHeadDim, Rows>(sDO(stage), dout + at.o, at.o_row, m0, b.q_rows(p), p.head_dim_v, vdo);
-        stage_row_stats(sLse2(stage), sDelta(stage), lse, delta, at.stats, m0, kBlockM, b.q_rows(p));
-        ptx::cp_async_commit();
-    };
-    if (m_begin < m_end) stage_queries(m_begin);
-    for (int m_block = m_begin; m_block < m_end; ++m_block) {
-        const int m0 = m_block * kBlockM, stage = pipeline_stage<2>(m_block, m_begin);
-        ptx::cp_async_wait<0>();   // this thread's copies of this tile (and of K, V) have landed
-        ptx::fence_proxy_async();  // and are visible to wgmma
-        // Everyone's copies and statistics are in place, and every warp is done with the previous
-        // tile: its dS, and the stage loaded next.
-        __syncthreads();
-        if (m_block + 1 < m_end) stage_queries(m_block + 1);
-        const unsigned long long q_desc = ptx::wgmma_descriptor(sQ(stage), Rows::kLbo, Rows::kSbo);
-        const unsigned long long do_desc = ptx::wgmma_descriptor(sDO(stage), Rows::kLbo, Rows::kSbo);
-        // dO and Q read MN-major: the 8-query core-matrix rows (Rows' SBO apart) are the K
-        // direction (LBO), the 8-dim core matrices (Rows' LBO apart) the N direction (SBO).
-        const unsigned long long q_mn_desc = ptx::wgmma_descriptor(sQ(stage), Rows::kSbo, Rows::kLbo);
-        const unsigned long long do_mn_desc = ptx::wgmma_descriptor(sDO(stage), Rows::kSbo, Rows::kLbo);
+    if (m_begin < m_end) ptx::mbarrier_wait(&bars.kv_landed, 0);
+    StageCursor<kQueryStages> stage_at;
+    for (int m_block = m_begin; m_block < m_end; ++m_block, stage_at.advance()) {
+        const int m0 = m_block * kBlockM, stage = stage_at.stage;
+        const unsigned long long q_desc = ptx::descriptor_plus(q_desc0, stage * kStageBytes);
+        const unsigned long long do_desc = ptx::descriptor_plus(q_desc, kDoOffset);
+        const unsigned long long q_mn_desc = ptx::descriptor_plus(q_mn_desc0, stage * kStageBytes);
+        const unsigned long long do_mn_desc = ptx::descriptor_plus(q_mn_desc, kDoOffset);
+        consumer_wait(bars.queries, stage_at);
 
         // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (64 keys x kBlockM queries), 16 head dims per instruction.
         float st[kQTiles][4], dpt[kQTiles][4];
@@ -114,22 +195,26 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const T* q, co
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk)
             ptx::wgmma_m64k16_ss<T, kBlockM, ptx::Major::K>(
-                st_flat, ptx::descriptor_plus(k_desc, sizeof(T) * Rows::offset(0, 16 * kk)),
-                ptx::descriptor_plus(q_desc, sizeof(T) * Rows::offset(0, 16 * kk)), kk > 0);
+                st_flat, ptx::descriptor_plus(k_desc, sizeof(T) * KvTile::offset(0, 16 * kk)),
+                ptx::descriptor_plus(q_desc, sizeof(T) * QTile::offset(0, 16 * kk)), kk > 0);
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk)
             ptx::wgmma_m64k16_ss<T, kBlockM, ptx::Major::K>(
-                dpt_flat, ptx::descriptor_plus(v_desc, sizeof(T) * Rows::offset(0, 16 * kk)),
-                ptx::descriptor_plus(do_desc, sizeof(T) * Rows::offset(0, 16 * kk)), kk > 0);
+                dpt_flat, ptx::descriptor_plus(v_desc, sizeof(T) * KvTile::offset(0, 16 * kk)),
+                ptx::descriptor_plus(do_desc, sizeof(T) * QTile::offset(0, 16 * kk)), kk > 0);
         ptx::wgmma_commit();
         ptx::wgmma_wait<0>();  // Sᵀ and dPᵀ are in registers
         ptx::fence_operands(st_flat);
         ptx::fence_operands(dpt_flat);
 
-        // Pᵀ and dSᵀ in place of Sᵀ and dPᵀ; dS also to shared memory (queries as rows) for dQ.
-        const int checks = b.tile_checks(p, m0, kBlockM, n0, kKeys);
-        probabilities_and_ds<kSStride>(st, dpt, p, b, score, dropout, sLse2(stage), sDelta(stage), sDS, accumulate_dq, m0, n0,
-                                       warp * 16, g, t, checks);
+        // Pᵀ and dSᵀ in place of Sᵀ and dPᵀ; dS also to this group's buffer of the tile's parity
+        // (queries as rows) for dQ. A warp writes a buffer again two tiles on, past the barrier
+        // of the tile between, which each warp reaches only once its dQ read this buffer.
+        T* ds_tile = sDS0 + (2 * group + (m_block - m_begin) % 2) * kBlockM * kSStride;
+        // Checks for the block's 128 keys (a block mask's tiles are the block's).
+        const int checks = b.tile_checks(p, m0, kBlockM, n0, kBwdKeys);
+        probabilities_and_ds<kSStride>(st, dpt, p, b, score, dropout, sLse2(stage), sDelta(stage), ds_tile, accumulate_dq,
+                                       m0, group_n0, warp * 16, g, t, checks);
 
         // dV += Pᵀ·dO and dK += dSᵀ·Q: Pᵀ and dSᵀ re-packed as A fragments (16 queries each),
         // all of them before the first instruction reads them asynchronously.
@@ -147,43 +232,45 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const T* q, co
         ptx::fence_operands(dv_flat);
         ptx::wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk)
-#pragma unroll
-            for (int c = 0; c < kHeadDim / kWgmmaBwdDims; ++c) {
-                const unsigned chunk = sizeof(T) * Rows::offset(16 * kk, c * kWgmmaBwdDims);  // queries 16kk.., dims 64c..
-                ptx::wgmma_m64k16_rs<T, kWgmmaBwdDims, ptx::Major::MN>(
-                    reinterpret_cast<float(&)[32]>(dv_flat[c * kWgmmaBwdDims / 2]), pa[kk],
-                    ptx::descriptor_plus(do_mn_desc, chunk), 1);
-                ptx::wgmma_m64k16_rs<T, kWgmmaBwdDims, ptx::Major::MN>(
-                    reinterpret_cast<float(&)[32]>(dk_flat[c * kWgmmaBwdDims / 2]), da[kk],
-                    ptx::descriptor_plus(q_mn_desc, chunk), 1);
-            }
+        for (int kk = 0; kk < kBlockM / 16; ++kk) {
+            const unsigned rows = sizeof(T) * QTile::offset(16 * kk, 0);  // queries 16kk..
+            ptx::wgmma_m64k16_rs<T, kDims, ptx::Major::MN>(dv_flat, pa[kk], ptx::descriptor_plus(do_mn_desc, rows), 1);
+            ptx::wgmma_m64k16_rs<T, kDims, ptx::Major::MN>(dk_flat, da[kk], ptx::descriptor_plus(q_mn_desc, rows), 1);
+        }
         ptx::wgmma_commit();
 
         if (accumulate_dq) {
-            __syncthreads();  // every warp's dS is in shared memory
-            atomic_dq<T, kHeadDim, kBlockM, kKeys, kSStride>(p, b, at, dq_accum, sDS, sKRows, m0, warp, lane);
+            ptx::named_barrier_sync(kDsBarrier + group, 128);  // the group's dS is in shared memory
+            atomic_dq<T, kHeadDim, kBlockM, 64, kSStride>(p, b, at, dq_accum, ds_tile, [&](int key, int dim) {
+                return sK + KvTile::swizzled(64 * group + key, dim);
+            }, m0, warp, lane);
         }
-        ptx::wgmma_wait<0>();  // dK and dV are in registers; Pᵀ, dSᵀ and this stage's Q, dO are free
+        ptx::wgmma_wait<0>();  // dK and dV are in registers; Pᵀ, dSᵀ and the stage's Q, dO are free
         ptx::fence_operands(dk_flat);
         ptx::fence_operands(dv_flat);
         ptx::fence_operands(pa_flat);
         ptx::fence_operands(da_flat);
+        consumer_release(bars.queries, stage_at);
     }
 
-    store_dkdv(p, b, dk_part, dv_part, dk, dv, n0, warp * 16, 0, g, t);
+    store_dkdv(p, b, dk_part, dv_part, dk, dv, n0, 64 * group + 16 * warp, 0, g, t);
 }
 
 }  // namespace attn
 
-// grid (ceil(Sk / 64), H, B), block 128 (one warpgroup), dynamic shared memory as laid out in
-// dkdv_wgmma_block (HopperBackwardTile.shared_bytes). vectorised: bits 0-3 for q, k, v, dout
-// rows copyable in 16-byte chunks. Compiled for sm_90a only.
+// grid (ceil(Sk / 128), H, B) of a padded batch, block 384 threads (a producer warpgroup and two
+// consumers), dynamic shared memory as laid out in dkdv_wgmma_block (HopperBackwardTile.
+// shared_bytes). q_map, k_map, v_map, do_map: TMA maps of q, k, v and dout (head dims, rows, heads,
+// batch) with 128-byte swizzle and boxes of 64 head dims x kBlockM query rows (q, dout) or 128
+// keys (k, v); those four are read through them only (their pointers and strides in ATTN_PARAMS
+// go unused). Compiled for sm_90a only.
 template <class T, int kHeadDim, int kBlockM>
-__global__ void __launch_bounds__(attn::kThreads, 1)
-attention_bwd_dkdv_wgmma(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,
-                         float* dq_accum, float* dk_part, float* dv_part, int accumulate_dq, int vectorised, ATTN_PARAMS) {
+__global__ void __launch_bounds__(attn::kBwdThreads, 1)
+attention_bwd_dkdv_wgmma(const float* lse, const float* delta, float* dq_accum, float* dk_part, float* dv_part,
+                         int accumulate_dq, const __grid_constant__ ptx::TensorMap q_map,
+                         const __grid_constant__ ptx::TensorMap k_map, const __grid_constant__ ptx::TensorMap v_map,
+                         const __grid_constant__ ptx::TensorMap do_map, ATTN_PARAMS) {
     ATTN_UNPACK_PARAMS;
-    attn::dkdv_wgmma_block<T, kHeadDim, kBlockM>(p, q, k, v, dout, lse, delta, dq_accum, dk_part, dv_part, accumulate_dq,
-                                                 vectorised, strides);
+    attn::dkdv_wgmma_block<T, kHeadDim, kBlockM>(p, lse, delta, dq_accum, dk_part, dv_part, accumulate_dq, strides,
+                                                 q_map, k_map, v_map, do_map);
 }

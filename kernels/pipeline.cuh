@@ -13,11 +13,13 @@ struct StageRing {
     unsigned long long full[kStages];
     unsigned long long empty[kStages];
 
-    // One thread, before a block barrier: `consumers` threads release each stage.
-    __device__ __forceinline__ void init(unsigned consumers) {
+    // One thread, before a block barrier: `consumers` threads release each stage, `producers`
+    // threads arrive on its full barrier (one announcing the bytes; others that fill it with
+    // their own stores arrive after them).
+    __device__ __forceinline__ void init(unsigned consumers, unsigned producers = 1) {
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
-            ptx::mbarrier_init(&full[s], 1);
+            ptx::mbarrier_init(&full[s], producers);
             ptx::mbarrier_init(&empty[s], consumers);
         }
         ptx::fence_mbarrier_init();  // visible to TMA's complete-tx
@@ -40,10 +42,16 @@ struct StageCursor {
 };
 
 // Producer: wait until the consumers released the stage (in the first lap it is free: waiting for
-// the other parity passes at once), then announce the bytes its copies will land and arrive.
+// the other parity passes at once).
+template <int kStages>
+__device__ __forceinline__ void producer_wait(StageRing<kStages>& ring, const StageCursor<kStages>& at) {
+    ptx::mbarrier_wait(&ring.empty[at.stage], at.phase ^ 1);
+}
+
+// Producer: wait for the stage, then announce the bytes its copies will land and arrive.
 template <int kStages>
 __device__ __forceinline__ void producer_acquire(StageRing<kStages>& ring, const StageCursor<kStages>& at, unsigned bytes) {
-    ptx::mbarrier_wait(&ring.empty[at.stage], at.phase ^ 1);
+    producer_wait(ring, at);
     ptx::mbarrier_arrive_expect_tx(&ring.full[at.stage], bytes);
 }
 

@@ -32,20 +32,24 @@ __device__ __forceinline__ void probabilities_and_ds(float (&st)[kQTiles][4], fl
             const float ds = prob * (dpt[j][e] * z - delta[query]) * score.grad(p, b, qk, m0 + query, n0 + key, prob);
             st[j][e] = prob * z;
             dpt[j][e] = ds;
-            if (write_ds) ds_tile[query * kSStride + key] = from_float<T>(ds);
+            if (write_ds) {
+                ATTN_COUNT_SHARED(ds_tile + query * kSStride + key, sizeof(T));
+                ds_tile[query * kSStride + key] = from_float<T>(ds);
+            }
         }
     }
 }
 
 // This warp's share of dS·K for the block's dS (kBlockM queries x kBlockN keys, rows kSStride
-// apart) and K (kBlockN x kHeadDim, padded rows) in shared memory: 16 rows and every few pairs of
+// apart) and K (kBlockN x kHeadDim) in shared memory, K's element (key, dim) at k_element(key,
+// dim) (a padded row-major tile, or a swizzled one: ldmatrix reads 8-element chunks, which both
+// keep contiguous; dim is a multiple of 8): 16 rows and every few pairs of
 // 8-dim tiles. For each pair of adjacent products a lane holds (rows g and g + 8 of the warp's
 // 16, dims 2t and 2t + 1 of each 8-dim tile) calls add(pair, row, dim) with row and dim relative
 // to the tile's first row and dim 0. The pairs of dim tiles are unrolled fully (kUnrolled) or not
 // at all (less code, fewer registers for a rarely taken copy).
-template <bool kUnrolled, class T, int kHeadDim, int kBlockM, int kBlockN, int kSStride, class Add>
-__device__ __forceinline__ void dq_products(const T* ds_tile, const T* k_tile, int warp, int lane, Add&& add) {
-    constexpr int kStride = TcLayout<kHeadDim>::kStride;
+template <bool kUnrolled, class T, int kHeadDim, int kBlockM, int kBlockN, int kSStride, class KElement, class Add>
+__device__ __forceinline__ void dq_products(const T* ds_tile, KElement&& k_element, int warp, int lane, Add&& add) {
     constexpr int kRowGroups = kBlockM / 16;    // 16-row groups of the dQ tile
     constexpr int kDimGroups = 4 / kRowGroups;  // warps sharing one row group's dimensions
     static_assert(kBlockM % 16 == 0 && 4 % kRowGroups == 0, "dQ rows split over the 4 warps");
@@ -61,7 +65,7 @@ __device__ __forceinline__ void dq_products(const T* ds_tile, const T* k_tile, i
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
             unsigned a[4], bk[4];
             ptx::ldmatrix<4>(a, a_address<kSStride>(ds_tile, rows, kk * 16, lane));
-            ptx::ldmatrix<4, true>(bk, a_address<kStride>(k_tile, kk * 16, d * 8, lane));
+            ptx::ldmatrix<4, true>(bk, k_element(kk * 16 + a_lane_row(lane), d * 8 + a_lane_col(lane)));
             ptx::mma_m16n8k16<T>(c0, a, {bk[0], bk[1]}, c0);
             ptx::mma_m16n8k16<T>(c1, a, {bk[2], bk[3]}, c1);
         }
@@ -75,19 +79,19 @@ __device__ __forceinline__ void dq_products(const T* ds_tile, const T* k_tile, i
 // (head_dim = kHeadDim, even, so each pair is 8-byte aligned) one 8-byte reduction per pair,
 // predicated on its row being inside the sequence, unrolled; else element by element inside the
 // sequence and the head, rolled.
-template <class T, int kHeadDim, int kBlockM, int kBlockN, int kSStride>
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kSStride, class KElement>
 __device__ __forceinline__ void atomic_dq(const Params& p, const BlockInfo& b, const HeadView& at, float* dq_accum,
-                                          const T* ds_tile, const T* k_tile, int m0, int warp, int lane) {
+                                          const T* ds_tile, KElement&& k_element, int m0, int warp, int lane) {
     const int rows_left = b.q_rows(p) - m0;
     auto dq = [&](int row, int dim) { return dq_accum + (at.stats + m0 + row) * p.head_dim + dim; };
     if (p.head_dim == kHeadDim) {
         dq_products<true, T, kHeadDim, kBlockM, kBlockN, kSStride>(
-            ds_tile, k_tile, warp, lane, [&](const float* pair, int row, int dim) {
+            ds_tile, k_element, warp, lane, [&](const float* pair, int row, int dim) {
                 ptx::red_add_pair(dq(row, dim), pair[0] * p.scale, pair[1] * p.scale, row < rows_left);
             });
         return;
     }
-    dq_products<false, T, kHeadDim, kBlockM, kBlockN, kSStride>(ds_tile, k_tile, warp, lane, [&](const float* pair, int row, int dim) {
+    dq_products<false, T, kHeadDim, kBlockM, kBlockN, kSStride>(ds_tile, k_element, warp, lane, [&](const float* pair, int row, int dim) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             if (row < rows_left && dim + h < p.head_dim) {

@@ -72,3 +72,11 @@ def check_forward_and_backward(backend, rng, q, k, v, kw, dtype, *, deterministi
     for name, g, w in zip(("dq", "dk", "dv", "dsinks"), grads, want):
         assert_close(g, w, dtype, grad=True, what=name)
     return grads
+
+
+def tma_addressable(x):
+    """x (16-bit) in storage whose rows are a multiple of 16 bytes long (a view of a wider array),
+    as TMA needs them."""
+    wide = np.zeros(x.shape[:-1] + (-(-x.shape[-1] // 8) * 8,), x.dtype)
+    wide[..., :x.shape[-1]] = x
+    return wide[..., :x.shape[-1]]

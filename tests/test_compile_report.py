@@ -42,8 +42,8 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
         assert keys <= row.keys()
         assert row["spill_stores"] == 0 and row["spill_loads"] == 0 and row["stack_frame_bytes"] == 0, row
         assert 0 < row["registers"] <= 255
-        if row["name"].startswith("attention_fwd_wgmma<"):
-            # 168 per thread at launch, 384 x 168 = 64512 = 128 x 24 + 256 x 240: what the
+        if row["name"].startswith(("attention_fwd_wgmma<", "attention_bwd_dkdv_wgmma<")):
+            # the warp-specialised kernels: 168 per thread at launch, 384 x 168 = 64512 = 128 x 24 + 256 x 240: what the
             # warpgroups' setmaxnreg redistributes (with fewer, .inc 240 would wait forever)
             assert row["registers"] == 65536 // 384 // 8 * 8, row
         assert row["arch"] == ("sm_90a" if "_wgmma<" in row["name"] else row["arch"])
@@ -171,9 +171,10 @@ def check_sass_budgets(rows):
         if r["issue_per_tensor"] is not None:
             assert r["path_instructions"] <= r["loop_instructions"]
             assert sum(r["tensor_instructions"].values()) > 0
-            # every tile loads: in the loop itself, or (the warp-specialised wgmma forward, whose hot
+            # every tile loads: in the loop itself, or (the warp-specialised wgmma kernels, whose hot
             # loop is a consumer's) in the producer's, which the consumers' mbarrier waits stand for
-            assert r["ldgsts"] + r["tma"] > 0 or r["name"].startswith("attention_fwd_wgmma<")
+            assert r["ldgsts"] + r["tma"] > 0 or r["name"].startswith(("attention_fwd_wgmma<",
+                                                                       "attention_bwd_dkdv_wgmma<"))
     # A plain call's build carries no trace of softcap, ALiBi or masks: fewer instructions per tile
     # than the build of a call with all three.
     featured = {(r["name"], r["arch"]): r for r in rows if r["features"] == "all"}
@@ -195,15 +196,15 @@ def _packed_build(variant):
 
 def test_packed_builds_compile_without_spills():
     """The attention kernels' packed (attention_varlen) builds, -DATTN_PACKED=1, for every tile
-    and report build attention_varlen can select (it takes no dropout; the wgmma forward, whose TMA
-    boxes would reach into the next sequence, never runs a packed batch): they compile under NVRTC
+    and report build attention_varlen can select (it takes no dropout; the wgmma forward and dK/dV,
+    whose TMA boxes would reach into the next sequence, never run a packed batch): they compile under NVRTC
     and hold no spills either."""
     from concurrent.futures import ThreadPoolExecutor
 
     variants = [(filename, name, _config.FILE_ARCH.get(filename, arch), features)
                 for arch in ("sm_80", "sm_90") for filename, name, _ in _config.kernel_variants(arch)
                 if filename.startswith(("attention_fwd", "attention_bwd")) and "preprocess" not in name
-                and filename != _config.HopperTile.filename
+                and filename not in (_config.HopperTile.filename, _config.HopperBackwardTile.filename)
                 for features in _config.FEATURE_LEVELS if features != _config.DROPOUT_FEATURES]  # no varlen dropout
     assert len(variants) > 100
     # Threads: NVRTC runs outside the GIL, and a forked process would inherit JAX's threads (the

@@ -1,12 +1,14 @@
 """The CUDA backward kernels, run on the CPU by the emulator, against the float64 reference.
 
 Every output buffer is poisoned with NaN before the kernels run."""
+import logging
+
 import numpy as np
 import pytest
 
 import cupy_attn
-from cupy_attn import _kernel_backend, reference
-from helpers import BF16, assert_close, random_qkv
+from cupy_attn import _compile, _kernel_backend, reference
+from helpers import BF16, assert_close, random_qkv, tma_addressable
 from test_forward import FEATURES, feature_keywords
 
 
@@ -29,8 +31,12 @@ def gradients(q, k, v, dout, deterministic, **kw):
     return cupy_attn.attention_backward(dout, q, k, v, out, lse, backend="emulator", deterministic=deterministic, **kw)
 
 
-def check(rng, q, k, v, dtype, deterministic, **kw):
+def check(rng, q, k, v, dtype, deterministic, addressable=False, **kw):
+    """The kernels' gradients against the reference's; with `addressable`, dout in rows TMA can
+    read (as q, k, v then should be)."""
     dout = rng.standard_normal(cupy_attn.attention(q, k, v, **kw).shape).astype(dtype)
+    if addressable:
+        dout = tma_addressable(dout)
     grads = gradients(q, k, v, dout, deterministic, **kw)
     want = reference.attention_gradients(dout, q, k, v, **kw)
     for name, g, w, x in zip(("dq", "dk", "dv"), grads, want, (q, k, v)):
@@ -61,10 +67,96 @@ def test_dtypes_and_head_dims(dtype, d, dv, deterministic):
 @pytest.mark.parametrize("d,dv", [(16, 16), (64, 64), (80, 80), (128, 128), (7, 33), (130, 3)])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_wgmma_dtypes_and_head_dims(monkeypatch, dtype, d, dv, deterministic):
+    """q, k, v and dout in rows TMA can read (padded to 16 bytes), so every case up to D = 128
+    runs the wgmma dK/dV (asserted); 130 dims run the mma.sync one."""
     monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
+    launched = spy_launches(monkeypatch)
     rng = np.random.default_rng(d * 100 + dv + 1)
     q, k, v = random_qkv(rng, b=2, h=2, hkv=1, sq=77, sk=150, d=d, dv=dv, dtype=dtype)
-    check(rng, q, k, v, dtype, deterministic, causal=True)
+    check(rng, *(tma_addressable(x) for x in (q, k, v)), dtype, deterministic, addressable=True, causal=True)
+    dkdv = [name for name in launched if "dkdv" in name]
+    assert len(dkdv) == 1 and dkdv[0].startswith("attention_bwd_dkdv_wgmma<" if max(d, dv) <= 128 else
+                                                  "attention_bwd_dkdv_tc<"), launched
+
+
+def spy_launches(monkeypatch):
+    """The name expressions of the kernels launched from now on, in order."""
+    launched = []
+    real_function = _compile.function
+    monkeypatch.setattr(_compile, "function",
+                        lambda target, f, name, **kw: launched.append(name) or real_function(target, f, name, **kw))
+    return launched
+
+
+@pytest.mark.parametrize("schedule", ["forward", "reverse", "random", "warps", "warps_reverse"])
+@pytest.mark.parametrize("d,sq,sk,kw", [
+    (64, 600, 130, {}),
+    (128, 610, 200, dict(causal=True, kv_lengths=[200, 77])),
+    (64, 503, 257, dict(causal="top_left", softcap=3.0, q_lengths=[503, 390])),
+])
+def test_wgmma_backward_over_many_query_tiles(monkeypatch, schedule, d, sq, sk, kw):
+    """Nine to ten query tiles per block: the producer's stage ring goes round five times, on every
+    schedule, the producer far ahead of the consumers (warps) and starving them (warps_reverse);
+    key blocks whose second consumer group has a few keys or none (130, 257 keys), causal both
+    alignments, lengths, softcap; atomic and deterministic dQ."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", schedule)
+    launched = spy_launches(monkeypatch)
+    rng = np.random.default_rng(sq + sk + d)
+    q, k, v = random_qkv(rng, b=2, h=2, hkv=1, sq=sq, sk=sk, d=d, dtype=np.float16)
+    check(rng, q, k, v, np.float16, schedule in ("reverse", "warps"), **kw)
+    assert any(name.startswith("attention_bwd_dkdv_wgmma<") for name in launched), launched
+
+
+@pytest.mark.parametrize("case,kernel", [
+    ("padded_rows", "attention_bwd_dkdv_wgmma<__half, 64, 64>"),       # rows 144 bytes apart: TMA reads them
+    ("unaligned_k", "attention_bwd_dkdv_tc<__half, 64, 64, 64, 2>"),   # k's rows 136 bytes apart
+    ("unaligned_dout", "attention_bwd_dkdv_tc<__half, 64, 64, 64, 2>"),  # dout's rows 136 bytes apart
+    ("packed", "attention_bwd_dkdv_tc<__half, 64, 64, 64, 2>"),        # a box would reach into the next sequence
+    ("no_queries", "attention_bwd_dkdv_tc<__half, 64, 64, 64, 2>"),    # dK = dV = 0: nothing for TMA to read
+])
+def test_wgmma_backward_runs_where_tma_can_address_its_operands(monkeypatch, caplog, case, kernel):
+    """The wgmma dK/dV reads q, k, v and dout through TMA maps; where TMA cannot address them the
+    call runs the mma.sync dK/dV, which reads any strides, and says so in the log (a call without
+    query rows runs it silently: there is nothing to read)."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
+    monkeypatch.setattr(_kernel_backend, "_SAID", set())
+    caplog.set_level(logging.WARNING, logger="cupy_attn")
+    rng = np.random.default_rng(15)
+    if case == "packed":
+        lengths = [70, 13]
+        q, k, v, dout = (rng.standard_normal((sum(lengths), 2, 64)).astype(np.float16) for _ in range(4))
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        out, lse = cupy_attn.attention_varlen(q, k, v, cu, cu, 70, 70, causal=True, return_lse=True, backend="emulator")
+        launched = spy_launches(monkeypatch)
+        grads = cupy_attn.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, 70, 70, causal=True,
+                                                    backend="emulator")
+        for s0, s1 in zip(cu[:-1], cu[1:]):
+            want = reference.attention_gradients(*(x[s0:s1].transpose(1, 0, 2)[None] for x in (dout, q, k, v)),
+                                                 causal=True)
+            for g, w in zip(grads, want):
+                assert_close(g[s0:s1], w[0].transpose(1, 0, 2), np.float16, grad=True)
+    else:
+        q, k, v = random_qkv(rng, b=2, h=2, sq=0 if case == "no_queries" else 70, sk=150, d=64, dtype=np.float16)
+        launched = spy_launches(monkeypatch)
+        if case == "no_queries":
+            grads = check(rng, q, k, v, np.float16, False, causal=True)
+            assert not grads[1].any() and not grads[2].any()
+        elif case == "unaligned_dout":
+            out, lse = cupy_attn.attention(q, k, v, return_lse=True, causal=True)
+            dout = rng.standard_normal(out.shape).astype(np.float16)
+            wide = np.zeros(dout.shape[:-1] + (68,), np.float16)
+            wide[..., :64] = dout
+            grads = cupy_attn.attention_backward(wide[..., :64], q, k, v, out, lse, causal=True, backend="emulator")
+            for g, w in zip(grads, reference.attention_gradients(dout, q, k, v, causal=True)):
+                assert_close(g, w, np.float16, grad=True)
+        else:
+            wide = np.zeros(k.shape[:-1] + (72 if case == "padded_rows" else 68,), np.float16)
+            wide[..., :64] = k
+            check(rng, q, wide[..., :64], v, np.float16, False, causal=True)
+    assert [name for name in launched if "dkdv" in name] == [kernel]
+    warned = "the mma.sync backward runs instead" in caplog.text
+    assert warned == (case in ("unaligned_k", "unaligned_dout", "packed")), caplog.text
 
 
 @pytest.mark.parametrize("sq,sk", [(1, 1), (1, 203), (7, 64), (203, 113), (257, 31), (0, 5), (5, 0)])

@@ -22,7 +22,10 @@ BARRIERS = ("__syncthreads();", "__syncwarp();", "ptx::cp_async_wait<0>();", "pt
             "ptx::mbarrier_wait(&bars.q_landed, 0);", "ptx::mbarrier_wait(&ring.full[at.stage], at.phase);",
             "ptx::mbarrier_wait(&ring.empty[at.stage], at.phase ^ 1);",
             "ptx::named_barrier_sync(kStagedBarrier + group, 128);", "ptx::bulk_wait_read<0>();",
-            "ptx::named_barrier_sync(kTurnBarrier + group, 256);")
+            "ptx::named_barrier_sync(kTurnBarrier + group, 256);",
+            # the warp-specialised wgmma dK/dV: K and V landed; a consumer group's dS stored
+            # before its warps read it for dQ
+            "ptx::mbarrier_wait(&bars.kv_landed, 0);", "ptx::named_barrier_sync(kDsBarrier + group, 128);")
 KERNEL_FILES = ("attention_fwd.cu", "attention_fwd_tc.cu", "attention_fwd_wgmma.cu", "attention_bwd.cu",
                 "attention_bwd_tc.cu", "attention_bwd_wgmma.cu", "attention_decode.cu")
 

@@ -11,7 +11,7 @@ import pytest
 
 import cupy_attn
 from cupy_attn import _compile, _config, _kernel_backend, _problem, reference
-from helpers import BF16, assert_close, random_qkv
+from helpers import BF16, assert_close, random_qkv, tma_addressable
 from test_forward import FEATURES, feature_keywords
 
 KERNEL_DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BF16]
@@ -82,13 +82,6 @@ def test_wgmma_head_dims(monkeypatch, schedule, dtype, d, dv):
     q, k, v = (tma_addressable(x) for x in (q, k, v))
     check(q, k, v, dtype, causal=True)
     assert len(launched) == 1 and launched[0].startswith("attention_fwd_wgmma<"), launched
-
-
-def tma_addressable(x):
-    """x in storage whose rows are a multiple of 16 bytes long (a view of a wider array)."""
-    wide = np.zeros(x.shape[:-1] + (-(-x.shape[-1] // 8) * 8,), x.dtype)
-    wide[..., :x.shape[-1]] = x
-    return wide[..., :x.shape[-1]]
 
 
 @pytest.mark.parametrize("sq,sk", [(1, 1), (1, 203), (7, 7), (113, 203), (203, 113), (64, 64), (65, 129), (257, 31)])
