@@ -295,11 +295,11 @@ class HopperBackwardTile:
 
     @property
     def shared_bytes(self) -> int:
-        """K, V (128, D) and two stages of Q, dO (block_m, D), 16-bit, in swizzled boxes; two
-        stages of lse, delta (block_m floats); per consumer two dS buffers (block_m, 72), 16-bit;
-        the barriers (five of 8 bytes)."""
+        """K, V (128, D), two stages of Q, dO (block_m, D) and per consumer two dS buffers
+        (block_m, 64), 16-bit, in swizzled boxes; two stages of lse, delta (block_m floats); the
+        barriers (five of 8 bytes)."""
         m, d = self.block_m, self.head_dim
-        return 2 * (2 * self.block_n * d + 2 * 2 * m * d) + 4 * 2 * 2 * m + 2 * 2 * 2 * m * 72 + 40
+        return 2 * (2 * self.block_n * d + 2 * 2 * m * d + 2 * 2 * m * 64) + 4 * 2 * 2 * m + 40
 
     def tma_rows(self, operand: str) -> int:
         """Rows of one TMA box of q, k, v or dout (each box TMA_BOX_DIMS head dims wide): a query
@@ -314,8 +314,8 @@ class HopperBackwardTile:
 # block_m/4 registers of packed Pᵀ, dSᵀ, under setmaxnreg's 240. D = 256 would need 256
 # accumulators per thread: it stays on the mma.sync kernel, which splits the dims over two warps.
 HOPPER_BACKWARD_TILES = (
-    HopperBackwardTile(64, 64, "64 + 64 accumulators per thread; 101 KB shared"),
-    HopperBackwardTile(128, 64, "128 + 64 accumulators per thread; 151 KB shared"),
+    HopperBackwardTile(64, 64, "64 + 64 accumulators per thread (and 32 of dQ); 97 KB shared"),
+    HopperBackwardTile(128, 64, "128 + 64 accumulators per thread (and 32 of dQ); 161 KB shared"),
 )
 # Score features a module is built for (-DATTN_SCORE_FEATURES, kernels/mask.cuh): exactly those a
 # call uses, one bit each, so a call's loops carry no trace of a feature it lacks and no run-time

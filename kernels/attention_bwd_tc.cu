@@ -155,8 +155,8 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
 
         // Pᵀ and dSᵀ in place of Sᵀ and dPᵀ; dS also to shared memory (queries as rows) for dQ.
         const int checks = b.tile_checks(p, m0, kBlockM, n0, kBlockN);
-        probabilities_and_ds<kSStride>(st, dpt, p, b, score, dropout, tile_lse2, tile_delta, sDS, accumulate_dq && dim_slice == 0,
-                                       m0, n0, key0, g, t, checks);
+        probabilities_and_ds(st, dpt, p, b, score, dropout, tile_lse2, tile_delta, m0, n0, key0, g, t, checks);
+        if (accumulate_dq && dim_slice == 0) store_ds_rows<kSStride>(sDS, dpt, key0, g, t);
 
         // dV += Pᵀ·dO and dK += dSᵀ·Q over this tile's queries, in this warp's dims.
         mma_registers_by_rows<T, kStride, kBlockM / 16>(dv, st, tile_do + dim0, lane);
@@ -164,9 +164,7 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
 
         if (accumulate_dq) {
             __syncthreads();  // every warp's dS is in shared memory
-            atomic_dq<T, kHeadDim, kBlockM, kBlockN, kSStride>(p, b, at, dq_accum, sDS, [&](int key, int dim) {
-                return sK + key * kStride + dim;
-            }, m0, warp, lane);
+            atomic_dq<T, kHeadDim, kBlockM, kBlockN, kSStride>(p, b, at, dq_accum, sDS, sK, m0, warp, lane);
         }
     }
 

@@ -20,9 +20,12 @@
 //   Pᵀ, dSᵀ                     in registers
 //   dV += Pᵀ·dO, dK += dSᵀ·Q    wgmma RS: Pᵀ and dSᵀ from registers, dO and Q MN-major from the
 //                               same boxes (no transpose); up to 128 head dims per instruction
-//   dQ += dS·K·scale            mma.sync from its dS (shared memory, two buffers: one named
-//                               barrier per tile) and its rows of the swizzled K, float32
-//                               reductions of pairs, unless the deterministic dQ kernel runs after
+//   dQ += dS·K·scale            wgmma SS over its 64 keys: dS as the packed dSᵀ registers store
+//                               it (keys x queries, one swizzled box per group, two buffers:
+//                               one named barrier per tile), an MN-major A operand; K MN-major;
+//                               float32 reductions of pairs, unless the deterministic dQ kernel
+//                               runs after (each group adds its keys' share: no group waits for
+//                               the other)
 // and releases the stage once its dK, dV products are in. The groups never wait for each other.
 // Head dims up to 128: dK and dV of 64 keys take D floats per thread, so D = 256 stays on the
 // mma.sync kernel, which splits its dims over two warps. The launcher uses this kernel where TMA
@@ -54,34 +57,42 @@ struct BackwardBarriers {
     unsigned long long kv_landed;
 };
 
-template <class T, int kHeadDim, int kBlockM>
+// kAccumulateDq: dQ by reductions here (else the deterministic dQ kernel computes it), a
+// compile-time switch so that neither loop tests it per score.
+template <class T, int kHeadDim, int kBlockM, bool kAccumulateDq>
 __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* lse, const float* delta, float* dq_accum,
-                                                 float* dk_part, float* dv_part, int accumulate_dq,
+                                                 float* dk_part, float* dv_part,
                                                  const long long (&strides)[12], const ptx::TensorMap& q_map,
                                                  const ptx::TensorMap& k_map, const ptx::TensorMap& v_map,
                                                  const ptx::TensorMap& do_map) {
     static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "head-dim tiles 64 and 128");
-    static_assert(kBlockM == 32 || kBlockM == 64, "Sᵀ and dPᵀ are m64n32k16 or m64n64k16 products");
+    static_assert(kBlockM == 64 || kBlockM == 128, "Sᵀ and dPᵀ m64n64k16 or m64n128k16; dQ in m64 products");
     // Head dims per dV/dK instruction (its N): all of them (one m64n128k16 at D = 128).
     constexpr int kDims = kHeadDim;
-    constexpr int kSStride = 64 + 8;  // dS rows: a group's 64 keys, padded (ldmatrix without conflicts)
-    constexpr int kQTiles = kBlockM / 8, kDTiles = kHeadDim / 8;
+    // Query rows per Sᵀ and dPᵀ product (their N): the stage's, except in builds with score
+    // features at D = 128, whose state beside 64 + 64 floats of Sᵀ, dPᵀ and 128 of dK, dV spilled
+    // at 240 registers (NVRTC 13.5: 108 bytes with softcap, ALiBi and a float mask): those take
+    // the stage's rows 32 at a time.
+    constexpr int kSubM = ScoreTransform::kPlain || kHeadDim < 128 ? kBlockM : 32;
+    constexpr int kQTiles = kSubM / 8, kDTiles = kHeadDim / 8;
+    constexpr int kQueryRowTiles = kBlockM / 64;  // M = 64 query rows per dQ instruction
+    constexpr int kDqDims = 64;                   // and N = 64 head dims
     constexpr int kStatsPerLane = (kBlockM + 31) / 32;
     using KvTile = SwizzledBoxLayout<kBwdKeys, kHeadDim>;  // K, V: keys x head dims
     using QTile = SwizzledBoxLayout<kBlockM, kHeadDim>;    // Q, dO: query rows x head dims
+    using DsTile = SwizzledBoxLayout<64, kBlockM>;         // a group's dSᵀ: its keys x query rows
     constexpr unsigned kQElements = kBlockM * kHeadDim, kKvElements = kBwdKeys * kHeadDim;
     extern __shared__ __align__(1024) unsigned char smem_bytes[];
-    // K, V, then per stage Q, dO (all multiples of 1024 bytes: every box starts a swizzle atom),
-    // per stage lse2, delta (kBlockM floats each), per group two dS buffers (kBlockM x kSStride),
-    // the barriers. Stages by arithmetic: a run-time index into a pointer array would be local
-    // memory.
+    constexpr unsigned kDsElements = kBlockM * 64;
+    // K, V, per stage Q, dO, per group two dS buffers (all multiples of 1024 bytes: every box
+    // starts a swizzle atom), per stage lse2, delta (kBlockM floats each), the barriers. Stages
+    // and buffers by arithmetic: a run-time index into a pointer array would be local memory.
     T* sK = reinterpret_cast<T*>(smem_bytes);
     T* sV = sK + kKvElements;
     T* sQ0 = sV + kKvElements;
-    float* sStats0 = reinterpret_cast<float*>(sQ0 + kQueryStages * 2 * kQElements);
-    T* sDS0 = reinterpret_cast<T*>(sStats0 + kQueryStages * 2 * kBlockM);
-    BackwardBarriers& bars =
-        *reinterpret_cast<BackwardBarriers*>(sDS0 + kBwdConsumerGroups * 2 * kBlockM * kSStride);
+    T* sDS0 = sQ0 + kQueryStages * 2 * kQElements;
+    float* sStats0 = reinterpret_cast<float*>(sDS0 + kBwdConsumerGroups * 2 * kDsElements);
+    BackwardBarriers& bars = *reinterpret_cast<BackwardBarriers*>(sStats0 + kQueryStages * 2 * kBlockM);
     auto sQ = [&](int stage) { return sQ0 + stage * 2 * kQElements; };
     auto sDO = [&](int stage) { return sQ(stage) + kQElements; };
     auto sLse2 = [&](int stage) { return sStats0 + stage * 2 * kBlockM; };
@@ -165,6 +176,12 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
         ptx::wgmma_descriptor(sQ(0), QTile::kKMajorLbo, QTile::kKMajorSbo, ptx::Swizzle::B128);
     const unsigned long long q_mn_desc0 =
         ptx::wgmma_descriptor(sQ(0), QTile::kMnMajorLbo, QTile::kMnMajorSbo, ptx::Swizzle::B128);
+    // dQ's operands: this group's dSᵀ buffers and its keys of K, both MN-major (keys reduced).
+    T* sDS = sDS0 + 2 * group * kDsElements;
+    const unsigned long long ds_desc0 =
+        ptx::wgmma_descriptor(sDS, DsTile::kMnMajorLbo, DsTile::kMnMajorSbo, ptx::Swizzle::B128);
+    const unsigned long long k_mn_desc = ptx::wgmma_descriptor(sK + KvTile::offset(64 * group, 0), KvTile::kMnMajorLbo,
+                                                               KvTile::kMnMajorSbo, ptx::Swizzle::B128);
     constexpr unsigned kDoOffset = sizeof(T) * kQElements, kStageBytes = 2 * kDoOffset;
 
     float dk[kDTiles][4], dv[kDTiles][4];
@@ -185,67 +202,115 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
         const unsigned long long do_mn_desc = ptx::descriptor_plus(q_mn_desc, kDoOffset);
         consumer_wait(bars.queries, stage_at);
 
-        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (64 keys x kBlockM queries), 16 head dims per instruction.
-        float st[kQTiles][4], dpt[kQTiles][4];
-        float(&st_flat)[4 * kQTiles] = reinterpret_cast<float(&)[4 * kQTiles]>(st);
-        float(&dpt_flat)[4 * kQTiles] = reinterpret_cast<float(&)[4 * kQTiles]>(dpt);
-        ptx::fence_operands(st_flat);
-        ptx::fence_operands(dpt_flat);
-        ptx::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kHeadDim / 16; ++kk)
-            ptx::wgmma_m64k16_ss<T, kBlockM, ptx::Major::K>(
-                st_flat, ptx::descriptor_plus(k_desc, sizeof(T) * KvTile::offset(0, 16 * kk)),
-                ptx::descriptor_plus(q_desc, sizeof(T) * QTile::offset(0, 16 * kk)), kk > 0);
-#pragma unroll
-        for (int kk = 0; kk < kHeadDim / 16; ++kk)
-            ptx::wgmma_m64k16_ss<T, kBlockM, ptx::Major::K>(
-                dpt_flat, ptx::descriptor_plus(v_desc, sizeof(T) * KvTile::offset(0, 16 * kk)),
-                ptx::descriptor_plus(do_desc, sizeof(T) * QTile::offset(0, 16 * kk)), kk > 0);
-        ptx::wgmma_commit();
-        ptx::wgmma_wait<0>();  // Sᵀ and dPᵀ are in registers
-        ptx::fence_operands(st_flat);
-        ptx::fence_operands(dpt_flat);
-
-        // Pᵀ and dSᵀ in place of Sᵀ and dPᵀ; dS also to this group's buffer of the tile's parity
-        // (queries as rows) for dQ. A warp writes a buffer again two tiles on, past the barrier
-        // of the tile between, which each warp reaches only once its dQ read this buffer.
-        T* ds_tile = sDS0 + (2 * group + (m_block - m_begin) % 2) * kBlockM * kSStride;
+        const int ds_buffer = (m_block - m_begin) % 2;
+        T* ds_tile = sDS + ds_buffer * kDsElements;
         // Checks for the block's 128 keys (a block mask's tiles are the block's).
         const int checks = b.tile_checks(p, m0, kBlockM, n0, kBwdKeys);
-        probabilities_and_ds<kSStride>(st, dpt, p, b, score, dropout, sLse2(stage), sDelta(stage), ds_tile, accumulate_dq,
-                                       m0, group_n0, warp * 16, g, t, checks);
-
-        // dV += Pᵀ·dO and dK += dSᵀ·Q: Pᵀ and dSᵀ re-packed as A fragments (16 queries each),
-        // all of them before the first instruction reads them asynchronously.
-        unsigned pa[kBlockM / 16][4], da[kBlockM / 16][4];
+        // Pᵀ and dSᵀ as A fragments (16 queries each), read by the dV and dK products until the
+        // next wait: declared out here, so that they keep their registers until then.
+        unsigned pa[kSubM / 16][4], da[kSubM / 16][4];
+        unsigned(&pa_flat)[kSubM / 4] = reinterpret_cast<unsigned(&)[kSubM / 4]>(pa);
+        unsigned(&da_flat)[kSubM / 4] = reinterpret_cast<unsigned(&)[kSubM / 4]>(da);
 #pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk) {
-            accumulators_as_a<T>(pa[kk], st[2 * kk], st[2 * kk + 1]);
-            accumulators_as_a<T>(da[kk], dpt[2 * kk], dpt[2 * kk + 1]);
-        }
-        unsigned(&pa_flat)[kBlockM / 4] = reinterpret_cast<unsigned(&)[kBlockM / 4]>(pa);
-        unsigned(&da_flat)[kBlockM / 4] = reinterpret_cast<unsigned(&)[kBlockM / 4]>(da);
-        ptx::fence_operands(pa_flat);
-        ptx::fence_operands(da_flat);
-        ptx::fence_operands(dk_flat);
-        ptx::fence_operands(dv_flat);
-        ptx::wgmma_fence();
+        for (int q0 = 0; q0 < kBlockM; q0 += kSubM) {  // the stage's rows, kSubM at a time
+            // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (64 keys x kSubM queries), 16 head dims per instruction.
+            float st[kQTiles][4], dpt[kQTiles][4];
+            float(&st_flat)[4 * kQTiles] = reinterpret_cast<float(&)[4 * kQTiles]>(st);
+            float(&dpt_flat)[4 * kQTiles] = reinterpret_cast<float(&)[4 * kQTiles]>(dpt);
+            ptx::fence_operands(st_flat);
+            ptx::fence_operands(dpt_flat);
+            ptx::wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk) {
-            const unsigned rows = sizeof(T) * QTile::offset(16 * kk, 0);  // queries 16kk..
-            ptx::wgmma_m64k16_rs<T, kDims, ptx::Major::MN>(dv_flat, pa[kk], ptx::descriptor_plus(do_mn_desc, rows), 1);
-            ptx::wgmma_m64k16_rs<T, kDims, ptx::Major::MN>(dk_flat, da[kk], ptx::descriptor_plus(q_mn_desc, rows), 1);
-        }
-        ptx::wgmma_commit();
+            for (int kk = 0; kk < kHeadDim / 16; ++kk)
+                ptx::wgmma_m64k16_ss<T, kSubM, ptx::Major::K>(
+                    st_flat, ptx::descriptor_plus(k_desc, sizeof(T) * KvTile::offset(0, 16 * kk)),
+                    ptx::descriptor_plus(q_desc, sizeof(T) * QTile::offset(q0, 16 * kk)), kk > 0);
+#pragma unroll
+            for (int kk = 0; kk < kHeadDim / 16; ++kk)
+                ptx::wgmma_m64k16_ss<T, kSubM, ptx::Major::K>(
+                    dpt_flat, ptx::descriptor_plus(v_desc, sizeof(T) * KvTile::offset(0, 16 * kk)),
+                    ptx::descriptor_plus(do_desc, sizeof(T) * QTile::offset(q0, 16 * kk)), kk > 0);
+            ptx::wgmma_commit();
+            ptx::wgmma_wait<0>();  // Sᵀ and dPᵀ are in registers, the previous rows' dV and dK too
+            ptx::fence_operands(st_flat);
+            ptx::fence_operands(dpt_flat);
+            if (q0 > 0) {  // (unrolled: no test) the previous rows' fragments are free from here
+                ptx::fence_operands(pa_flat);
+                ptx::fence_operands(da_flat);
+            }
 
-        if (accumulate_dq) {
-            ptx::named_barrier_sync(kDsBarrier + group, 128);  // the group's dS is in shared memory
-            atomic_dq<T, kHeadDim, kBlockM, 64, kSStride>(p, b, at, dq_accum, ds_tile, [&](int key, int dim) {
-                return sK + KvTile::swizzled(64 * group + key, dim);
-            }, m0, warp, lane);
+            // Pᵀ and dSᵀ in place of Sᵀ and dPᵀ.
+            probabilities_and_ds(st, dpt, p, b, score, dropout, sLse2(stage) + q0, sDelta(stage) + q0, m0 + q0,
+                                 group_n0, warp * 16, g, t, checks);
+
+            // dV += Pᵀ·dO and dK += dSᵀ·Q, all fragments packed before the first instruction
+            // reads them. For dQ, dSᵀ's fragments also go to this group's buffer of the tile's
+            // parity as they are: register r of 16-query step kk holds key 16·warp + g (+ 8 for
+            // odd r), queries q0 + 16kk + 2t, + 1 (+ 8 from r = 2), one 4-byte store each, without
+            // bank conflicts in the swizzled box. A warp writes a buffer again two tiles on, past
+            // the barrier of the tile between, which each warp reaches only once the dQ product
+            // that read this buffer is complete.
+#pragma unroll
+            for (int kk = 0; kk < kSubM / 16; ++kk) {
+                accumulators_as_a<T>(pa[kk], st[2 * kk], st[2 * kk + 1]);
+                accumulators_as_a<T>(da[kk], dpt[2 * kk], dpt[2 * kk + 1]);
+                if constexpr (kAccumulateDq) {
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        T* at = ds_tile + DsTile::swizzled(16 * warp + g + 8 * (r & 1), q0 + 16 * kk + 8 * (r >> 1) + 2 * t);
+                        ATTN_COUNT_SHARED(at, 4);
+                        *reinterpret_cast<unsigned*>(at) = da[kk][r];
+                    }
+                }
+            }
+            ptx::fence_operands(pa_flat);
+            ptx::fence_operands(da_flat);
+            ptx::fence_operands(dk_flat);
+            ptx::fence_operands(dv_flat);
+            ptx::wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kSubM / 16; ++kk) {
+                const unsigned rows = sizeof(T) * QTile::offset(q0 + 16 * kk, 0);  // queries q0 + 16kk..
+                ptx::wgmma_m64k16_rs<T, kDims, ptx::Major::MN>(dv_flat, pa[kk], ptx::descriptor_plus(do_mn_desc, rows), 1);
+                ptx::wgmma_m64k16_rs<T, kDims, ptx::Major::MN>(dk_flat, da[kk], ptx::descriptor_plus(q_mn_desc, rows), 1);
+            }
+            ptx::wgmma_commit();
         }
-        ptx::wgmma_wait<0>();  // dK and dV are in registers; Pᵀ, dSᵀ and the stage's Q, dO are free
+
+        // dQ's share of this group's keys (kBlockM queries, 64 keys reduced), once every warp of
+        // the group stored its dS and made it visible to wgmma: 64 head dims at a time (their
+        // accumulators are what registers leave beside dK and dV), each added once it is in.
+        // The first wait also brings in dK and dV: Pᵀ, dSᵀ and the stage's Q, dO are then free.
+        if constexpr (kAccumulateDq) {
+            ptx::fence_proxy_async();
+            ptx::named_barrier_sync(kDsBarrier + group, 128);
+        }
+        const unsigned long long ds_desc = ptx::descriptor_plus(ds_desc0, ds_buffer * sizeof(T) * kDsElements);
+        // At D = 128 the k-steps' descriptors of K for dQ, hoisted out of the loop, spilled 12
+        // bytes (NVRTC 13.5); recomputed per tile they cost a uniform add each.
+        const unsigned long long k_dq = kHeadDim >= 128 ? ptx::opaque(k_mn_desc) : k_mn_desc;
+#pragma unroll
+        for (int c = 0; c < (kAccumulateDq ? kHeadDim / kDqDims : 0); ++c) {
+            float dq[kQueryRowTiles][kDqDims / 8][4];
+            float(&dq_flat)[kQueryRowTiles * kDqDims / 2] = reinterpret_cast<float(&)[kQueryRowTiles * kDqDims / 2]>(dq);
+            ptx::fence_operands(dq_flat);
+#pragma unroll
+            for (int r = 0; r < kQueryRowTiles; ++r)
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk)
+                    ptx::wgmma_m64k16_ss<T, kDqDims, ptx::Major::MN, ptx::Major::MN>(
+                        reinterpret_cast<float(&)[kDqDims / 2]>(dq_flat[r * kDqDims / 2]),
+                        ptx::descriptor_plus(ds_desc, sizeof(T) * DsTile::offset(16 * kk, 64 * r)),
+                        ptx::descriptor_plus(k_dq, sizeof(T) * KvTile::offset(16 * kk, c * kDqDims)), kk > 0);
+            ptx::wgmma_commit();
+            ptx::wgmma_wait<0>();
+            ptx::fence_operands(dq_flat);
+            const DqTile dq_tile(p, b, at, dq_accum, m0);
+#pragma unroll
+            for (int r = 0; r < kQueryRowTiles; ++r)
+                add_dq_fragments<kHeadDim>(p, dq_tile, dq[r], 64 * r + 16 * warp, c * kDqDims, g, t);
+        }
+        ptx::wgmma_wait<0>();  // (without dQ) dK and dV are in registers
         ptx::fence_operands(dk_flat);
         ptx::fence_operands(dv_flat);
         ptx::fence_operands(pa_flat);
@@ -271,6 +336,10 @@ attention_bwd_dkdv_wgmma(const float* lse, const float* delta, float* dq_accum, 
                          const __grid_constant__ ptx::TensorMap k_map, const __grid_constant__ ptx::TensorMap v_map,
                          const __grid_constant__ ptx::TensorMap do_map, ATTN_PARAMS) {
     ATTN_UNPACK_PARAMS;
-    attn::dkdv_wgmma_block<T, kHeadDim, kBlockM>(p, lse, delta, dq_accum, dk_part, dv_part, accumulate_dq, strides,
-                                                 q_map, k_map, v_map, do_map);
+    if (accumulate_dq)
+        attn::dkdv_wgmma_block<T, kHeadDim, kBlockM, true>(p, lse, delta, dq_accum, dk_part, dv_part, strides, q_map,
+                                                           k_map, v_map, do_map);
+    else
+        attn::dkdv_wgmma_block<T, kHeadDim, kBlockM, false>(p, lse, delta, dq_accum, dk_part, dv_part, strides, q_map,
+                                                            k_map, v_map, do_map);
 }

@@ -102,6 +102,7 @@ struct WgmmaOperand {
     unsigned long long a_desc;   // or A in shared memory (SS form)
     unsigned long long b_desc;
     bool a_in_registers;
+    bool a_mn_major;             // A's core matrices hold 8 k-rows of 8 consecutive m (imm-trans-a; SS form)
     bool b_mn_major;             // B's core matrices hold 8 k-rows of 8 consecutive n (imm-trans-b)
     int scale_d;                 // 0: D = A·B, else D = A·B + D
     int warp_in_group;
@@ -147,7 +148,7 @@ inline void wgmma_fn(void* const* lanes, unsigned) {
     for (int lane = 1; lane < 32; ++lane)
         if (op(lane)->b_desc != first.b_desc || op(lane)->a_in_registers != first.a_in_registers ||
             (!first.a_in_registers && op(lane)->a_desc != first.a_desc) || op(lane)->scale_d != first.scale_d ||
-            op(lane)->b_mn_major != first.b_mn_major)
+            op(lane)->a_mn_major != first.a_mn_major || op(lane)->b_mn_major != first.b_mn_major)
             ::emu::fail("wgmma: the lanes of a warp passed different descriptors or scale-d");
     float A[16][16], B[16][N];
     for (int k = 0; k < 16; ++k)
@@ -158,7 +159,8 @@ inline void wgmma_fn(void* const* lanes, unsigned) {
             for (int e = 0; e < 2; ++e) {
                 const int row = g + 8 * (r & 1), k = 2 * t + e + 8 * (r >> 1);
                 A[row][k] = first.a_in_registers ? unpack<T>(op(lane)->a[r], e)
-                                                 : descriptor_element<T>(first.a_desc, 16 * first.warp_in_group + row, k, false);
+                                                 : descriptor_element<T>(first.a_desc, 16 * first.warp_in_group + row, k,
+                                                                         first.a_mn_major);
             }
     }
     for (int lane = 0; lane < 32; ++lane) {
@@ -619,18 +621,18 @@ __device__ __forceinline__ void set_max_registers() {
 #define WGMMA_SS_32(TYPE) \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" \
                  "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, " \
-                 "%16, %17, p, 1, 1, 0, %19;\n}\n" \
-                 : WGMMA_ACCUMULATORS_32 : "l"(a_desc), "l"(b_desc), "r"(scale_d), "n"(kTransB))
+                 "%16, %17, p, 1, 1, %19, %20;\n}\n" \
+                 : WGMMA_ACCUMULATORS_32 : "l"(a_desc), "l"(b_desc), "r"(scale_d), "n"(kTransA), "n"(kTransB))
 #define WGMMA_SS_64(TYPE) \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
-                 "%32, %33, p, 1, 1, 0, %35;\n}\n" \
-                 : WGMMA_ACCUMULATORS_64 : "l"(a_desc), "l"(b_desc), "r"(scale_d), "n"(kTransB))
+                 "%32, %33, p, 1, 1, %35, %36;\n}\n" \
+                 : WGMMA_ACCUMULATORS_64 : "l"(a_desc), "l"(b_desc), "r"(scale_d), "n"(kTransA), "n"(kTransB))
 #define WGMMA_SS_128(TYPE) \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
                  "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
-                 "%64, %65, p, 1, 1, 0, %67;\n}\n" \
-                 : WGMMA_ACCUMULATORS_128 : "l"(a_desc), "l"(b_desc), "r"(scale_d), "n"(kTransB))
+                 "%64, %65, p, 1, 1, %67, %68;\n}\n" \
+                 : WGMMA_ACCUMULATORS_128 : "l"(a_desc), "l"(b_desc), "r"(scale_d), "n"(kTransA), "n"(kTransB))
 #define WGMMA_RS_32(TYPE) \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n" \
                  "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, " \
@@ -657,13 +659,14 @@ __device__ __forceinline__ void set_max_registers() {
 // the instruction's imm-trans-b, which 16-bit types allow, so no shared-memory transpose is needed.
 enum class Major { K = 0, MN = 1 };
 
-// SS form: A (K-major) and B (kMajorB) from shared memory; N (32, 64 or 128) columns, N / 2
-// accumulators per lane. scale_d = 0 overwrites d, 1 accumulates.
-template <class T, int N, Major kMajorB>
+// SS form: A (kMajorA: MN-major is the imm-trans-a of 16-bit types, A's core-matrix lines then
+// 8 consecutive m of one k, as dSᵀ lies for dQ = dS·K) and B (kMajorB) from shared memory; N (32,
+// 64 or 128) columns, N / 2 accumulators per lane. scale_d = 0 overwrites d, 1 accumulates.
+template <class T, int N, Major kMajorB, Major kMajorA = Major::K>
 __device__ __forceinline__ void wgmma_m64k16_ss(float (&d)[N / 2], unsigned long long a_desc, unsigned long long b_desc,
                                                 int scale_d) {
     static_assert(N == 32 || N == 64 || N == 128, "wgmma shapes m64n32k16, m64n64k16 and m64n128k16");
-    constexpr int kTransB = kMajorB == Major::MN;
+    constexpr int kTransA = kMajorA == Major::MN, kTransB = kMajorB == Major::MN;
 #ifdef __CUDA_ARCH__
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr bool kHalf = is_same<T, __half>::value;
@@ -679,7 +682,7 @@ __device__ __forceinline__ void wgmma_m64k16_ss(float (&d)[N / 2], unsigned long
 #endif
 #else
     auto op = std::make_shared<emulated::WgmmaOperand>();
-    *op = emulated::WgmmaOperand{{}, a_desc, b_desc, false, kTransB != 0, scale_d,
+    *op = emulated::WgmmaOperand{{}, a_desc, b_desc, false, kTransA != 0, kTransB != 0, scale_d,
                                  static_cast<int>(::emu::tl_fiber->linear / 32 % 4), d};
     ::emu::defer_warp_op(emulated::wgmma_fn<T, N>, op, "wgmma.mma_async (SS)");
 #endif
@@ -707,7 +710,7 @@ __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const u32 (&a
 #endif
 #else
     auto op = std::make_shared<emulated::WgmmaOperand>();
-    *op = emulated::WgmmaOperand{{a[0], a[1], a[2], a[3]}, 0, b_desc, true, kTransB != 0, scale_d,
+    *op = emulated::WgmmaOperand{{a[0], a[1], a[2], a[3]}, 0, b_desc, true, false, kTransB != 0, scale_d,
                                  static_cast<int>(::emu::tl_fiber->linear / 32 % 4), d};
     ::emu::defer_warp_op(emulated::wgmma_fn<T, N>, op, "wgmma.mma_async (RS)");
 #endif

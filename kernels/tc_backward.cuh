@@ -13,43 +13,61 @@
 namespace attn {
 
 // Pᵀ (after dropout: what dV needs) and dSᵀ in place of Sᵀ and dPᵀ for query tile m0 and key tile
-// n0; with write_ds, dS also to shared memory (queries as rows, kSStride elements apart) for dQ. lse2 and delta: the tile's
-// rows' statistics in shared memory.
-template <int kSStride, int kQTiles, class T>
+// n0. lse2 and delta: the tile's rows' statistics in shared memory.
+template <int kQTiles>
 __device__ __forceinline__ void probabilities_and_ds(float (&st)[kQTiles][4], float (&dpt)[kQTiles][4], const Params& p,
                                                      const BlockInfo& b, const ScoreTransform& score,
-                                                     const Dropout& dropout, const float* lse2, const float* delta, T* ds_tile, bool write_ds,
+                                                     const Dropout& dropout, const float* lse2, const float* delta,
                                                      int m0, int n0, int key0, int g, int t, int checks) {
+    auto tile = [&](int tile_checks) {
 #pragma unroll
-    for (int j = 0; j < kQTiles; ++j) {
+        for (int j = 0; j < kQTiles; ++j) {
+            // The two rows' statistics, once (read per score, they would be read again after any
+            // store to shared memory the compiler cannot tell apart from them).
+            const float row_lse2[2] = {lse2[j * 8 + 2 * t], lse2[j * 8 + 2 * t + 1]};
+            const float row_delta[2] = {delta[j * 8 + 2 * t], delta[j * 8 + 2 * t + 1]};
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int key = key0 + g + 8 * (e / 2), query = j * 8 + 2 * t + (e & 1);
-            const float qk = st[j][e];
-            const float s2 = score(p, b, qk, m0 + query, n0 + key, checks);
-            const float prob = probability(s2, lse2[query], score.softmax_scale());
-            const float z = dropout.factor(m0 + query, n0 + key);  // out = (P ∘ z)·V
-            const float ds = prob * (dpt[j][e] * z - delta[query]) * score.grad(p, b, qk, m0 + query, n0 + key, prob);
-            st[j][e] = prob * z;
-            dpt[j][e] = ds;
-            if (write_ds) {
-                ATTN_COUNT_SHARED(ds_tile + query * kSStride + key, sizeof(T));
-                ds_tile[query * kSStride + key] = from_float<T>(ds);
+            for (int e = 0; e < 4; ++e) {
+                const int key = key0 + g + 8 * (e / 2), query = j * 8 + 2 * t + (e & 1);
+                const float qk = st[j][e];
+                const float s2 = score(p, b, qk, m0 + query, n0 + key, tile_checks);
+                const float prob = probability(s2, row_lse2[e & 1], score.softmax_scale());
+                const float z = dropout.factor(m0 + query, n0 + key);  // out = (P ∘ z)·V
+                const float ds = prob * (dpt[j][e] * z - row_delta[e & 1]) * score.grad(p, b, qk, m0 + query, n0 + key, prob);
+                st[j][e] = prob * z;
+                dpt[j][e] = ds;
             }
         }
-    }
+    };
+    // An interior tile's copy with the checks a constant 0: no branch per score (NVRTC 13.5, the
+    // warp-specialised wgmma dK/dV at D = 64: a branch and a predicate per score without it).
+    if (checks) tile(checks);
+    else tile(0);
+}
+
+// dS (probabilities_and_ds' dSᵀ, this warp's keys key0..key0 + 15) to a shared tile with the
+// queries as rows, kSStride elements apart, for the mma.sync dQ.
+template <int kSStride, int kQTiles, class T>
+__device__ __forceinline__ void store_ds_rows(T* ds_tile, const float (&dst)[kQTiles][4], int key0, int g, int t) {
+#pragma unroll
+    for (int j = 0; j < kQTiles; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            T* at = ds_tile + (j * 8 + 2 * t + (e & 1)) * kSStride + key0 + g + 8 * (e / 2);
+            ATTN_COUNT_SHARED(at, sizeof(T));
+            *at = from_float<T>(dst[j][e]);
+        }
 }
 
 // This warp's share of dS·K for the block's dS (kBlockM queries x kBlockN keys, rows kSStride
-// apart) and K (kBlockN x kHeadDim) in shared memory, K's element (key, dim) at k_element(key,
-// dim) (a padded row-major tile, or a swizzled one: ldmatrix reads 8-element chunks, which both
-// keep contiguous; dim is a multiple of 8): 16 rows and every few pairs of
+// apart) and K (kBlockN x kHeadDim, padded rows) in shared memory: 16 rows and every few pairs of
 // 8-dim tiles. For each pair of adjacent products a lane holds (rows g and g + 8 of the warp's
 // 16, dims 2t and 2t + 1 of each 8-dim tile) calls add(pair, row, dim) with row and dim relative
 // to the tile's first row and dim 0. The pairs of dim tiles are unrolled fully (kUnrolled) or not
 // at all (less code, fewer registers for a rarely taken copy).
-template <bool kUnrolled, class T, int kHeadDim, int kBlockM, int kBlockN, int kSStride, class KElement, class Add>
-__device__ __forceinline__ void dq_products(const T* ds_tile, KElement&& k_element, int warp, int lane, Add&& add) {
+template <bool kUnrolled, class T, int kHeadDim, int kBlockM, int kBlockN, int kSStride, class Add>
+__device__ __forceinline__ void dq_products(const T* ds_tile, const T* k_tile, int warp, int lane, Add&& add) {
+    constexpr int kStride = TcLayout<kHeadDim>::kStride;
     constexpr int kRowGroups = kBlockM / 16;    // 16-row groups of the dQ tile
     constexpr int kDimGroups = 4 / kRowGroups;  // warps sharing one row group's dimensions
     static_assert(kBlockM % 16 == 0 && 4 % kRowGroups == 0, "dQ rows split over the 4 warps");
@@ -65,7 +83,7 @@ __device__ __forceinline__ void dq_products(const T* ds_tile, KElement&& k_eleme
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
             unsigned a[4], bk[4];
             ptx::ldmatrix<4>(a, a_address<kSStride>(ds_tile, rows, kk * 16, lane));
-            ptx::ldmatrix<4, true>(bk, k_element(kk * 16 + a_lane_row(lane), d * 8 + a_lane_col(lane)));
+            ptx::ldmatrix<4, true>(bk, a_address<kStride>(k_tile, kk * 16, d * 8, lane));
             ptx::mma_m16n8k16<T>(c0, a, {bk[0], bk[1]}, c0);
             ptx::mma_m16n8k16<T>(c1, a, {bk[2], bk[3]}, c1);
         }
@@ -75,31 +93,64 @@ __device__ __forceinline__ void dq_products(const T* ds_tile, KElement&& k_eleme
     }
 }
 
-// dQ += dS·K·scale by float32 reductions of dq_products' pairs: with every dim present
-// (head_dim = kHeadDim, even, so each pair is 8-byte aligned) one 8-byte reduction per pair,
-// predicated on its row being inside the sequence, unrolled; else element by element inside the
-// sequence and the head, rolled.
-template <class T, int kHeadDim, int kBlockM, int kBlockN, int kSStride, class KElement>
-__device__ __forceinline__ void atomic_dq(const Params& p, const BlockInfo& b, const HeadView& at, float* dq_accum,
-                                          const T* ds_tile, KElement&& k_element, int m0, int warp, int lane) {
-    const int rows_left = b.q_rows(p) - m0;
-    auto dq = [&](int row, int dim) { return dq_accum + (at.stats + m0 + row) * p.head_dim + dim; };
-    if (p.head_dim == kHeadDim) {
-        dq_products<true, T, kHeadDim, kBlockM, kBlockN, kSStride>(
-            ds_tile, k_element, warp, lane, [&](const float* pair, int row, int dim) {
-                ptx::red_add_pair(dq(row, dim), pair[0] * p.scale, pair[1] * p.scale, row < rows_left);
-            });
-        return;
+// dQ of query tile m0 in float32 (dq_accum), to which pairs of products (dims dim, dim + 1 of a
+// row; row relative to m0) are added times scale: with every dim present (head_dim = kHeadDim,
+// even, so each pair is 8-byte aligned) one 8-byte reduction per pair, predicated on its row being
+// inside the sequence (add_pair); else element by element inside the sequence and the head
+// (add_clipped).
+struct DqTile {
+    float* rows;  // row m0 of this head's dQ
+    int rows_left, head_dim;
+    float scale;
+
+    __device__ __forceinline__ DqTile(const Params& p, const BlockInfo& b, const HeadView& at, float* dq_accum, int m0)
+        : rows(dq_accum + (at.stats + m0) * p.head_dim), rows_left(b.q_rows(p) - m0), head_dim(p.head_dim),
+          scale(p.scale) {}
+
+    __device__ __forceinline__ void add_pair(const float* pair, int row, int dim) const {
+        ptx::red_add_pair(rows + row * head_dim + dim, pair[0] * scale, pair[1] * scale, row < rows_left);
     }
-    dq_products<false, T, kHeadDim, kBlockM, kBlockN, kSStride>(ds_tile, k_element, warp, lane, [&](const float* pair, int row, int dim) {
+    __device__ __forceinline__ void add_clipped(const float* pair, int row, int dim) const {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            if (row < rows_left && dim + h < p.head_dim) {
-                ATTN_COUNT_GLOBAL(dq(row, dim + h), 4);
-                atomicAdd(dq(row, dim + h), pair[h] * p.scale);
+            if (row < rows_left && dim + h < head_dim) {
+                ATTN_COUNT_GLOBAL(rows + row * head_dim + dim + h, 4);
+                atomicAdd(rows + row * head_dim + dim + h, pair[h] * scale);
             }
         }
-    });
+    }
+};
+
+// dQ += dS·K·scale from dq_products' pairs: unrolled where every dim is present, rolled else.
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kSStride>
+__device__ __forceinline__ void atomic_dq(const Params& p, const BlockInfo& b, const HeadView& at, float* dq_accum,
+                                          const T* ds_tile, const T* k_tile, int m0, int warp, int lane) {
+    const DqTile dq(p, b, at, dq_accum, m0);
+    if (p.head_dim == kHeadDim) {
+        dq_products<true, T, kHeadDim, kBlockM, kBlockN, kSStride>(
+            ds_tile, k_tile, warp, lane, [&](const float* pair, int row, int dim) { dq.add_pair(pair, row, dim); });
+        return;
+    }
+    dq_products<false, T, kHeadDim, kBlockM, kBlockN, kSStride>(
+        ds_tile, k_tile, warp, lane, [&](const float* pair, int row, int dim) { dq.add_clipped(pair, row, dim); });
+}
+
+// dQ += a warp's products in the m16n8 accumulator layout (rows row0 + g and + 8, dims dim0 + 8d
+// + 2t and + 1), times scale.
+template <int kHeadDim, int kDTiles>
+__device__ __forceinline__ void add_dq_fragments(const Params& p, const DqTile& dq, const float (&frag)[kDTiles][4],
+                                                 int row0, int dim0, int g, int t) {
+    if (p.head_dim == kHeadDim) {
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) dq.add_pair(frag[d] + 2 * r, row0 + g + 8 * r, dim0 + 8 * d + 2 * t);
+        return;
+    }
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) dq.add_clipped(frag[d] + 2 * r, row0 + g + 8 * r, dim0 + 8 * d + 2 * t);
 }
 
 // Write this warp's rows of dK (times scale) and dV: keys n0 + key0 + (g, g + 8), dims

@@ -156,11 +156,10 @@ __device__ __forceinline__ unsigned pack_pair(float lo, float hi) {
 // cols 0-7), (rows 0-7, cols 8-15), (rows 8-15, cols 8-15): the A-operand order of mma.m16n8k16.
 // With ldmatrix .trans the same addresses give the B operands of two adjacent n-tiles of a tile
 // stored (k, n) row-major (registers 0-1: columns 0-7, registers 2-3: columns 8-15).
-__device__ __forceinline__ int a_lane_row(int lane) { return (lane / 8 % 2) * 8 + lane % 8; }
-__device__ __forceinline__ int a_lane_col(int lane) { return lane / 16 * 8; }
 template <int kStride, class T>
 __device__ __forceinline__ const T* a_address(const T* tile, int row0, int col0, int lane) {
-    return tile + (row0 + a_lane_row(lane)) * kStride + col0 + a_lane_col(lane);
+    const int m = lane / 8;
+    return tile + (row0 + (m % 2) * 8 + lane % 8) * kStride + col0 + (m / 2) * 8;
 }
 
 // ldmatrix.x4 address for B operands of two adjacent n-tiles of 8: matrices (rows 0-7, cols 0-7),

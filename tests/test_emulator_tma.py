@@ -17,7 +17,8 @@ from cupy_attn.emulator import EmulatorError, RawModule
 HERE = Path(__file__).parent / "emulator_kernels"
 SOURCE = (HERE / "tma.cu").read_text()
 SCHEDULES = ["forward", "reverse", "random", "warps", "warps_reverse"]
-NAMES = ["tma_box<2>", "tma_box<3>", "tma_store_box<2>", "tma_store_box<3>", "tma_wgmma<false>", "tma_wgmma<true>"]
+NAMES = ["tma_box<2>", "tma_box<3>", "tma_store_box<2>", "tma_store_box<3>",
+         *(f"tma_wgmma<{a}, {b}>" for a in ("false", "true") for b in ("false", "true"))]
 BOX_AT = 1024  # where the kernels put the box in shared memory
 I32 = np.int32
 
@@ -151,29 +152,38 @@ def test_tma_store_not_waited_for_is_reported():
         store(module("-DNO_STORE_WAIT"), np.zeros((8, 64), np.float16), (0, 0), (8, 64), 128, np.zeros(1024, np.uint8))
 
 
-def run_wgmma(mod, mn_major, schedule="forward"):
+def run_wgmma(mod, mn_major, schedule="forward", a_mn_major=False):
     rng = np.random.default_rng(6)
-    a = rng.standard_normal((64, 64)).astype(np.float16)
+    a = rng.standard_normal((64, 64)).astype(np.float16)  # K-major: A (m, k); MN-major: A's transpose (k, m)
     b = rng.standard_normal((64, 64)).astype(np.float16)  # K-major: B's transpose (n, k); MN-major: B (k, n)
     d = np.full((64, 64), np.nan, np.float32)
     maps = [TensorMapSpec.of_array(x, (64, 64), swizzle=128).emulated() for x in (a, b)]
     # 16 KB more than the boxes take: a wrong layout reads poison there, not past shared memory.
-    mod.get_function(f"tma_wgmma<{str(mn_major).lower()}>")(1, 128, (*maps, d), shared_mem=1024 + 4 * 8192,
-                                                            schedule=schedule)
-    want = a.astype(np.float64) @ (b.astype(np.float64) if mn_major else b.astype(np.float64).T)
+    mod.get_function(f"tma_wgmma<{str(a_mn_major).lower()}, {str(mn_major).lower()}>")(
+        1, 128, (*maps, d), shared_mem=1024 + 4 * 8192, schedule=schedule)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    want = (a64.T if a_mn_major else a64) @ (b64 if mn_major else b64.T)
     return d, want
 
 
 @pytest.mark.parametrize("mn_major", [False, True], ids=["k_major", "mn_major"])
+@pytest.mark.parametrize("a_mn_major", [False, True], ids=["a_k_major", "a_mn_major"])
 @pytest.mark.parametrize("schedule", ["forward", "warps_reverse"])
-def test_wgmma_reads_boxes_tma_swizzled(tma, mn_major, schedule):
-    d, want = run_wgmma(tma, mn_major, schedule)
+def test_wgmma_reads_boxes_tma_swizzled(tma, mn_major, a_mn_major, schedule):
+    d, want = run_wgmma(tma, mn_major, schedule, a_mn_major)
     np.testing.assert_allclose(d, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("mn_major", [False, True], ids=["k_major", "mn_major"])
-def test_wgmma_with_the_wrong_swizzle_is_wrong(mn_major):
-    d, want = run_wgmma(module("-DWRONG_SWIZZLE"), mn_major)
+@pytest.mark.parametrize("a_mn_major", [False, True], ids=["a_k_major", "a_mn_major"])
+def test_wgmma_with_the_wrong_swizzle_is_wrong(mn_major, a_mn_major):
+    d, want = run_wgmma(module("-DWRONG_SWIZZLE"), mn_major, a_mn_major=a_mn_major)
+    assert not np.allclose(d, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("a_mn_major", [False, True], ids=["a_k_major", "a_mn_major"])
+def test_wgmma_told_the_wrong_major_ness_of_a_is_wrong(a_mn_major):
+    d, want = run_wgmma(module("-DWRONG_MAJOR_A"), True, a_mn_major=a_mn_major)
     assert not np.allclose(d, want, rtol=1e-4, atol=1e-4)
 
 
@@ -213,7 +223,8 @@ SASS_OPCODES = {
     "tma_box<2>": ["UTMALDG.2D", "SYNCS.PHASECHK"],
     "tma_box<3>": ["UTMALDG.3D"],
     "tma_store_box<2>": ["UTMASTG.2D", "FENCE.VIEW.ASYNC.S"],
-    "tma_wgmma<true>": ["UTMALDG.2D", "HGMMA.64x64x16.F32"],
+    "tma_wgmma<false, true>": ["UTMALDG.2D", "HGMMA.64x64x16.F32"],
+    "tma_wgmma<true, true>": ["UTMALDG.2D", "HGMMA.64x64x16.F32"],
 }
 
 

@@ -5,7 +5,8 @@
 // without waiting for its mbarrier, -DNO_EXPECT_TX arrives without announcing the box's bytes,
 // -DMISALIGNED puts the box 128 bytes past its swizzle atom, -DNO_FENCE stores shared memory
 // through TMA without the proxy fence, -DNO_STORE_WAIT exits before the store read shared memory,
-// -DWRONG_SWIZZLE gives wgmma a 64-byte swizzle for 128-byte swizzled boxes.
+// -DWRONG_SWIZZLE gives wgmma a 64-byte swizzle for 128-byte swizzled boxes, -DWRONG_MAJOR_A the
+// wrong major-ness of A.
 
 #ifdef MISALIGNED
 constexpr int kBoxAt = 1024 + 128;
@@ -62,11 +63,13 @@ __global__ void tma_store_box(const __grid_constant__ ptx::TensorMap map, const 
 }
 
 // D (64 x 64, float) = A (64 x 64) · B, A and B loaded by TMA as 64 x 64 boxes with 128-byte
-// swizzle (a line is one 64-element row of the box): A K-major (rows m, 64 k per line); B K-major
-// (B given as its transpose, rows n) or MN-major (rows k, 64 n per line), as K and V are in
-// attention. Four k-steps of m64n64k16; the K-major descriptors advance 32 bytes within the line
-// per step, the MN-major one 16 lines (2048 bytes).
-template <bool kMnMajorB>
+// swizzle (a line is one 64-element row of the box): A K-major (rows m, 64 k per line) or MN-major
+// (A given as its transpose: rows k, 64 m per line, as dSᵀ is for dQ = dS·K); B K-major (B given
+// as its transpose, rows n) or MN-major (rows k, 64 n per line), as K and V are in attention.
+// Four k-steps of m64n64k16; the K-major descriptors advance 32 bytes within the line per step,
+// the MN-major ones 16 lines (2048 bytes). -DWRONG_MAJOR_A tells the instruction the other
+// major-ness of A than the one it was loaded in.
+template <bool kMnMajorA, bool kMnMajorB>
 __global__ void tma_wgmma(const __grid_constant__ ptx::TensorMap a_map, const __grid_constant__ ptx::TensorMap b_map,
                           float* D) {
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -89,14 +92,21 @@ __global__ void tma_wgmma(const __grid_constant__ ptx::TensorMap a_map, const __
 #else
     constexpr ptx::Swizzle kSwizzle = ptx::Swizzle::B128;
 #endif
-    const unsigned long long a_desc = ptx::wgmma_descriptor(sA, 16, 1024, kSwizzle);
-    // MN-major: LBO steps to the next 64 n (none here), SBO to the next 8 k (8 lines).
+#ifdef WRONG_MAJOR_A
+    constexpr bool kToldMnMajorA = !kMnMajorA;
+#else
+    constexpr bool kToldMnMajorA = kMnMajorA;
+#endif
+    // MN-major: LBO steps to the next 64 m or n (none here), SBO to the next 8 k (8 lines).
+    const unsigned long long a_desc = ptx::wgmma_descriptor(sA, kMnMajorA ? 8192 : 16, 1024, kSwizzle);
     const unsigned long long b_desc = ptx::wgmma_descriptor(sB, kMnMajorB ? 8192 : 16, 1024, kSwizzle);
     float d[32];
     ptx::wgmma_fence();
     for (int kk = 0; kk < 4; ++kk)
-        ptx::wgmma_m64k16_ss<__half, 64, kMnMajorB ? ptx::Major::MN : ptx::Major::K>(
-            d, ptx::descriptor_plus(a_desc, 32 * kk), ptx::descriptor_plus(b_desc, kMnMajorB ? 2048 * kk : 32 * kk), kk > 0);
+        ptx::wgmma_m64k16_ss<__half, 64, kMnMajorB ? ptx::Major::MN : ptx::Major::K,
+                             kToldMnMajorA ? ptx::Major::MN : ptx::Major::K>(
+            d, ptx::descriptor_plus(a_desc, kMnMajorA ? 2048 * kk : 32 * kk),
+            ptx::descriptor_plus(b_desc, kMnMajorB ? 2048 * kk : 32 * kk), kk > 0);
     ptx::wgmma_commit();
     ptx::wgmma_wait<0>();
     const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
