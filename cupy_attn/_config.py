@@ -202,7 +202,8 @@ class HopperTile:
         return f"attention_fwd_wgmma<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_n}>"
 
 
-TMA_BOX_DIMS = 64  # head dims per TMA box: one 128-byte swizzled line of 16-bit elements
+TMA_LINE_BYTES = 128  # one 128-byte swizzled line per box row: 64 head dims of 16 bits, 32 of float32
+TMA_BOX_DIMS = TMA_LINE_BYTES // 2  # head dims per TMA box of q, k, v, out and dout
 
 
 # Per consumer thread (240 registers after setmaxnreg): D/2 floats of O, block_n/2 of S and
@@ -302,17 +303,21 @@ class HopperBackwardTile:
         return 2 * (2 * self.block_n * d + 2 * 2 * m * d + 2 * 2 * m * 64) + 4 * 2 * 2 * m + 40
 
     def tma_rows(self, operand: str) -> int:
-        """Rows of one TMA box of q, k, v or dout (each box TMA_BOX_DIMS head dims wide): a query
-        tile's of q and dout, the block's keys of k and v."""
-        return {"q": self.block_m, "dout": self.block_m, "k": self.block_n, "v": self.block_n}[operand]
+        """Rows of one TMA box of q, k, v, dout (TMA_BOX_DIMS head dims wide) and of the float32
+        dk, dv (32 dims wide): a query tile's of q and dout, the block's keys of k and v, a
+        consumer group's 64 keys of dk and dv (each group stores its own)."""
+        return {"q": self.block_m, "dout": self.block_m, "k": self.block_n, "v": self.block_n, "dk": 64,
+                "dv": 64}[operand]
 
     def name_expression(self, dtype) -> str:
         return f"attention_bwd_dkdv_wgmma<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_m}>"
 
 
-# Per consumer thread: D/2 + D/2 floats of dK and dV, block_m/2 + block_m/2 of Sᵀ and dPᵀ and
-# block_m/4 registers of packed Pᵀ, dSᵀ, under setmaxnreg's 240. D = 256 would need 256
-# accumulators per thread: it stays on the mma.sync kernel, which splits the dims over two warps.
+# Per consumer thread: D/2 + D/2 floats of dK and dV, block_m/2 + block_m/2 of Sᵀ and dPᵀ,
+# block_m/4 registers of packed Pᵀ, dSᵀ and 32 floats of dQ (64 dims at a time), under
+# setmaxnreg's 240 (builds with score features at D = 128 take Sᵀ, dPᵀ 32 rows at a time: the
+# kernel's kSubM). block_m = 64 is also dQ's M. D = 256 would need 256 accumulators per thread:
+# it stays on the mma.sync kernel, which splits the dims over two warps.
 HOPPER_BACKWARD_TILES = (
     HopperBackwardTile(64, 64, "64 + 64 accumulators per thread (and 32 of dQ); 97 KB shared"),
     HopperBackwardTile(128, 64, "128 + 64 accumulators per thread (and 32 of dQ); 161 KB shared"),

@@ -259,18 +259,24 @@ def _pointer(x) -> int:
 
 
 def tensor_maps(problem: Problem, tile, target: str, **operands):
-    """The wgmma kernels' TMA maps of q, k, v, out and dout (dims: head dims, rows, heads, batch; boxes
-    of TMA_BOX_DIMS dims x tile.tma_rows(name) rows, 128-byte swizzle) as kernel arguments, in the
-    order given, or the reason TMA cannot address one of them."""
+    """The wgmma kernels' TMA maps of q, k, v, out and dout, and of the backward's float32 dk and dv
+    (`_per_head` buffers) (dims: head dims, rows, heads, batch; boxes of one 128-byte line of dims
+    x tile.tma_rows(name) rows, 128-byte swizzle) as kernel arguments, in the order given, or the
+    reason TMA cannot address one of them."""
     p = problem
     if p.packing is not None:
         return None, "a packed (varlen) batch: a box would reach into the next sequence"
     shapes = {"q": (p.head_dim, p.seq_q, p.heads), "k": (p.head_dim, p.seq_k, p.kv_heads),
-              "v": (p.head_dim_v, p.seq_k, p.kv_heads), "out": (p.head_dim_v, p.seq_q, p.heads), "dout": (p.head_dim_v, p.seq_q, p.heads)}
+              "v": (p.head_dim_v, p.seq_k, p.kv_heads), "out": (p.head_dim_v, p.seq_q, p.heads),
+              "dout": (p.head_dim_v, p.seq_q, p.heads), "dk": (p.head_dim, p.seq_k, p.heads),
+              "dv": (p.head_dim_v, p.seq_k, p.heads)}
     maps = []
     for name, x in operands.items():
         head_dim, rows, heads = shapes[name]
-        batch, head, row = (int(s) * x.itemsize for s in _bhs_strides(p, x))
+        if name in ("dk", "dv"):  # (B, H, Sk, dims) whatever the call's layout
+            batch, head, row = (int(s) for s in x.strides[:3])
+        else:
+            batch, head, row = (int(s) * x.itemsize for s in _bhs_strides(p, x))
         # An axis of one entry is never stepped along: its stride becomes the packed one (the inner
         # axes' extent, a multiple of 16 bytes), which the driver takes whatever the array's is.
         strides, extent = [], -(-head_dim * x.itemsize // 16) * 16
@@ -278,8 +284,9 @@ def tensor_maps(problem: Problem, tile, target: str, **operands):
             strides.append(stride if n > 1 else extent)
             extent = strides[-1] * n
         try:
-            spec = TensorMapSpec(p.dtype, _pointer(x), (head_dim, rows, heads, p.batch), strides,
-                                 (_config.TMA_BOX_DIMS, tile.tma_rows(name), 1, 1), swizzle=128)
+            spec = TensorMapSpec(x.dtype, _pointer(x), (head_dim, rows, heads, p.batch), strides,
+                                 (_config.TMA_LINE_BYTES // x.itemsize, tile.tma_rows(name), 1, 1),
+                                 swizzle=_config.TMA_LINE_BYTES)
         except TensorMapError as error:
             return None, f"{name}: {error}"
         maps.append(spec)
@@ -393,30 +400,34 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     # deterministic dQ kernel. dK, dV per query head; each GQA group is summed at the end.
     rows_k = p.packing.total_k if p.packing is not None else sk
     dq = _per_head(p, rows_q, p.head_dim, zeroed=not deterministic)
-    dk = _per_head(p, rows_k, p.head_dim)
-    dv = _per_head(p, rows_k, p.head_dim_v)
-    common = _common_args(p, q, k, v, dout, (tile.block_m, tile.block_n))
     module = _module(p)
     vectorised = _vector_flags(q, k, v, dout)
     maps = ()
     if isinstance(tile, _config.HopperBackwardTile):
-        # No query rows (dK = dV = 0) or nothing to launch: no map to build; the mma.sync kernel
-        # writes the zeros.
-        maps, why_not = tensor_maps(p, tile, target, q=q, k=k, v=v, dout=dout) if 0 not in (sq, sk, h, b) else (None, "")
+        # dK and dV leave by TMA store, which needs rows a multiple of 16 bytes apart: 4 floats
+        # (views of wider rows; the caller gets converted copies). No query rows (dK = dV = 0) or
+        # nothing to launch: no map to build; the mma.sync kernel writes the zeros.
+        dk = _per_head(p, rows_k, -(-p.head_dim // 4) * 4)[..., :p.head_dim]
+        dv = _per_head(p, rows_k, -(-p.head_dim_v // 4) * 4)[..., :p.head_dim_v]
+        maps, why_not = (tensor_maps(p, tile, target, q=q, k=k, v=v, dout=dout, dk=dk, dv=dv)
+                         if 0 not in (sq, sk, h, b) else (None, ""))
         if maps is None:  # the cp.async kernels read any strides
             if why_not:
                 _say_once(f"the wgmma backward needs TMA, which cannot address this call's operands ({why_not}): "
                           "the mma.sync backward runs instead")
             tile = _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, 80)
-            common = _common_args(p, q, k, v, dout, (tile.block_m, tile.block_n))
+    if not maps:
+        dk = _per_head(p, rows_k, p.head_dim)
+        dv = _per_head(p, rows_k, p.head_dim_v)
+    common = _common_args(p, q, k, v, dout, (tile.block_m, tile.block_n))
     dkdv_grid = (_blocks(sk, tile.block_n), h, b)
     if isinstance(tile, _config.BackwardTile):  # fp32: CUDA cores
         _launch(target, "attention_bwd.cu", tile.dkdv_name(p.dtype), dkdv_grid,
                 (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), *common), tile.dkdv_shared_bytes,
                 **module)
-    elif isinstance(tile, _config.HopperBackwardTile):  # wgmma and TMA: q, k, v, dout through their maps
+    elif isinstance(tile, _config.HopperBackwardTile):  # wgmma and TMA: q, k, v, dout, dk, dv through their maps
         _launch(target, tile.filename, tile.name_expression(p.dtype), dkdv_grid,
-                (lse, delta, dq, dk, dv, I32(not deterministic), *maps, *common), tile.shared_bytes,
+                (lse, delta, dq, I32(not deterministic), *maps, *common), tile.shared_bytes,
                 threads=tile.threads, **module)
     else:  # mma.sync
         _launch(target, tile.filename, tile.name_expression(p.dtype), dkdv_grid,

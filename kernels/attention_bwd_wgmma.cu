@@ -26,7 +26,9 @@
 //                               float32 reductions of pairs, unless the deterministic dQ kernel
 //                               runs after (each group adds its keys' share: no group waits for
 //                               the other)
-// and releases the stage once its dK, dV products are in. The groups never wait for each other.
+// and releases the stage once its dK, dV products are in. The groups never wait for each other
+// until the end, where each stages its dK and dV (float32, swizzled) in shared memory the loop no
+// longer needs and one of its threads stores them with TMA.
 // Head dims up to 128: dK and dV of 64 keys take D floats per thread, so D = 256 stays on the
 // mma.sync kernel, which splits its dims over two warps. The launcher uses this kernel where TMA
 // can address q, k, v and dout (cupy_attn/_tensor_map.py) and the mma.sync kernel elsewhere.
@@ -46,8 +48,9 @@ constexpr int kBwdConsumerGroups = 2;                       // warpgroups comput
 constexpr int kBwdKeys = 64 * kBwdConsumerGroups;           // keys per block
 constexpr int kBwdThreads = 128 * (1 + kBwdConsumerGroups);  // and the producer's
 constexpr int kQueryStages = 2;
-// Named barriers (0 is __syncthreads'): consumer group g's dS is in shared memory.
-constexpr unsigned kDsBarrier = 1;
+// Named barriers (0 is __syncthreads'): consumer group g's dS is in shared memory (and, at the
+// end, its dK and dV staged for TMA); both groups are done with K, V and every stage.
+constexpr unsigned kDsBarrier = 1, kLoopDoneBarrier = kDsBarrier + kBwdConsumerGroups;
 // The register split of attention_fwd_wgmma.cu: 24 + 2 x 240 per lane-triple, from a launch of
 // 168 per thread.
 constexpr int kBwdProducerRegisters = 24, kBwdConsumerRegisters = 240;
@@ -57,14 +60,17 @@ struct BackwardBarriers {
     unsigned long long kv_landed;
 };
 
+// The kernel's TMA maps: q, k, v and dout read (16-bit), dk and dv written (float32, per query
+// head), each (head dims, rows, heads, batch).
+struct BackwardMaps {
+    const ptx::TensorMap &q, &k, &v, &dout, &dk, &dv;
+};
+
 // kAccumulateDq: dQ by reductions here (else the deterministic dQ kernel computes it), a
 // compile-time switch so that neither loop tests it per score.
 template <class T, int kHeadDim, int kBlockM, bool kAccumulateDq>
 __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* lse, const float* delta, float* dq_accum,
-                                                 float* dk_part, float* dv_part,
-                                                 const long long (&strides)[12], const ptx::TensorMap& q_map,
-                                                 const ptx::TensorMap& k_map, const ptx::TensorMap& v_map,
-                                                 const ptx::TensorMap& do_map) {
+                                                 const long long (&strides)[12], const BackwardMaps& maps) {
     static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "head-dim tiles 64 and 128");
     static_assert(kBlockM == 64 || kBlockM == 128, "Sᵀ and dPᵀ m64n64k16 or m64n128k16; dQ in m64 products");
     // Head dims per dV/dK instruction (its N): all of them (one m64n128k16 at D = 128).
@@ -121,8 +127,8 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
             ptx::mbarrier_arrive_expect_tx(&bars.kv_landed, 2 * sizeof(T) * kKvElements);
             for (int c = 0; c < kHeadDim / KvTile::kBoxCols; ++c) {
                 const int box[4] = {c * KvTile::kBoxCols, n0, b.bidh_kv, b.bidb};
-                ptx::tma_load<4>(sK + KvTile::offset(0, c * KvTile::kBoxCols), k_map, box, &bars.kv_landed);
-                ptx::tma_load<4>(sV + KvTile::offset(0, c * KvTile::kBoxCols), v_map, box, &bars.kv_landed);
+                ptx::tma_load<4>(sK + KvTile::offset(0, c * KvTile::kBoxCols), maps.k, box, &bars.kv_landed);
+                ptx::tma_load<4>(sV + KvTile::offset(0, c * KvTile::kBoxCols), maps.v, box, &bars.kv_landed);
             }
         }
         StageCursor<kQueryStages> stage_at;
@@ -151,8 +157,8 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
             ptx::mbarrier_arrive_expect_tx(full, 2 * sizeof(T) * kQElements);
             for (int c = 0; c < kHeadDim / QTile::kBoxCols; ++c) {
                 const int box[4] = {c * QTile::kBoxCols, m0, b.bidh, b.bidb};
-                ptx::tma_load<4>(sQ(stage) + QTile::offset(0, c * QTile::kBoxCols), q_map, box, full);
-                ptx::tma_load<4>(sDO(stage) + QTile::offset(0, c * QTile::kBoxCols), do_map, box, full);
+                ptx::tma_load<4>(sQ(stage) + QTile::offset(0, c * QTile::kBoxCols), maps.q, box, full);
+                ptx::tma_load<4>(sDO(stage) + QTile::offset(0, c * QTile::kBoxCols), maps.dout, box, full);
             }
         }
         return;
@@ -318,7 +324,41 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
         consumer_release(bars.queries, stage_at);
     }
 
-    store_dkdv(p, b, dk_part, dv_part, dk, dv, n0, 64 * group + 16 * warp, 0, g, t);
+    // dK (times scale) and dV out through shared memory and TMA, which clips keys past seq_k and
+    // dims past the head. Once both groups are done with K, V and the last stage, group 0 stages
+    // its rows in K and V's place and group 1 in the stages' (each 2 x 64 x kHeadDim floats:
+    // dK, then dV), in float32 swizzled boxes of 32 dims; one thread per group stores them.
+    using OutTile = SwizzledBoxLayout<64, kHeadDim, 4>;
+    constexpr unsigned kOutElements = 64 * kHeadDim;
+    static_assert(2 * sizeof(float) * kOutElements <= sizeof(T) * 2 * kKvElements &&
+                  2 * sizeof(float) * kOutElements <= sizeof(T) * kQueryStages * 2 * kQElements,
+                  "a group's dK and dV fit in K and V's, and in the stages', shared memory");
+    ptx::named_barrier_sync(kLoopDoneBarrier, 128 * kBwdConsumerGroups);
+    float* s_dk = reinterpret_cast<float*>(group == 0 ? sK : sQ0);
+    float* s_dv = s_dk + kOutElements;
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int key = 16 * warp + g + 8 * r, dim = 8 * d + 2 * t;
+            float* at_dk = s_dk + OutTile::swizzled(key, dim);
+            float* at_dv = s_dv + OutTile::swizzled(key, dim);
+            ATTN_COUNT_SHARED(at_dk, 8);
+            *reinterpret_cast<float2*>(at_dk) = make_float2(dk[d][2 * r] * p.scale, dk[d][2 * r + 1] * p.scale);
+            ATTN_COUNT_SHARED(at_dv, 8);
+            *reinterpret_cast<float2*>(at_dv) = make_float2(dv[d][2 * r], dv[d][2 * r + 1]);
+        }
+    ptx::fence_proxy_async();  // the group's stores, visible to the TMA store
+    ptx::named_barrier_sync(kDsBarrier + group, 128);
+    if (threadIdx.x % 128 == 0) {
+        for (int c = 0; c < kHeadDim / OutTile::kBoxCols; ++c) {
+            const int box[4] = {c * OutTile::kBoxCols, group_n0, b.bidh, b.bidb};
+            ptx::tma_store<4>(maps.dk, box, s_dk + OutTile::offset(0, c * OutTile::kBoxCols));
+            ptx::tma_store<4>(maps.dv, box, s_dv + OutTile::offset(0, c * OutTile::kBoxCols));
+        }
+        ptx::bulk_commit();
+        ptx::bulk_wait_read<0>();  // shared memory must outlive the stores' reads of it
+    }
 }
 
 }  // namespace attn
@@ -327,19 +367,19 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
 // consumers), dynamic shared memory as laid out in dkdv_wgmma_block (HopperBackwardTile.
 // shared_bytes). q_map, k_map, v_map, do_map: TMA maps of q, k, v and dout (head dims, rows, heads,
 // batch) with 128-byte swizzle and boxes of 64 head dims x kBlockM query rows (q, dout) or 128
-// keys (k, v); those four are read through them only (their pointers and strides in ATTN_PARAMS
-// go unused). Compiled for sm_90a only.
+// keys (k, v); dk_map, dv_map: of dk_part, dv_part (float32, per query head: head dims, keys,
+// heads, batch), 128-byte swizzle, boxes of 32 dims x 64 keys. Those six are read and written
+// through them only (the pointers and strides of q, k, v and dout in ATTN_PARAMS go unused).
+// Compiled for sm_90a only.
 template <class T, int kHeadDim, int kBlockM>
 __global__ void __launch_bounds__(attn::kBwdThreads, 1)
-attention_bwd_dkdv_wgmma(const float* lse, const float* delta, float* dq_accum, float* dk_part, float* dv_part,
-                         int accumulate_dq, const __grid_constant__ ptx::TensorMap q_map,
-                         const __grid_constant__ ptx::TensorMap k_map, const __grid_constant__ ptx::TensorMap v_map,
-                         const __grid_constant__ ptx::TensorMap do_map, ATTN_PARAMS) {
+attention_bwd_dkdv_wgmma(const float* lse, const float* delta, float* dq_accum, int accumulate_dq,
+                         const __grid_constant__ ptx::TensorMap q_map, const __grid_constant__ ptx::TensorMap k_map,
+                         const __grid_constant__ ptx::TensorMap v_map, const __grid_constant__ ptx::TensorMap do_map,
+                         const __grid_constant__ ptx::TensorMap dk_map, const __grid_constant__ ptx::TensorMap dv_map,
+                         ATTN_PARAMS) {
     ATTN_UNPACK_PARAMS;
-    if (accumulate_dq)
-        attn::dkdv_wgmma_block<T, kHeadDim, kBlockM, true>(p, lse, delta, dq_accum, dk_part, dv_part, strides, q_map,
-                                                           k_map, v_map, do_map);
-    else
-        attn::dkdv_wgmma_block<T, kHeadDim, kBlockM, false>(p, lse, delta, dq_accum, dk_part, dv_part, strides, q_map,
-                                                            k_map, v_map, do_map);
+    const attn::BackwardMaps maps{q_map, k_map, v_map, do_map, dk_map, dv_map};
+    if (accumulate_dq) attn::dkdv_wgmma_block<T, kHeadDim, kBlockM, true>(p, lse, delta, dq_accum, strides, maps);
+    else attn::dkdv_wgmma_block<T, kHeadDim, kBlockM, false>(p, lse, delta, dq_accum, strides, maps);
 }

@@ -44,27 +44,31 @@ struct CoreMatrixLayout {
     }
 };
 
-// A tile of kRows rows x kCols 16-bit columns as TMA writes it with 128-byte swizzle: boxes of 64
-// columns (a 128-byte line per row), kCols / 64 of them one after another, the 16-byte chunks of
-// each line permuted by its row (ptx.cuh, Swizzle::B128). offset(r, c) is the element offset a
-// descriptor starts at for (r, c), before the swizzle, which the hardware applies to the address
-// as TMA did. Read K-major (rows the N of the product, columns reduced): 8-row groups 1024 bytes
-// apart (SBO; LBO unused); MN-major (rows reduced, columns N): boxes kBoxBytes apart (LBO), 8-row
-// groups 1024 bytes (SBO). Boxes start at multiples of 1024 bytes, as the swizzle's atoms must.
-template <int kRows, int kCols>
+// A tile of kRows rows x kCols columns of kBytes-byte elements (16-bit by default; float32 for the
+// backward's dK, dV epilogue) as TMA writes it with 128-byte swizzle: boxes of 128 bytes of
+// columns (a 128-byte line per row: 64 16-bit or 32 float32 columns), kCols / kBoxCols of them
+// one after another, the 16-byte chunks of each line permuted by its row (ptx.cuh,
+// Swizzle::B128). offset(r, c) is the element offset a descriptor starts at for (r, c), before
+// the swizzle, which the hardware applies to the address as TMA did. Read K-major (rows the N of
+// the product, columns reduced): 8-row groups 1024 bytes apart (SBO; LBO unused); MN-major (rows
+// reduced, columns N): boxes kBoxBytes apart (LBO), 8-row groups 1024 bytes (SBO). Boxes start at
+// multiples of 1024 bytes, as the swizzle's atoms must.
+template <int kRows, int kCols, int kBytes = 2>
 struct SwizzledBoxLayout {
-    static constexpr int kBoxCols = 64;
-    static constexpr unsigned kBoxBytes = 2 * kBoxCols * kRows;
+    static constexpr int kBoxCols = 128 / kBytes, kChunkCols = 16 / kBytes;
+    static constexpr unsigned kBoxBytes = 128 * kRows;
     static constexpr unsigned kKMajorLbo = 16, kKMajorSbo = 1024, kMnMajorLbo = kBoxBytes, kMnMajorSbo = 1024;
-    static_assert(kCols % kBoxCols == 0 && kRows % 8 == 0, "whole boxes of 64 columns and 8-row atoms");
+    static_assert(kCols % kBoxCols == 0 && kRows % 8 == 0, "whole boxes of 128-byte lines and 8-row atoms");
     static __device__ __forceinline__ int offset(int r, int c) {
         return (c / kBoxCols) * (kBoxCols * kRows) + r * kBoxCols + c % kBoxCols;
     }
     // Where (r, c) lies once swizzled, for a thread's own (generic-proxy) reads and writes: the
     // 16-byte chunk's index within its line XORed with the row's position in its 8-row atom. A
-    // thread storing pairs of a 16 x 8 accumulator tile (8 rows x 4 lanes) so hits 32 banks.
+    // thread storing pairs of a 16 x 8 accumulator tile (8 rows x 4 lanes) so hits 32 banks
+    // (16-bit pairs) or the fewest wavefronts (float32 pairs, 8 bytes each: two).
     static __device__ __forceinline__ int swizzled(int r, int c) {
-        return (c / kBoxCols) * (kBoxCols * kRows) + r * kBoxCols + 8 * ((c % kBoxCols / 8) ^ (r % 8)) + c % 8;
+        return (c / kBoxCols) * (kBoxCols * kRows) + r * kBoxCols +
+               kChunkCols * ((c % kBoxCols / kChunkCols) ^ (r % 8)) + c % kChunkCols;
     }
 };
 

@@ -64,14 +64,19 @@ def test_tma_store(tma):
 
 
 @pytest.mark.parametrize("mn_major", [False, True], ids=["k_major", "mn_major"])
-def test_wgmma_reads_boxes_tma_swizzled(tma, mn_major):
+@pytest.mark.parametrize("a_mn_major", [False, True], ids=["a_k_major", "a_mn_major"])
+def test_wgmma_reads_boxes_tma_swizzled(tma, mn_major, a_mn_major):
+    """The emulator's layouts on the hardware: B K- or MN-major (K and V), A K- or MN-major (Q, and
+    dSᵀ for dQ = dS·K)."""
     rng = np.random.default_rng(6)
     a, b = (rng.standard_normal((64, 64)).astype(np.float16) for _ in range(2))
     on_gpu = [cupy.asarray(x) for x in (a, b)]
     maps = [TensorMapSpec.of_array(x, (64, 64), swizzle=128).encoded() for x in on_gpu]
     d = cupy.full((64, 64), np.nan, np.float32)
-    tma.get_function(f"tma_wgmma<{str(mn_major).lower()}>")((1,), (128,), (*maps, d), shared_mem=1024 + 2 * 8192)
-    want = a.astype(np.float64) @ (b.astype(np.float64) if mn_major else b.astype(np.float64).T)
+    tma.get_function(f"tma_wgmma<{str(a_mn_major).lower()}, {str(mn_major).lower()}>")(
+        (1,), (128,), (*maps, d), shared_mem=1024 + 2 * 8192)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    want = (a64.T if a_mn_major else a64) @ (b64 if mn_major else b64.T)
     np.testing.assert_allclose(d.get(), want, rtol=1e-3, atol=1e-3)
 
 
