@@ -263,9 +263,9 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
                 if constexpr (kAccumulateDq) {
 #pragma unroll
                     for (int r = 0; r < 4; ++r) {
-                        T* at = ds_tile + DsTile::swizzled(16 * warp + g + 8 * (r & 1), q0 + 16 * kk + 8 * (r >> 1) + 2 * t);
-                        ATTN_COUNT_SHARED(at, 4);
-                        *reinterpret_cast<unsigned*>(at) = da[kk][r];
+                        T* slot = ds_tile + DsTile::swizzled(16 * warp + g + 8 * (r & 1), q0 + 16 * kk + 8 * (r >> 1) + 2 * t);
+                        ATTN_COUNT_SHARED(slot, 4);
+                        *reinterpret_cast<unsigned*>(slot) = da[kk][r];
                     }
                 }
             }
@@ -300,6 +300,7 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
             float dq[kQueryRowTiles][kDqDims / 8][4];
             float(&dq_flat)[kQueryRowTiles * kDqDims / 2] = reinterpret_cast<float(&)[kQueryRowTiles * kDqDims / 2]>(dq);
             ptx::fence_operands(dq_flat);
+            ptx::wgmma_fence();  // the previous chunk's reads of these registers come first
 #pragma unroll
             for (int r = 0; r < kQueryRowTiles; ++r)
 #pragma unroll
@@ -336,17 +337,25 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
     ptx::named_barrier_sync(kLoopDoneBarrier, 128 * kBwdConsumerGroups);
     float* s_dk = reinterpret_cast<float*>(group == 0 ? sK : sQ0);
     float* s_dv = s_dk + kOutElements;
+    // Each store writes, in lanes t = 2, 3, the pair of 8-dim tile d ^ 2 instead of d (a select,
+    // not an index: the tiles stay in registers): 8-byte stores go in half-warps, and with the
+    // swizzle's chunk order the lanes t = 0, 1 and t = 2, 3 of a half-warp would otherwise hit
+    // the same 4 chunks of 16 bytes (two wavefronts each; now one).
+    static_assert(kDTiles % 4 == 0, "tiles d and d ^ 2 both exist");
+    const bool other_half = t & 2;
 #pragma unroll
     for (int d = 0; d < kDTiles; ++d)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const int key = 16 * warp + g + 8 * r, dim = 8 * d + 2 * t;
+            const int key = 16 * warp + g + 8 * r, dim = 8 * (other_half ? d ^ 2 : d) + 2 * t;
+            const float* k_pair = other_half ? dk[d ^ 2] + 2 * r : dk[d] + 2 * r;
+            const float* v_pair = other_half ? dv[d ^ 2] + 2 * r : dv[d] + 2 * r;
             float* at_dk = s_dk + OutTile::swizzled(key, dim);
             float* at_dv = s_dv + OutTile::swizzled(key, dim);
             ATTN_COUNT_SHARED(at_dk, 8);
-            *reinterpret_cast<float2*>(at_dk) = make_float2(dk[d][2 * r] * p.scale, dk[d][2 * r + 1] * p.scale);
+            *reinterpret_cast<float2*>(at_dk) = make_float2(k_pair[0] * p.scale, k_pair[1] * p.scale);
             ATTN_COUNT_SHARED(at_dv, 8);
-            *reinterpret_cast<float2*>(at_dv) = make_float2(dv[d][2 * r], dv[d][2 * r + 1]);
+            *reinterpret_cast<float2*>(at_dv) = make_float2(v_pair[0], v_pair[1]);
         }
     ptx::fence_proxy_async();  // the group's stores, visible to the TMA store
     ptx::named_barrier_sync(kDsBarrier + group, 128);

@@ -1,5 +1,6 @@
 // What every backward kernel recomputes per query row: lse in base 2, delta, and P from them.
 #pragma once
+#include "access_count.cuh"
 #include "numeric.cuh"
 #include "tile_io.cuh"
 
@@ -10,6 +11,10 @@ namespace attn {
 __device__ __forceinline__ void row_stats(const float* lse, const float* delta, long long first_row, int row, int rows,
                                           float& lse2, float& row_delta) {
     const bool valid = row < rows;
+    if (valid) {  // (empty on the GPU)
+        ATTN_COUNT_GLOBAL(lse + first_row + row, 4);
+        ATTN_COUNT_GLOBAL(delta + first_row + row, 4);
+    }
     lse2 = valid ? lse[first_row + row] * kLog2e : -infinity();
     row_delta = valid ? delta[first_row + row] : 0.f;
 }

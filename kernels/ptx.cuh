@@ -94,7 +94,7 @@ inline void ldmatrix_fn(void* const* lanes, unsigned) {
 }
 
 
-// One lane's share of a wgmma.mma_async (m64nNk16, K-major operands without swizzle). The
+// One lane's share of a wgmma.mma_async (m64nNk16; operands K- or MN-major, swizzled or not). The
 // warpgroup's warp w computes rows 16w..16w+15 of D; the emulator runs each warp's share as a
 // warp collective when the warp waits for the operation's group.
 struct WgmmaOperand {
@@ -308,9 +308,10 @@ __device__ __forceinline__ float ex2_approx(float x) {
 // B (16 x N) [+ D] asynchronously: warp w holds rows 16w..16w+15 of D in the mma.m16n8k16
 // accumulator layout, d[4j + e] at row g + 8(e / 2), column 8j + 2t + e % 2 (g = lane / 4,
 // t = lane % 4), so N / 2 floats per lane. B, and A in the SS form, are read from shared memory
-// through matrix descriptors; cupy_attn uses layouts without swizzle (8x8 core matrices of 128
-// contiguous bytes; LBO = bytes between core matrices along K, SBO = along M/N): A always K-major,
-// B K-major or MN-major (Major below).
+// through matrix descriptors, in the canonical layouts without swizzle (8x8 core matrices of 128
+// contiguous bytes; LBO = bytes between core matrices along K, SBO = along M/N) or with one
+// (descriptor_element below; the kernels' TMA boxes are 128-byte swizzled): B K-major or MN-major,
+// A in the SS form too (Major below; A from registers is the mma.m16n8k16 fragment).
 // The results are defined only after wgmma_wait covers their group; the emulator writes them
 // then, reading the operands as the async proxy sees them (poison where no fence_proxy_async
 // published the generic writes). Not modelled by the emulator: wgmma_fence's register ordering.
@@ -653,15 +654,15 @@ __device__ __forceinline__ void set_max_registers() {
                  : WGMMA_ACCUMULATORS_128 \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d), "n"(kTransB))
 
-// How B (16 x N) lies in its core matrices: K-major, each 16-byte line one column n of B with 8
-// consecutive k (K of Q·Kᵀ as it lies in memory), or MN-major, each line one k with 8
-// consecutive n (V of P·V, dO and Q of the backward's Pᵀ·dO and dSᵀ·Q as they lie in memory):
-// the instruction's imm-trans-b, which 16-bit types allow, so no shared-memory transpose is needed.
+// How an operand lies in its core matrices: K-major, each 16-byte line one row (m of A, n of B)
+// with 8 consecutive k (K of Q·Kᵀ as it lies in memory), or MN-major, each line one k with 8
+// consecutive rows (V of P·V, dO and Q of the backward's Pᵀ·dO and dSᵀ·Q, dSᵀ and K of dQ = dS·K
+// as they lie in memory): the instruction's imm-trans-a / imm-trans-b, which 16-bit types allow,
+// so no shared-memory transpose is needed.
 enum class Major { K = 0, MN = 1 };
 
-// SS form: A (kMajorA: MN-major is the imm-trans-a of 16-bit types, A's core-matrix lines then
-// 8 consecutive m of one k, as dSᵀ lies for dQ = dS·K) and B (kMajorB) from shared memory; N (32,
-// 64 or 128) columns, N / 2 accumulators per lane. scale_d = 0 overwrites d, 1 accumulates.
+// SS form: B (kMajorB) and A (kMajorA, last: K-major unless told) from shared memory; N (32, 64 or
+// 128) columns, N / 2 accumulators per lane. scale_d = 0 overwrites d, 1 accumulates.
 template <class T, int N, Major kMajorB, Major kMajorA = Major::K>
 __device__ __forceinline__ void wgmma_m64k16_ss(float (&d)[N / 2], unsigned long long a_desc, unsigned long long b_desc,
                                                 int scale_d) {

@@ -24,8 +24,10 @@ BARRIERS = ("__syncthreads();", "__syncwarp();", "ptx::cp_async_wait<0>();", "pt
             "ptx::named_barrier_sync(kStagedBarrier + group, 128);", "ptx::bulk_wait_read<0>();",
             "ptx::named_barrier_sync(kTurnBarrier + group, 256);",
             # the warp-specialised wgmma dK/dV: K and V landed; a consumer group's dS stored
-            # before its warps read it for dQ
-            "ptx::mbarrier_wait(&bars.kv_landed, 0);", "ptx::named_barrier_sync(kDsBarrier + group, 128);")
+            # before its warps read it for dQ (and its dK, dV staged before the TMA store); both
+            # groups done with K, V and the stages before either stages dK, dV over them
+            "ptx::mbarrier_wait(&bars.kv_landed, 0);", "ptx::named_barrier_sync(kDsBarrier + group, 128);",
+            "ptx::named_barrier_sync(kLoopDoneBarrier, 128 * kBwdConsumerGroups);")
 KERNEL_FILES = ("attention_fwd.cu", "attention_fwd_tc.cu", "attention_fwd_wgmma.cu", "attention_bwd.cu",
                 "attention_bwd_tc.cu", "attention_bwd_wgmma.cu", "attention_decode.cu")
 
