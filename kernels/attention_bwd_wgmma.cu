@@ -348,14 +348,14 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int key = 16 * warp + g + 8 * r, dim = 8 * (other_half ? d ^ 2 : d) + 2 * t;
-            const float* k_pair = other_half ? dk[d ^ 2] + 2 * r : dk[d] + 2 * r;
-            const float* v_pair = other_half ? dv[d ^ 2] + 2 * r : dv[d] + 2 * r;
+            // Values selected, not pointers: a pointer into dk or dv would put them in local memory.
+            auto pick = [&](const float (&acc)[kDTiles][4], int e) { return other_half ? acc[d ^ 2][e] : acc[d][e]; };
             float* at_dk = s_dk + OutTile::swizzled(key, dim);
             float* at_dv = s_dv + OutTile::swizzled(key, dim);
             ATTN_COUNT_SHARED(at_dk, 8);
-            *reinterpret_cast<float2*>(at_dk) = make_float2(k_pair[0] * p.scale, k_pair[1] * p.scale);
+            *reinterpret_cast<float2*>(at_dk) = make_float2(pick(dk, 2 * r) * p.scale, pick(dk, 2 * r + 1) * p.scale);
             ATTN_COUNT_SHARED(at_dv, 8);
-            *reinterpret_cast<float2*>(at_dv) = make_float2(v_pair[0], v_pair[1]);
+            *reinterpret_cast<float2*>(at_dv) = make_float2(pick(dv, 2 * r), pick(dv, 2 * r + 1));
         }
     ptx::fence_proxy_async();  // the group's stores, visible to the TMA store
     ptx::named_barrier_sync(kDsBarrier + group, 128);
