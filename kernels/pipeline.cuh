@@ -1,10 +1,12 @@
 // The producer/consumer pipeline of warp-specialised Hopper kernels: a ring of kStages shared-
 // memory stages that a producer fills (with TMA) and consumers read, each stage guarded by two
-// mbarriers (ptx.cuh). `full` completes when the stage's data landed: the producer's one arrival
-// with the bytes it announced, and the TMA copies completing them. `empty` completes when every
-// consumer thread released the stage. Each side walks the ring with its own StageCursor; the
-// parity it waits for flips every lap, which is what keeps a side from mistaking the previous
-// lap's completion for this one's (the emulator reports a wait two phases behind).
+// mbarriers (ptx.cuh). `full` completes when the stage's data landed: the producer's arrival
+// with the bytes it announced, the TMA copies completing them, and the arrivals of any producer
+// threads that store into the stage themselves (StageRing::init's `producers`). `empty`
+// completes when every consumer thread released the stage. Each side walks the ring with its own
+// StageCursor; the parity it waits for flips every lap, which is what keeps a side from
+// mistaking the previous lap's completion for this one's (the emulator reports a wait two phases
+// behind).
 #pragma once
 #include "ptx.cuh"
 
@@ -14,8 +16,8 @@ struct StageRing {
     unsigned long long empty[kStages];
 
     // One thread, before a block barrier: `consumers` threads release each stage, `producers`
-    // threads arrive on its full barrier (one announcing the bytes; others that fill it with
-    // their own stores arrive after them).
+    // threads arrive on its full barrier (one announcing the bytes, the others once their own
+    // stores into the stage are done; in any order: the phase needs every arrival and byte).
     __device__ __forceinline__ void init(unsigned consumers, unsigned producers = 1) {
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {

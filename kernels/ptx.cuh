@@ -303,15 +303,16 @@ __device__ __forceinline__ float ex2_approx(float x) {
 
 
 // ---- Hopper (sm_90a) warpgroup MMA ------------------------------------------------------------
-// A warpgroup is 4 consecutive warps starting at a warp index divisible by 4 (the whole 128-thread
-// block in cupy_attn). Its wgmma.mma_async m64nNk16 computes D (64 x N, float) = A (64 x 16) ·
-// B (16 x N) [+ D] asynchronously: warp w holds rows 16w..16w+15 of D in the mma.m16n8k16
-// accumulator layout, d[4j + e] at row g + 8(e / 2), column 8j + 2t + e % 2 (g = lane / 4,
-// t = lane % 4), so N / 2 floats per lane. B, and A in the SS form, are read from shared memory
-// through matrix descriptors, in the canonical layouts without swizzle (8x8 core matrices of 128
-// contiguous bytes; LBO = bytes between core matrices along K, SBO = along M/N) or with one
-// (descriptor_element below; the kernels' TMA boxes are 128-byte swizzled): B K-major or MN-major,
-// A in the SS form too (Major below; A from registers is the mma.m16n8k16 fragment).
+// A warpgroup is 4 consecutive warps starting at a warp index divisible by 4 (in cupy_attn a
+// 128-thread block, or one of the warp-specialised kernels' three). Its wgmma.mma_async m64nNk16
+// computes D (64 x N, float) = A (64 x 16) · B (16 x N) [+ D] asynchronously: warp w holds rows
+// 16w..16w+15 of D in the mma.m16n8k16 accumulator layout, d[4j + e] at row g + 8(e / 2),
+// column 8j + 2t + e % 2 (g = lane / 4, t = lane % 4), so N / 2 floats per lane. B, and A in the
+// SS form, are read from shared memory through matrix descriptors, in the canonical layouts
+// without swizzle (8x8 core matrices of 128 contiguous bytes; LBO = bytes between core matrices
+// along K, SBO = along M/N) or with one (descriptor_element below; the kernels' TMA boxes are
+// 128-byte swizzled), each K-major or MN-major (Major below; A from registers is the
+// mma.m16n8k16 fragment).
 // The results are defined only after wgmma_wait covers their group; the emulator writes them
 // then, reading the operands as the async proxy sees them (poison where no fence_proxy_async
 // published the generic writes). Not modelled by the emulator: wgmma_fence's register ordering.
