@@ -138,7 +138,7 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
 #pragma unroll
             for (int i = 0; i < kStatsPerLane; ++i)
                 if (lane + 32 * i < kBlockM)
-                    row_stats(lse, delta, at.stats, m0 + lane + 32 * i, b.q_rows(p), lse2[i], row_delta[i]);
+                    row_stats(lse, delta, at.stats + m0, lane + 32 * i, b.q_rows(p) - m0, lse2[i], row_delta[i]);
             producer_wait(bars.queries, stage_at);  // every lane: each stores into the stage
             const int stage = stage_at.stage;
 #pragma unroll

@@ -6,23 +6,24 @@
 
 namespace attn {
 
-// Row `row`'s statistics as the backward uses them: lse in base 2 and delta, or -inf and 0 for a
-// row past the sequence (its probabilities are then 0).
-__device__ __forceinline__ void row_stats(const float* lse, const float* delta, long long first_row, int row, int rows,
+// Row r's statistics of a tile whose first row is `first` (an index into lse and delta) and which
+// has rows_left rows inside the sequence, as the backward uses them: lse in base 2 and delta, or
+// -inf and 0 for a row past the sequence (its probabilities are then 0).
+__device__ __forceinline__ void row_stats(const float* lse, const float* delta, long long first, int r, int rows_left,
                                           float& lse2, float& row_delta) {
-    const bool valid = row < rows;
+    const bool valid = r < rows_left;
     if (valid) {  // (empty on the GPU)
-        ATTN_COUNT_GLOBAL(lse + first_row + row, 4);
-        ATTN_COUNT_GLOBAL(delta + first_row + row, 4);
+        ATTN_COUNT_GLOBAL(lse + first + r, 4);
+        ATTN_COUNT_GLOBAL(delta + first + r, 4);
     }
-    lse2 = valid ? lse[first_row + row] * kLog2e : -infinity();
-    row_delta = valid ? delta[first_row + row] : 0.f;
+    lse2 = valid ? lse[first + r] * kLog2e : -infinity();
+    row_delta = valid ? delta[first + r] : 0.f;
 }
 
 // The per-row statistics the backward needs: lse in base 2 (or -inf) and delta.
 __device__ __forceinline__ void stage_row_stats(float* s_lse2, float* s_delta, const float* lse, const float* delta,
                                                 long long first_row, int m0, int block_m, int rows) {
-    for (int r = threadIdx.x; r < block_m; r += kThreads) row_stats(lse, delta, first_row, m0 + r, rows, s_lse2[r], s_delta[r]);
+    for (int r = threadIdx.x; r < block_m; r += kThreads) row_stats(lse, delta, first_row + m0, r, rows - m0, s_lse2[r], s_delta[r]);
 }
 
 // P = exp2(s·scale - lse2) for a recomputed score s whose base-2 value is s·scale (as
