@@ -73,8 +73,6 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
                                                  const long long (&strides)[12], const BackwardMaps& maps) {
     static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "head-dim tiles 64 and 128");
     static_assert(kBlockM == 64 || kBlockM == 128, "Sᵀ and dPᵀ m64n64k16 or m64n128k16; dQ in m64 products");
-    // Head dims per dV/dK instruction (its N): all of them (one m64n128k16 at D = 128).
-    constexpr int kDims = kHeadDim;
     // Query rows per Sᵀ and dPᵀ product (their N): the stage's, except in builds with score
     // features at D = 128, whose state beside 64 + 64 floats of Sᵀ, dPᵀ and 128 of dK, dV spilled
     // at 240 registers (NVRTC 13.5: 108 bytes with softcap, ALiBi and a float mask): those take
@@ -277,8 +275,8 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
 #pragma unroll
             for (int kk = 0; kk < kSubM / 16; ++kk) {
                 const unsigned rows = sizeof(T) * QTile::offset(q0 + 16 * kk, 0);  // queries q0 + 16kk..
-                ptx::wgmma_m64k16_rs<T, kDims, ptx::Major::MN>(dv_flat, pa[kk], ptx::descriptor_plus(do_mn_desc, rows), 1);
-                ptx::wgmma_m64k16_rs<T, kDims, ptx::Major::MN>(dk_flat, da[kk], ptx::descriptor_plus(q_mn_desc, rows), 1);
+                ptx::wgmma_m64k16_rs<T, kHeadDim, ptx::Major::MN>(dv_flat, pa[kk], ptx::descriptor_plus(do_mn_desc, rows), 1);
+                ptx::wgmma_m64k16_rs<T, kHeadDim, ptx::Major::MN>(dk_flat, da[kk], ptx::descriptor_plus(q_mn_desc, rows), 1);
             }
             ptx::wgmma_commit();
         }
