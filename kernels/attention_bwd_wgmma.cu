@@ -313,7 +313,7 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
             const DqTile dq_tile(p, b, at, dq_accum, m0);
 #pragma unroll
             for (int r = 0; r < kQueryRowTiles; ++r)
-                add_dq_fragments<kHeadDim>(p, dq_tile, dq[r], 64 * r + 16 * warp, c * kDqDims, g, t);
+                add_dq_fragments<kHeadDim, kBlockM>(p, dq_tile, dq[r], 64 * r + 16 * warp, c * kDqDims, g, t);
         }
         ptx::wgmma_wait<0>();  // (without dQ) dK and dV are in registers
         ptx::fence_operands(dk_flat);

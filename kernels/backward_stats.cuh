@@ -8,7 +8,8 @@ namespace attn {
 
 // Row r's statistics of a tile whose first row is `first` (an index into lse and delta) and which
 // has rows_left rows inside the sequence, as the backward uses them: lse in base 2 and delta, or
-// -inf and 0 for a row past the sequence (its probabilities are then 0).
+// +inf and 0 for a row past the sequence or one that attended to nothing (forward lse -inf), so
+// that every probability of such a row is exp2(-inf) = 0 (see probability).
 __device__ __forceinline__ void row_stats(const float* lse, const float* delta, long long first, int r, int rows_left,
                                           float& lse2, float& row_delta) {
     const bool valid = r < rows_left;
@@ -16,7 +17,8 @@ __device__ __forceinline__ void row_stats(const float* lse, const float* delta, 
         ATTN_COUNT_GLOBAL(lse + first + r, 4);
         ATTN_COUNT_GLOBAL(delta + first + r, 4);
     }
-    lse2 = valid ? lse[first + r] * kLog2e : -infinity();
+    const float row_lse = valid ? lse[first + r] : -infinity();
+    lse2 = row_lse == -infinity() ? infinity() : row_lse * kLog2e;
     row_delta = valid ? delta[first + r] : 0.f;
 }
 
@@ -27,10 +29,12 @@ __device__ __forceinline__ void stage_row_stats(float* s_lse2, float* s_delta, c
 }
 
 // P = exp2(s·scale - lse2) for a recomputed score s whose base-2 value is s·scale (as
-// OnlineSoftmax::update: ScoreTransform::softmax_scale). A fully masked row has lse -inf and only
-// -inf scores: its P is 0 (not exp2(-inf - -inf) = NaN).
+// OnlineSoftmax::update: ScoreTransform::softmax_scale), lse2 from row_stats. A row that attended
+// to nothing has lse2 = +inf, so its scores, finite or masked to -inf, all give exp2(-inf) = 0
+// (with its forward lse of -inf, a masked score would give exp2(-inf + inf) = NaN): no test per
+// score.
 __device__ __forceinline__ float probability(float s, float lse2, float scale) {
-    return lse2 == -infinity() ? 0.f : exp2f(fmaf(s, scale, -lse2));
+    return exp2f(fmaf(s, scale, -lse2));
 }
 
 }  // namespace attn

@@ -44,27 +44,38 @@ struct OnlineSoftmax {
         return rescale;
     }
 
+    // How far (base 2) a tile's max may exceed the running max before the running max moves:
+    // FlashAttention-4's conditional rescaling. Probabilities are taken against a reference max
+    // that may lag the true one by up to this, so they reach 2^8 at most (no overflow in the
+    // float32 sums and accumulators, nor in 16-bit P); the result is exact either way, since sum
+    // and accumulators share the reference. Over a long row the max soon settles and most tiles
+    // leave the accumulators unscaled.
+    static constexpr float kMaxGrowth = 8.f;
+
     // Turn this lane's kCols scores of the current tile into probabilities (in place) relative
-    // to the new running max; return the factor by which earlier accumulators must be scaled.
-    // The base-2 scores are s·scale (scale > 0): a caller whose scores need no more than the
-    // scale passes them unscaled and the scale here, where it folds into one FFMA per score,
-    // exp2(s·scale − max), as FlashAttention does; others pass base-2 scores and scale 1.
+    // to the running max (moved only by more than kMaxGrowth); return the factor by which earlier
+    // accumulators must be scaled: exactly 1 where the max stayed, so that a caller may skip
+    // the scaling (rescale_rows). The base-2 scores are s·scale (scale > 0): a caller whose
+    // scores need no more than the scale passes them unscaled and the scale here, where it folds
+    // into one FFMA per score, exp2(s·scale − max), as FlashAttention does; others pass base-2
+    // scores and scale 1.
     template <int kCols>
     __device__ __forceinline__ float update(float (&s)[kCols], float scale = 1.f) {
         float tile_max = -infinity();
         for (int c = 0; c < kCols; ++c) tile_max = fmaxf(tile_max, s[c]);
-        float new_max = fmaxf(row_max, row_reduce_max<kLanes>(tile_max) * scale);
-        // A row that has seen only masked keys has max -inf: shift by 0 instead, or
+        tile_max = row_reduce_max<kLanes>(tile_max) * scale;
+        const bool moves = tile_max > row_max + kMaxGrowth;  // (then tile_max is finite)
+        // A row that has seen only masked keys keeps max -inf: shift by 0 instead, or
         // exp2(-inf - -inf) = NaN. Its probabilities are exp2(-inf) = 0 either way.
-        float shift = new_max == -infinity() ? 0.f : new_max;
+        const float shift = moves ? tile_max : row_max == -infinity() ? 0.f : row_max;
         float tile_sum = 0.f;
         for (int c = 0; c < kCols; ++c) {
             s[c] = exp2f(fmaf(s[c], scale, -shift));
             tile_sum += s[c];
         }
-        float rescale = exp2f(row_max - shift);  // 0 when row_max is -inf
+        const float rescale = moves ? exp2f(row_max - tile_max) : 1.f;  // 0 when row_max was -inf
         row_sum = row_sum * rescale + tile_sum;
-        row_max = new_max;
+        row_max = moves ? tile_max : row_max;
         return rescale;
     }
 

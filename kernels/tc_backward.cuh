@@ -31,7 +31,13 @@ __device__ __forceinline__ void probabilities_and_ds(float (&st)[kQTiles][4], fl
                 const int key = key0 + g + 8 * (e / 2), query = j * 8 + 2 * t + (e & 1);
                 const float qk = st[j][e];
                 const float s2 = score(p, b, qk, m0 + query, n0 + key, tile_checks);
-                const float prob = probability(s2, row_lse2[e & 1], score.softmax_scale());
+                // A dead row's test is redundant (its lse2 is +inf: probability gives 0) but kept
+                // in the checked copy, where rows past the sequence are: without it ptxas keeps
+                // more exponentials in flight there, and the mma.sync dK/dV at D = 128 with
+                // softcap, ALiBi and a float mask spilled 4 bytes on sm_80 (NVRTC 13.5).
+                const float prob = tile_checks && row_lse2[e & 1] == infinity()
+                                       ? 0.f
+                                       : probability(s2, row_lse2[e & 1], score.softmax_scale());
                 const float z = dropout.factor(m0 + query, n0 + key);  // out = (P ∘ z)·V
                 const float ds = prob * (dpt[j][e] * z - row_delta[e & 1]) * score.grad(p, b, qk, m0 + query, n0 + key, prob);
                 st[j][e] = prob * z;
@@ -110,6 +116,11 @@ struct DqTile {
     __device__ __forceinline__ void add_pair(const float* pair, int row, int dim) const {
         ptx::red_add_pair(rows + row * head_dim + dim, pair[0] * scale, pair[1] * scale, row < rows_left);
     }
+    // For a tile whose rows are all inside the sequence: no predicate (ptxas branches around each
+    // predicated reduction); at is the pair's address.
+    __device__ __forceinline__ void add_pair_interior(const float* pair, float* at) const {
+        ptx::red_add_pair(at, pair[0] * scale, pair[1] * scale, true);
+    }
     __device__ __forceinline__ void add_clipped(const float* pair, int row, int dim) const {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -126,6 +137,18 @@ template <class T, int kHeadDim, int kBlockM, int kBlockN, int kSStride>
 __device__ __forceinline__ void atomic_dq(const Params& p, const BlockInfo& b, const HeadView& at, float* dq_accum,
                                           const T* ds_tile, const T* k_tile, int m0, int warp, int lane) {
     const DqTile dq(p, b, at, dq_accum, m0);
+    if (p.head_dim == kHeadDim && dq.rows_left >= kBlockM) {
+        // Every row inside the sequence: as add_dq_fragments, one base address per thread (its
+        // first row and dim in dq_products) and constant offsets from it.
+        constexpr int kRowGroups = kBlockM / 16;
+        const int row0 = (warp % kRowGroups) * 16 + lane / 4, dim0 = 16 * (warp / kRowGroups) + 2 * (lane % 4);
+        float* base = dq.rows + row0 * kHeadDim + dim0;
+        dq_products<true, T, kHeadDim, kBlockM, kBlockN, kSStride>(
+            ds_tile, k_tile, warp, lane, [&](const float* pair, int row, int dim) {
+                dq.add_pair_interior(pair, base + (row - row0) * kHeadDim + (dim - dim0));
+            });
+        return;
+    }
     if (p.head_dim == kHeadDim) {
         dq_products<true, T, kHeadDim, kBlockM, kBlockN, kSStride>(
             ds_tile, k_tile, warp, lane, [&](const float* pair, int row, int dim) { dq.add_pair(pair, row, dim); });
@@ -136,21 +159,28 @@ __device__ __forceinline__ void atomic_dq(const Params& p, const BlockInfo& b, c
 }
 
 // dQ += a warp's products in the m16n8 accumulator layout (rows row0 + g and + 8, dims dim0 + 8d
-// + 2t and + 1), times scale.
-template <int kHeadDim, int kDTiles>
+// + 2t and + 1), times scale, for a tile of kTileRows rows.
+template <int kHeadDim, int kTileRows, int kDTiles>
 __device__ __forceinline__ void add_dq_fragments(const Params& p, const DqTile& dq, const float (&frag)[kDTiles][4],
                                                  int row0, int dim0, int g, int t) {
-    if (p.head_dim == kHeadDim) {
+    auto each_pair = [&](auto&& add) {
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d)
 #pragma unroll
-            for (int r = 0; r < 2; ++r) dq.add_pair(frag[d] + 2 * r, row0 + g + 8 * r, dim0 + 8 * d + 2 * t);
-        return;
+            for (int r = 0; r < 2; ++r) add(frag[d] + 2 * r, row0 + g + 8 * r, dim0 + 8 * d + 2 * t);
+    };
+    if (p.head_dim != kHeadDim) {
+        each_pair([&](const float* pair, int row, int dim) { dq.add_clipped(pair, row, dim); });
+    } else if (dq.rows_left >= kTileRows) {
+        // Rows kHeadDim apart: one base address per thread, the pairs' offsets from it constants
+        // (immediates of the reductions, no 64-bit address arithmetic per pair).
+        float* base = dq.rows + (row0 + g) * kHeadDim + dim0 + 2 * t;
+        each_pair([&](const float* pair, int row, int dim) {
+            dq.add_pair_interior(pair, base + (row - row0 - g) * kHeadDim + (dim - dim0 - 2 * t));
+        });
+    } else {
+        each_pair([&](const float* pair, int row, int dim) { dq.add_pair(pair, row, dim); });
     }
-#pragma unroll
-    for (int d = 0; d < kDTiles; ++d)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) dq.add_clipped(frag[d] + 2 * r, row0 + g + 8 * r, dim0 + 8 * d + 2 * t);
 }
 
 // Write this warp's rows of dK (times scale) and dV: keys n0 + key0 + (g, g + 8), dims

@@ -44,9 +44,12 @@ __device__ __forceinline__ void softmax_scores(float (&s)[kNTiles][4], float (&r
     else tile(0);
 }
 
-// o's rows (2r, 2r + 1 of each 8-dim tile: row r of the lane) scaled by rescale[r].
+// o's rows (2r, 2r + 1 of each 8-dim tile: row r of the lane) scaled by rescale[r], unless every
+// row of the warp kept its running max (OnlineSoftmax::kMaxGrowth: factors of exactly 1), as most
+// tiles of a long row do. Every lane of the warp together (a vote).
 template <int kDTiles>
 __device__ __forceinline__ void rescale_rows(float (&o)[kDTiles][4], const float (&rescale)[2]) {
+    if (!__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) return;
 #pragma unroll
     for (int d = 0; d < kDTiles; ++d)
 #pragma unroll

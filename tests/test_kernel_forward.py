@@ -197,6 +197,26 @@ def test_fully_masked_rows_give_zero(tensor_core_kernel):
     assert not np.isnan(out.astype(np.float32)).any()
 
 
+@pytest.mark.parametrize("dtype,compute_capability", [(np.dtype(np.float32), 80), (np.dtype(np.float16), 80),
+                                                      (np.dtype(np.float16), 90), (BF16, 90)],
+                         ids=["cuda_cores", "mma_sync", "wgmma_fp16", "wgmma_bf16"])
+def test_running_max_that_rises_tile_after_tile(monkeypatch, dtype, compute_capability):
+    """Scores that rise along the keys (about 6, base 2, per 64 keys) and jump by 40 near the end:
+    the online softmax moves its reference max only when a tile exceeds it by more than 8
+    (softmax.cuh, kMaxGrowth), so some tiles' probabilities are taken against a max that lags by
+    up to 8 and others rescale O. A reference that lagged without bound would overflow P (2^16 is
+    past fp16), one that moved without rescaling O would be wrong."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", compute_capability)
+    rng = np.random.default_rng(29)
+    q, k, v = random_qkv(rng, b=1, h=2, sq=70, sk=300, d=64, dtype=np.float32)
+    q[..., 0] = 8.0  # scale 1/8: score ≈ k[..., 0] (natural log) plus noise
+    k[..., 0] = np.linspace(0.0, 28.0, 300)
+    k[..., 290:, 0] += 28.0
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    check(q, k, v, dtype)
+    check(q, k, v, dtype, causal=True)  # rows whose keys end before the jump, and some after it
+
+
 def test_broadcast_masks_are_read_in_place():
     rng = np.random.default_rng(12)
     q, k, v = random_qkv(rng, b=3, h=4, sq=33, sk=77, d=16)
