@@ -303,9 +303,10 @@ class HopperBackwardTile:
         return 2 * (2 * self.block_n * d + 2 * 2 * m * d + 2 * 2 * m * 64) + 4 * 2 * 2 * m + 40
 
     def tma_rows(self, operand: str) -> int:
-        """Rows of one TMA box of q, k, v, dout (TMA_BOX_DIMS head dims wide) and of the float32
-        dk, dv (32 dims wide): a query tile's of q and dout, the block's keys of k and v, a
-        consumer group's 64 keys of dk and dv (each group stores its own)."""
+        """Rows of one TMA box (a 128-byte line wide: TMA_BOX_DIMS 16-bit head dims, 32 of the
+        float32 dk, dv a GQA call sums after) of q, k, v, dout, dk, dv: a query tile's of q and
+        dout, the block's keys of k and v, a consumer group's 64 keys of dk and dv (each group
+        stores its own)."""
         return {"q": self.block_m, "dout": self.block_m, "k": self.block_n, "v": self.block_n, "dk": 64,
                 "dv": 64}[operand]
 

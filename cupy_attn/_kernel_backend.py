@@ -259,7 +259,7 @@ def _pointer(x) -> int:
 
 
 def tensor_maps(problem: Problem, tile, target: str, **operands):
-    """The wgmma kernels' TMA maps of q, k, v, out and dout, and of the backward's float32 dk and dv
+    """The wgmma kernels' TMA maps of q, k, v, out and dout, and of the backward's dk and dv
     (`_per_head` buffers) (dims: head dims, rows, heads, batch; boxes of one 128-byte line of dims
     x tile.tma_rows(name) rows, 128-byte swizzle) as kernel arguments, in the order given, or the
     reason TMA cannot address one of them."""
@@ -360,12 +360,12 @@ def _copies_in_16_bytes(x) -> bool:
     return _pointer(x) % 16 == 0 and all(st % 16 == 0 for st in x.strides[:-1])
 
 
-def _per_head(problem: Problem, rows: int, dims: int, zeroed: bool = False):
-    """A float32 buffer of one row per (query head, row): (B, H, rows, dims), or (H, total rows,
-    dims) for a packed batch (kernels/block_info.cuh, HeadView.stats and .key_stats)."""
+def _per_head(problem: Problem, rows: int, dims: int, zeroed: bool = False, dtype=np.float32):
+    """A buffer of one row per (query head, row): (B, H, rows, dims), or (H, total rows, dims) for
+    a packed batch (kernels/block_info.cuh, HeadView.stats and .key_stats); float32 unless told."""
     p, xp = problem, problem.xp
     shape = (p.heads, rows, dims) if p.packing is not None else (p.batch, p.heads, rows, dims)
-    return xp.zeros(shape, np.float32) if zeroed else _empty(xp, shape, np.float32)
+    return xp.zeros(shape, dtype) if zeroed else _empty(xp, shape, dtype)
 
 
 def _from_per_head(problem: Problem, x, dtype, *, sum_groups: bool = False):
@@ -396,19 +396,28 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     _launch(target, "attention_bwd.cu", _config.preprocess_name(p.dtype), (_blocks(rows_q, _config.THREADS), h, batches),
             (dout, out, delta, I32(h), I32(rows_q), I32(p.head_dim_v), *_bhs_strides(p, dout), *_bhs_strides(p, out)))
 
-    # dQ in float32: summed by atomics (zero-initialised), or written once per row by the
-    # deterministic dQ kernel. dK, dV per query head; each GQA group is summed at the end.
+    # dQ: summed by atomics in float32 (zero-initialised), or written once per row by the
+    # deterministic dQ kernel, the tensor-core one in the input type (no conversion pass after;
+    # the dK/dV kernels then take dq as their float32 dq_accum and leave it untouched).
+    # dK, dV per query head: in the input type where each is one kv head's (no GQA group to sum),
+    # else in float32, each GQA group summed at the end.
     rows_k = p.packing.total_k if p.packing is not None else sk
-    dq = _per_head(p, rows_q, p.head_dim, zeroed=not deterministic)
+    dq_tile = None
+    if deterministic:
+        dq_tile = tile if isinstance(tile, _config.BackwardTile) else _config.tensor_core_dq_tile(p.head_dim, p.head_dim_v)
+    dq_dtype = p.dtype if isinstance(dq_tile, _config.TensorCoreTile) else np.dtype(np.float32)
+    dq = _per_head(p, rows_q, p.head_dim, zeroed=not deterministic, dtype=dq_dtype)
+    dkdv_dtype = p.dtype if p.groups == 1 else np.dtype(np.float32)
     module = _module(p)
     vectorised = _vector_flags(q, k, v, dout)
     maps = ()
     if isinstance(tile, _config.HopperBackwardTile):
-        # dK and dV leave by TMA store, which needs rows a multiple of 16 bytes apart: 4 floats
-        # (views of wider rows; the caller gets converted copies). No query rows (dK = dV = 0) or
-        # nothing to launch: no map to build; the mma.sync kernel writes the zeros.
-        dk = _per_head(p, rows_k, -(-p.head_dim // 4) * 4)[..., :p.head_dim]
-        dv = _per_head(p, rows_k, -(-p.head_dim_v // 4) * 4)[..., :p.head_dim_v]
+        # dK and dV leave by TMA store, which needs rows a multiple of 16 bytes apart (views of
+        # wider rows; the caller gets contiguous copies). No query rows (dK = dV = 0) or nothing to
+        # launch: no map to build; the mma.sync kernel writes the zeros.
+        width = 16 // dkdv_dtype.itemsize
+        dk = _per_head(p, rows_k, -(-p.head_dim // width) * width, dtype=dkdv_dtype)[..., :p.head_dim]
+        dv = _per_head(p, rows_k, -(-p.head_dim_v // width) * width, dtype=dkdv_dtype)[..., :p.head_dim_v]
         maps, why_not = (tensor_maps(p, tile, target, q=q, k=k, v=v, dout=dout, dk=dk, dv=dv)
                          if 0 not in (sq, sk, h, b) else (None, ""))
         if maps is None:  # the cp.async kernels read any strides
@@ -417,8 +426,9 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
                           "the mma.sync backward runs instead")
             tile = _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, 80)
     if not maps:
-        dk = _per_head(p, rows_k, p.head_dim)
-        dv = _per_head(p, rows_k, p.head_dim_v)
+        dk = _per_head(p, rows_k, p.head_dim, dtype=dkdv_dtype)
+        dv = _per_head(p, rows_k, p.head_dim_v, dtype=dkdv_dtype)
+    in_input_type = I32(dkdv_dtype == p.dtype)
     common = _common_args(p, q, k, v, dout, (tile.block_m, tile.block_n))
     dkdv_grid = (_blocks(sk, tile.block_n), h, b)
     if isinstance(tile, _config.BackwardTile):  # fp32: CUDA cores
@@ -427,14 +437,14 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
                 **module)
     elif isinstance(tile, _config.HopperBackwardTile):  # wgmma and TMA: q, k, v, dout, dk, dv through their maps
         _launch(target, tile.filename, tile.name_expression(p.dtype), dkdv_grid,
-                (lse, delta, dq, I32(not deterministic), *maps, *common), tile.shared_bytes,
+                (lse, delta, dq, I32(not deterministic), in_input_type, *maps, *common), tile.shared_bytes,
                 threads=tile.threads, **module)
     else:  # mma.sync
         _launch(target, tile.filename, tile.name_expression(p.dtype), dkdv_grid,
-                (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), vectorised, *common), tile.shared_bytes,
+                (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), in_input_type, vectorised, *common),
+                tile.shared_bytes,
                 **module)
     if deterministic:
-        dq_tile = tile if isinstance(tile, _config.BackwardTile) else _config.tensor_core_dq_tile(p.head_dim, p.head_dim_v)
         if isinstance(dq_tile, _config.BackwardTile):  # fp32, and fp16/bf16 head dims above 256: CUDA cores
             common = _common_args(p, q, k, v, dout, (dq_tile.dq_block_m, dq_tile.dq_block_n))
             _launch(target, "attention_bwd.cu", dq_tile.dq_name(p.dtype), (_blocks(sq, dq_tile.dq_block_m), h, b),

@@ -19,7 +19,7 @@
 //
 // attention_bwd_dq_tc is the deterministic dQ on tensor cores: one block of 4 warps per 64 query
 // rows loops over key tiles, recomputes S = Q·Kᵀ and dP = dO·Vᵀ, and accumulates dQ += dS·K in
-// registers in a fixed order (no atomics).
+// registers in a fixed order (no atomics), then writes it in the input type.
 #include "backward_stats.cuh"
 #include "block_info.cuh"
 #include "dropout.cuh"
@@ -49,8 +49,8 @@ struct DkdvTcLayout {
 
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const T* k, const T* v, const T* dout,
-                                              const float* lse, const float* delta, float* dq_accum, float* dk_part,
-                                              float* dv_part, int accumulate_dq, int vectorised,
+                                              const float* lse, const float* delta, float* dq_accum, void* dk_out,
+                                              void* dv_out, int accumulate_dq, int dkdv_in_input_type, int vectorised,
                                               const long long (&strides)[12]) {
     using Layout = DkdvTcLayout<T, kHeadDim, kBlockM, kBlockN, kStages>;
     constexpr int kStride = Layout::kStride, kSStride = Layout::kSStride;
@@ -168,12 +168,13 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
         }
     }
 
-    store_dkdv(p, b, dk_part, dv_part, dk, dv, n0, key0, dim0, g, t);
+    if (dkdv_in_input_type) store_dkdv(p, b, static_cast<T*>(dk_out), static_cast<T*>(dv_out), dk, dv, n0, key0, dim0, g, t);
+    else store_dkdv(p, b, static_cast<float*>(dk_out), static_cast<float*>(dv_out), dk, dv, n0, key0, dim0, g, t);
 }
 
 template <class T, int kHeadDim, int kBlockN>
 __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T* k, const T* v, const T* dout,
-                                            const float* lse, const float* delta, float* dq_accum, int vectorised,
+                                            const float* lse, const float* delta, T* dq_out, int vectorised,
                                             const long long (&strides)[12]) {
     constexpr int kStride = TcLayout<kHeadDim>::kStride;
     constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
@@ -247,7 +248,7 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
             const int col = d * 8 + 2 * t + (e & 1);
-            if (col < p.head_dim) dq_accum[(b.stats(p) + i) * p.head_dim + col] = dq[d][e] * p.scale;
+            if (col < p.head_dim) dq_out[(b.stats(p) + i) * p.head_dim + col] = from_float<T>(dq[d][e] * p.scale);
         }
     }
 }
@@ -259,22 +260,24 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
 template <class T, int kHeadDim, int kBlockN>
 __global__ void __launch_bounds__(attn::kThreads, 1)
 attention_bwd_dq_tc(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,
-                    float* dq_accum, int vectorised, ATTN_PARAMS) {
+                    T* dq, int vectorised, ATTN_PARAMS) {
     ATTN_UNPACK_PARAMS;
-    attn::dq_tc_block<T, kHeadDim, kBlockN>(p, q, k, v, dout, lse, delta, dq_accum, vectorised, strides);
+    attn::dq_tc_block<T, kHeadDim, kBlockN>(p, q, k, v, dout, lse, delta, dq, vectorised, strides);
 }
 
 // grid (ceil(Sk / kBlockN), H, B), block 128, dynamic shared memory (DkdvTcLayout): K, V
 // (kBlockN rows) of kHeadDim + 8 16-bit elements, dS (kBlockM x (kBlockN + 8), 16-bit), kStages
 // x (Q, dO (kBlockM rows of kHeadDim + 8), lse and delta (kBlockM floats each)), and with
-// kBlockN < 64 the warps' partial sums of Sᵀ and dPᵀ (4 x 2 x kBlockM x 16 floats). vectorised:
-// bits 0-3 for q, k, v, dout rows copyable in 16-byte chunks.
+// kBlockN < 64 the warps' partial sums of Sᵀ and dPᵀ (4 x 2 x kBlockM x 16 floats). dk_out,
+// dv_out: per query head, float32 or, with dkdv_in_input_type (no GQA group to sum), T.
+// vectorised: bits 0-3 for q, k, v, dout rows copyable in 16-byte chunks.
 // minBlocksPerSM = 1 lets ptxas use up to 255 registers: dK and dV stay in registers, unspilled.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 __global__ void __launch_bounds__(attn::kThreads, 1)
 attention_bwd_dkdv_tc(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,
-                      float* dq_accum, float* dk_part, float* dv_part, int accumulate_dq, int vectorised, ATTN_PARAMS) {
+                      float* dq_accum, void* dk_out, void* dv_out, int accumulate_dq, int dkdv_in_input_type,
+                      int vectorised, ATTN_PARAMS) {
     ATTN_UNPACK_PARAMS;
-    attn::dkdv_tc_block<T, kHeadDim, kBlockM, kBlockN, kStages>(p, q, k, v, dout, lse, delta, dq_accum, dk_part, dv_part, accumulate_dq,
-                                              vectorised, strides);
+    attn::dkdv_tc_block<T, kHeadDim, kBlockM, kBlockN, kStages>(p, q, k, v, dout, lse, delta, dq_accum, dk_out, dv_out,
+                                                                accumulate_dq, dkdv_in_input_type, vectorised, strides);
 }

@@ -27,8 +27,9 @@
 //                               runs after (each group adds its keys' share: no group waits for
 //                               the other)
 // and releases the stage once its dK, dV products are in. The groups never wait for each other
-// until the end, where each stages its dK and dV (float32, swizzled) in shared memory the loop no
-// longer needs and one of its threads stores them with TMA.
+// until the end, where each stages its dK and dV (swizzled; in the input type, or float32 where a
+// GQA group's heads are summed after) in shared memory the loop no longer needs and one of its
+// threads stores them with TMA.
 // Head dims up to 128: dK and dV of 64 keys take D floats per thread, so D = 256 stays on the
 // mma.sync kernel, which splits its dims over two warps. The launcher uses this kernel where TMA
 // can address q, k, v and dout (cupy_attn/_tensor_map.py) and the mma.sync kernel elsewhere.
@@ -60,8 +61,8 @@ struct BackwardBarriers {
     unsigned long long kv_landed;
 };
 
-// The kernel's TMA maps: q, k, v and dout read (16-bit), dk and dv written (float32, per query
-// head), each (head dims, rows, heads, batch).
+// The kernel's TMA maps: q, k, v and dout read (16-bit), dk and dv written (per query head, in
+// the input type or float32), each (head dims, rows, heads, batch).
 struct BackwardMaps {
     const ptx::TensorMap &q, &k, &v, &dout, &dk, &dv;
 };
@@ -70,7 +71,8 @@ struct BackwardMaps {
 // compile-time switch so that neither loop tests it per score.
 template <class T, int kHeadDim, int kBlockM, bool kAccumulateDq>
 __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* lse, const float* delta, float* dq_accum,
-                                                 const long long (&strides)[12], const BackwardMaps& maps) {
+                                                 bool dkdv_in_input_type, const long long (&strides)[12],
+                                                 const BackwardMaps& maps) {
     static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "head-dim tiles 64 and 128");
     static_assert(kBlockM == 64 || kBlockM == 128, "Sᵀ and dPᵀ m64n64k16 or m64n128k16; dQ in m64 products");
     // Query rows per Sᵀ and dPᵀ product (their N): the stage's, except in builds with score
@@ -325,15 +327,42 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
 
     // dK (times scale) and dV out through shared memory and TMA, which clips keys past seq_k and
     // dims past the head. Once both groups are done with K, V and the last stage, group 0 stages
-    // its rows in K and V's place and group 1 in the stages' (each 2 x 64 x kHeadDim floats:
-    // dK, then dV), in float32 swizzled boxes of 32 dims; one thread per group stores them.
-    using OutTile = SwizzledBoxLayout<64, kHeadDim, 4>;
+    // its rows in K and V's place and group 1 in the stages' (dK, then dV, in swizzled boxes of
+    // 128-byte lines: float32 for a GQA group's sum after, else the input type); one thread per
+    // group stores them.
+    ptx::named_barrier_sync(kLoopDoneBarrier, 128 * kBwdConsumerGroups);
+    unsigned char* staging = reinterpret_cast<unsigned char*>(group == 0 ? sK : sQ0);
+    auto store_staged = [&](auto* s_dk, auto* s_dv, auto layout) {
+        using Layout = decltype(layout);
+        ptx::fence_proxy_async();  // the group's stores, visible to the TMA store
+        ptx::named_barrier_sync(kDsBarrier + group, 128);
+        if (threadIdx.x % 128 == 0) {
+            for (int c = 0; c < kHeadDim / Layout::kBoxCols; ++c) {
+                const int box[4] = {c * Layout::kBoxCols, group_n0, b.bidh, b.bidb};
+                ptx::tma_store<4>(maps.dk, box, s_dk + Layout::offset(0, c * Layout::kBoxCols));
+                ptx::tma_store<4>(maps.dv, box, s_dv + Layout::offset(0, c * Layout::kBoxCols));
+            }
+            ptx::bulk_commit();
+            ptx::bulk_wait_read<0>();  // shared memory must outlive the stores' reads of it
+        }
+    };
     constexpr unsigned kOutElements = 64 * kHeadDim;
     static_assert(2 * sizeof(float) * kOutElements <= sizeof(T) * 2 * kKvElements &&
                   2 * sizeof(float) * kOutElements <= sizeof(T) * kQueryStages * 2 * kQElements,
                   "a group's dK and dV fit in K and V's, and in the stages', shared memory");
-    ptx::named_barrier_sync(kLoopDoneBarrier, 128 * kBwdConsumerGroups);
-    float* s_dk = reinterpret_cast<float*>(group == 0 ? sK : sQ0);
+    if (dkdv_in_input_type) {
+        // 16-bit pairs of the accumulator layout: one 4-byte store each, 32 banks per warp.
+        using OutTile = SwizzledBoxLayout<64, kHeadDim>;
+        T* s_dk = reinterpret_cast<T*>(staging);
+        T* s_dv = s_dk + kOutElements;
+        const auto rows = [&](int row, int col) { return OutTile::swizzled(16 * warp + row, col); };
+        stage_pairs<T>(dk, {p.scale, p.scale}, lane, s_dk, rows);
+        stage_pairs<T>(dv, {1.f, 1.f}, lane, s_dv, rows);
+        store_staged(s_dk, s_dv, OutTile{});
+        return;
+    }
+    using OutTile = SwizzledBoxLayout<64, kHeadDim, 4>;
+    float* s_dk = reinterpret_cast<float*>(staging);
     float* s_dv = s_dk + kOutElements;
     // Each store writes, in lanes t = 2, 3, the pair of 8-dim tile d ^ 2 instead of d (a select,
     // not an index: the tiles stay in registers): 8-byte stores go in half-warps, and with the
@@ -355,17 +384,7 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
             ATTN_COUNT_SHARED(at_dv, 8);
             *reinterpret_cast<float2*>(at_dv) = make_float2(pick(dv, 2 * r), pick(dv, 2 * r + 1));
         }
-    ptx::fence_proxy_async();  // the group's stores, visible to the TMA store
-    ptx::named_barrier_sync(kDsBarrier + group, 128);
-    if (threadIdx.x % 128 == 0) {
-        for (int c = 0; c < kHeadDim / OutTile::kBoxCols; ++c) {
-            const int box[4] = {c * OutTile::kBoxCols, group_n0, b.bidh, b.bidb};
-            ptx::tma_store<4>(maps.dk, box, s_dk + OutTile::offset(0, c * OutTile::kBoxCols));
-            ptx::tma_store<4>(maps.dv, box, s_dv + OutTile::offset(0, c * OutTile::kBoxCols));
-        }
-        ptx::bulk_commit();
-        ptx::bulk_wait_read<0>();  // shared memory must outlive the stores' reads of it
-    }
+    store_staged(s_dk, s_dv, OutTile{});
 }
 
 }  // namespace attn
@@ -374,19 +393,22 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
 // consumers), dynamic shared memory as laid out in dkdv_wgmma_block (HopperBackwardTile.
 // shared_bytes). q_map, k_map, v_map, do_map: TMA maps of q, k, v and dout (head dims, rows, heads,
 // batch) with 128-byte swizzle and boxes of 64 head dims x kBlockM query rows (q, dout) or 128
-// keys (k, v); dk_map, dv_map: of dk_part, dv_part (float32, per query head: head dims, keys,
-// heads, batch), 128-byte swizzle, boxes of 32 dims x 64 keys. Those six are read and written
+// keys (k, v); dk_map, dv_map: of dK, dV per query head (head dims, keys, heads, batch), float32
+// or, with dkdv_in_input_type (no GQA group to sum), T; 128-byte swizzle, boxes of one 128-byte
+// line (32 or 64 dims) x 64 keys. Those six are read and written
 // through them only (the pointers and strides of q, k, v and dout in ATTN_PARAMS go unused).
 // Compiled for sm_90a only.
 template <class T, int kHeadDim, int kBlockM>
 __global__ void __launch_bounds__(attn::kBwdThreads, 1)
-attention_bwd_dkdv_wgmma(const float* lse, const float* delta, float* dq_accum, int accumulate_dq,
+attention_bwd_dkdv_wgmma(const float* lse, const float* delta, float* dq_accum, int accumulate_dq, int dkdv_in_input_type,
                          const __grid_constant__ ptx::TensorMap q_map, const __grid_constant__ ptx::TensorMap k_map,
                          const __grid_constant__ ptx::TensorMap v_map, const __grid_constant__ ptx::TensorMap do_map,
                          const __grid_constant__ ptx::TensorMap dk_map, const __grid_constant__ ptx::TensorMap dv_map,
                          ATTN_PARAMS) {
     ATTN_UNPACK_PARAMS;
     const attn::BackwardMaps maps{q_map, k_map, v_map, do_map, dk_map, dv_map};
-    if (accumulate_dq) attn::dkdv_wgmma_block<T, kHeadDim, kBlockM, true>(p, lse, delta, dq_accum, strides, maps);
-    else attn::dkdv_wgmma_block<T, kHeadDim, kBlockM, false>(p, lse, delta, dq_accum, strides, maps);
+    if (accumulate_dq)
+        attn::dkdv_wgmma_block<T, kHeadDim, kBlockM, true>(p, lse, delta, dq_accum, dkdv_in_input_type, strides, maps);
+    else
+        attn::dkdv_wgmma_block<T, kHeadDim, kBlockM, false>(p, lse, delta, dq_accum, dkdv_in_input_type, strides, maps);
 }

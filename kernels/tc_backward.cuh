@@ -183,28 +183,30 @@ __device__ __forceinline__ void add_dq_fragments(const Params& p, const DqTile& 
     }
 }
 
-// Write this warp's rows of dK (times scale) and dV: keys n0 + key0 + (g, g + 8), dims
-// dim0 + 8d + 2t (+1), each pair as one 8-byte store where both dims exist (head_dim and
-// head_dim_v even keep the float32 rows 8-byte aligned). Every key row inside the sequence is
-// written, those no query could see included (as 0).
-template <int kDTiles>
-__device__ __forceinline__ void store_dkdv(const Params& p, const BlockInfo& b, float* dk_part, float* dv_part,
+// Write this warp's rows of dK (times scale) and dV as Out: float32 (per query head, for a GQA
+// group's sum after) or the input type (a call without GQA: no conversion pass after). Keys n0 +
+// key0 + (g, g + 8), dims dim0 + 8d + 2t (+1), each pair as one 8-byte (float32) or 4-byte
+// (16-bit) store where both dims exist (head_dim and head_dim_v even keep the rows pair-aligned).
+// Every key row inside the sequence is written, those no query could see included (as 0).
+template <class Out, int kDTiles>
+__device__ __forceinline__ void store_dkdv(const Params& p, const BlockInfo& b, Out* dk_out, Out* dv_out,
                                            const float (&dk)[kDTiles][4], const float (&dv)[kDTiles][4], int n0,
                                            int key0, int dim0, int g, int t) {
     const long long key_rows = b.key_stats(p) + n0;
-    auto store = [](float* dst, int col, int dims, float lo, float hi) {
+    auto store = [](Out* dst, int col, int dims, float lo, float hi) {
         if (col + 1 < dims && dims % 2 == 0) {
-            ATTN_COUNT_GLOBAL(dst, 8);
-            *reinterpret_cast<float2*>(dst) = make_float2(lo, hi);
+            ATTN_COUNT_GLOBAL(dst, 2 * sizeof(Out));
+            if constexpr (sizeof(Out) == 4) *reinterpret_cast<float2*>(dst) = make_float2(lo, hi);
+            else *reinterpret_cast<unsigned*>(dst) = pack_pair<Out>(lo, hi);
             return;
         }
         if (col < dims) {
-            ATTN_COUNT_GLOBAL(dst, 4);
-            dst[0] = lo;
+            ATTN_COUNT_GLOBAL(dst, sizeof(Out));
+            dst[0] = from_float<Out>(lo);
         }
         if (col + 1 < dims) {
-            ATTN_COUNT_GLOBAL(dst + 1, 4);
-            dst[1] = hi;
+            ATTN_COUNT_GLOBAL(dst + 1, sizeof(Out));
+            dst[1] = from_float<Out>(hi);
         }
     };
 #pragma unroll
@@ -214,9 +216,9 @@ __device__ __forceinline__ void store_dkdv(const Params& p, const BlockInfo& b, 
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
             const int col = dim0 + d * 8 + 2 * t;
-            store(dk_part + (key_rows + key) * p.head_dim + col, col, p.head_dim, dk[d][2 * r] * p.scale,
+            store(dk_out + (key_rows + key) * p.head_dim + col, col, p.head_dim, dk[d][2 * r] * p.scale,
                   dk[d][2 * r + 1] * p.scale);
-            store(dv_part + (key_rows + key) * p.head_dim_v + col, col, p.head_dim_v, dv[d][2 * r], dv[d][2 * r + 1]);
+            store(dv_out + (key_rows + key) * p.head_dim_v + col, col, p.head_dim_v, dv[d][2 * r], dv[d][2 * r + 1]);
         }
     }
 }

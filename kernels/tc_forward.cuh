@@ -84,21 +84,4 @@ __device__ __forceinline__ void finish_rows(const Params& p, const BlockInfo& b,
     }
 }
 
-// This lane's pairs of o (rows g and g + 8 of its warp's 16, columns 8d + 2t and + 1), normalised
-// by inv and rounded to T, written to shared memory at staging + offset(row, column): one 4-byte
-// store per pair.
-template <class T, int kDTiles, class Offset>
-__device__ __forceinline__ void stage_pairs(const float (&o)[kDTiles][4], const float (&inv)[2], int lane, T* staging,
-                                            Offset offset) {
-    const int g = lane / 4, t = lane % 4;
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int d = 0; d < kDTiles; ++d) {
-            T* dst = staging + offset(g + 8 * r, d * 8 + 2 * t);
-            ATTN_COUNT_SHARED(dst, 4);
-            *reinterpret_cast<unsigned*>(dst) = pack_pair<T>(o[d][2 * r] * inv[r], o[d][2 * r + 1] * inv[r]);
-        }
-}
-
 }  // namespace attn

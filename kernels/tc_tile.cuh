@@ -155,6 +155,23 @@ __device__ __forceinline__ unsigned pack_pair(float lo, float hi) {
     return static_cast<unsigned>(ua) | static_cast<unsigned>(ub) << 16;
 }
 
+// This lane's pairs of o (rows g and g + 8 of its warp's 16, columns 8d + 2t and + 1) in the
+// accumulator layout, scaled by inv[r] for row g + 8r and rounded to T, written to shared memory
+// at staging + offset(row, column): one 4-byte store per pair.
+template <class T, int kDTiles, class Offset>
+__device__ __forceinline__ void stage_pairs(const float (&o)[kDTiles][4], const float (&inv)[2], int lane, T* staging,
+                                            Offset offset) {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d) {
+            T* dst = staging + offset(g + 8 * r, d * 8 + 2 * t);
+            ATTN_COUNT_SHARED(dst, 4);
+            *reinterpret_cast<unsigned*>(dst) = pack_pair<T>(o[d][2 * r] * inv[r], o[d][2 * r + 1] * inv[r]);
+        }
+}
+
 // ldmatrix.x4 address for this lane: row (lane % 8) of 8x8 matrix (lane / 8) of the 16 x 16
 // block at (row0, col0) of a row-major tile, matrices ordered (rows 0-7, cols 0-7), (rows 8-15,
 // cols 0-7), (rows 0-7, cols 8-15), (rows 8-15, cols 8-15): the A-operand order of mma.m16n8k16.

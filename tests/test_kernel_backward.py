@@ -176,6 +176,35 @@ def test_half_precision_everything(tensor_core_kernel, dtype, d, dv, determinist
     check(rng, q, k, v, dtype, deterministic, **feature_keywords("everything", rng))
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("hkv", [3, 1], ids=["mha", "gqa"])
+@pytest.mark.parametrize("d,dv", [(64, 64), (80, 48), (7, 33), (200, 256)])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_gradients_are_written_in_the_input_type_where_nothing_is_summed_after(monkeypatch, tensor_core_kernel, layout,
+                                                                               hkv, d, dv, deterministic):
+    """Without GQA each query head's dK, dV is its kv head's: both kernel families write them in
+    the input type, and a bhsd call gets back the very arrays they wrote (no conversion pass;
+    except rows of the wgmma kernel that are not a multiple of 16 bytes, which it pads). With GQA
+    they write float32, which is summed over each group and then converted. dQ: float32 summed
+    by atomics, or in the input type from the deterministic dQ kernel."""
+    buffers = []  # (dq, dk or dv as the kernels wrote it, as returned)
+    real = _kernel_backend._from_per_head
+    monkeypatch.setattr(_kernel_backend, "_from_per_head", lambda p, x, dtype, sum_groups=False: buffers.append(
+        (x, real(p, x, dtype, sum_groups=sum_groups))) or buffers[-1][1])
+    rng = np.random.default_rng(d + dv + hkv)
+    q, k, v = random_qkv(rng, b=2, h=3, hkv=hkv, sq=77, sk=150, d=d, dv=dv, dtype=np.float16, layout=layout)
+    if tensor_core_kernel == 90:
+        q, k, v = (tma_addressable(x) for x in (q, k, v))
+    check(rng, q, k, v, np.float16, deterministic, addressable=tensor_core_kernel == 90, layout=layout, causal=True)
+    dq_buffers, dk_buffers, dv_buffers = buffers
+    assert dq_buffers[0].dtype == (np.float16 if deterministic else np.float32)
+    assert np.shares_memory(*dq_buffers) == (deterministic and layout == "bhsd")
+    for (written, returned), dims in ((dk_buffers, d), (dv_buffers, dv)):
+        assert written.dtype == (np.float16 if hkv == 3 else np.float32)
+        unpadded = tensor_core_kernel == 80 or dims % 8 == 0
+        assert np.shares_memory(written, returned) == (hkv == 3 and layout == "bhsd" and unpadded)
+
+
 def test_fully_masked_rows_give_zero_gradients():
     rng = np.random.default_rng(22)
     q, k, v = random_qkv(rng, b=2, sq=90, sk=40, d=16)
