@@ -220,8 +220,11 @@ attention_bwd_dkdv(const T* q, const T* k, const T* v, const T* dout, const floa
 }
 
 // grid (ceil(Sq / kBlockM), H, B), block 128, dynamic shared memory DqSmem::kFloats · 4.
+// minBlocksPerSM = 1 lets ptxas take the registers it needs (105-139 at D = 32 and 64): left to
+// its own choice it gave the D = 64 build 72 and 12-28 bytes of spills on sm_90 (NVRTC 13.5).
+// Shared memory (48 and 81 KB) holds occupancy to 4 and 2 blocks per SM, which those allow.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kLanesPerRow>
-__global__ void __launch_bounds__(attn::kThreads)
+__global__ void __launch_bounds__(attn::kThreads, 1)
 attention_bwd_dq(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,
                  float* dq_accum, ATTN_PARAMS) {
     ATTN_UNPACK_PARAMS;

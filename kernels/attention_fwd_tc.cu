@@ -46,7 +46,7 @@ struct OutputStaging {
 template <class T, int kDTiles>
 __device__ __forceinline__ void store_rows(const Params& p, const BlockInfo& b, const HeadView& at, T* out,
                                            float* lse, const float (&o)[kDTiles][4],
-                                           OnlineSoftmax<4> (&softmax)[2], int row_lo, int lane, T* staging) {
+                                           TcSoftmax (&softmax)[2], int row_lo, int lane, T* staging) {
     using Staging = OutputStaging<8 * kDTiles>;
     const int g = lane / 4;
     float inv[2];
@@ -107,7 +107,7 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     for (int m = 0; m < kRowTiles; ++m)
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) o[m][d][0] = o[m][d][1] = o[m][d][2] = o[m][d][3] = 0.f;
-    OnlineSoftmax<4> softmax[kRowTiles][2];  // rows row_lo + 64m and row_lo + 64m + 8
+    TcSoftmax softmax[kRowTiles][2];  // rows row_lo + 64m and row_lo + 64m + 8
 
     int n_begin, n_end;
     b.key_tiles(p, m0, kBlockM, kBlockN, &n_begin, &n_end);

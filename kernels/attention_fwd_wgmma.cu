@@ -152,7 +152,7 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse,
 #pragma unroll
     for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
     float(&o_flat)[4 * kDTiles] = reinterpret_cast<float(&)[4 * kDTiles]>(o);
-    OnlineSoftmax<4> softmax[2];
+    TcSoftmax softmax[2];
     float s[kNTiles][4];
     float(&s_flat)[4 * kNTiles] = reinterpret_cast<float(&)[4 * kNTiles]>(s);
     unsigned pa[kBlockN / 16][4];  // P of the previous tile as A fragments (16 keys each)

@@ -17,7 +17,14 @@ __device__ __forceinline__ float row_reduce_sum(float x) {
     return x;
 }
 
-template <int kLanes>
+// kMaxLag: how far (base 2) the running max may lag a row's true max, FlashAttention-4's
+// conditional rescaling. The running max moves only when a tile's max exceeds it by more than
+// kMaxLag, so probabilities reach 2^kMaxLag at most (kMaxLag = 8: no overflow in the float32
+// sums and accumulators, nor in 16-bit P) and the result is exact either way (sum and
+// accumulators share the reference). Over a long row the max soon settles and most tiles leave
+// the accumulators unscaled, which pays where a caller then skips scaling them (the tensor-core
+// forwards' rescale_rows); 0 keeps the exact running max.
+template <int kLanes, int kMaxLag = 0>
 struct OnlineSoftmax {
     float row_max = -infinity();  // running max of the base-2 scores seen so far (the whole row's)
     // Running sum of exp2(score - row_max): over this lane's columns only until gather_sum, then
@@ -44,16 +51,8 @@ struct OnlineSoftmax {
         return rescale;
     }
 
-    // How far (base 2) a tile's max may exceed the running max before the running max moves:
-    // FlashAttention-4's conditional rescaling. Probabilities are taken against a reference max
-    // that may lag the true one by up to this, so they reach 2^8 at most (no overflow in the
-    // float32 sums and accumulators, nor in 16-bit P); the result is exact either way, since sum
-    // and accumulators share the reference. Over a long row the max soon settles and most tiles
-    // leave the accumulators unscaled.
-    static constexpr float kMaxGrowth = 8.f;
-
     // Turn this lane's kCols scores of the current tile into probabilities (in place) relative
-    // to the running max (moved only by more than kMaxGrowth); return the factor by which earlier
+    // to the running max (moved only by more than kMaxLag); return the factor by which earlier
     // accumulators must be scaled: exactly 1 where the max stayed, so that a caller may skip
     // the scaling (rescale_rows). The base-2 scores are s·scale (scale > 0): a caller whose
     // scores need no more than the scale passes them unscaled and the scale here, where it folds
@@ -64,18 +63,20 @@ struct OnlineSoftmax {
         float tile_max = -infinity();
         for (int c = 0; c < kCols; ++c) tile_max = fmaxf(tile_max, s[c]);
         tile_max = row_reduce_max<kLanes>(tile_max) * scale;
-        const bool moves = tile_max > row_max + kMaxGrowth;  // (then tile_max is finite)
-        // A row that has seen only masked keys keeps max -inf: shift by 0 instead, or
+        const float new_max = kMaxLag == 0 ? fmaxf(row_max, tile_max) : tile_max > row_max + kMaxLag ? tile_max : row_max;
+        // A row that has seen only masked keys has max -inf: shift by 0 instead, or
         // exp2(-inf - -inf) = NaN. Its probabilities are exp2(-inf) = 0 either way.
-        const float shift = moves ? tile_max : row_max == -infinity() ? 0.f : row_max;
+        const float shift = new_max == -infinity() ? 0.f : new_max;
         float tile_sum = 0.f;
         for (int c = 0; c < kCols; ++c) {
             s[c] = exp2f(fmaf(s[c], scale, -shift));
             tile_sum += s[c];
         }
-        const float rescale = moves ? exp2f(row_max - tile_max) : 1.f;  // 0 when row_max was -inf
+        // 1 where the max stayed, 0 where it was -inf (also for a row that has seen only masked
+        // keys so far: its sum and accumulators are 0 anyway).
+        const float rescale = exp2f(row_max - shift);
         row_sum = row_sum * rescale + tile_sum;
-        row_max = moves ? tile_max : row_max;
+        row_max = new_max;
         return rescale;
     }
 

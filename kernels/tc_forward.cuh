@@ -13,6 +13,10 @@
 
 namespace attn {
 
+// A lane's row in the m16n8 accumulator layout spreads over its quad; the running max lags by up
+// to 2^8 (OnlineSoftmax's kMaxLag), so that most tiles skip rescaling O (rescale_rows).
+using TcSoftmax = OnlineSoftmax<4, 8>;
+
 // This tile's scores (s: kNTiles 8-key column tiles from key n0) -> base-2 units with every
 // feature applied (-inf where masked), then probabilities by the online softmax of this lane's
 // two rows (row_lo, row_lo + 8), whose columns are spread over the lane's quad; rescale[r] is the
@@ -20,7 +24,7 @@ namespace attn {
 // whose O is still being summed by the tensor cores applies it once they are done). Dropout then
 // zeroes (or scales) the probabilities P·V sees, after the row sums took them all.
 template <int kNTiles>
-__device__ __forceinline__ void softmax_scores(float (&s)[kNTiles][4], float (&rescale)[2], OnlineSoftmax<4> (&softmax)[2],
+__device__ __forceinline__ void softmax_scores(float (&s)[kNTiles][4], float (&rescale)[2], TcSoftmax (&softmax)[2],
                                                const Params& p, const BlockInfo& b, const ScoreTransform& score,
                                                const Dropout& dropout, int row_lo, int n0, int t, int checks) {
     auto tile = [&](int tile_checks) {
@@ -45,8 +49,8 @@ __device__ __forceinline__ void softmax_scores(float (&s)[kNTiles][4], float (&r
 }
 
 // o's rows (2r, 2r + 1 of each 8-dim tile: row r of the lane) scaled by rescale[r], unless every
-// row of the warp kept its running max (OnlineSoftmax::kMaxGrowth: factors of exactly 1), as most
-// tiles of a long row do. Every lane of the warp together (a vote).
+// row of the warp kept its running max (TcSoftmax: factors of exactly 1), as most tiles of a long
+// row do. Every lane of the warp together (a vote).
 template <int kDTiles>
 __device__ __forceinline__ void rescale_rows(float (&o)[kDTiles][4], const float (&rescale)[2]) {
     if (!__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) return;
@@ -58,7 +62,7 @@ __device__ __forceinline__ void rescale_rows(float (&o)[kDTiles][4], const float
 
 // softmax_scores, with o rescaled at once (for a caller whose O is in registers).
 template <int kNTiles, int kDTiles>
-__device__ __forceinline__ void softmax_tile(float (&s)[kNTiles][4], float (&o)[kDTiles][4], OnlineSoftmax<4> (&softmax)[2],
+__device__ __forceinline__ void softmax_tile(float (&s)[kNTiles][4], float (&o)[kDTiles][4], TcSoftmax (&softmax)[2],
                                              const Params& p, const BlockInfo& b, const ScoreTransform& score,
                                              const Dropout& dropout, int row_lo, int n0, int t, int checks) {
     float rescale[2];
@@ -71,7 +75,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNTiles][4], float (&o)[
 // nothing: its output is 0, not 0/0), and one lane per quad writes the row's lse where the row
 // lies inside the sequence. Every lane of the warp together (the sums are shuffles).
 __device__ __forceinline__ void finish_rows(const Params& p, const BlockInfo& b, const HeadView& at, float* lse,
-                                            OnlineSoftmax<4> (&softmax)[2], int row_lo, int t, float (&inv)[2]) {
+                                            TcSoftmax (&softmax)[2], int row_lo, int t, float (&inv)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         softmax[r].gather_sum();

@@ -202,9 +202,9 @@ def test_fully_masked_rows_give_zero(tensor_core_kernel):
                          ids=["cuda_cores", "mma_sync", "wgmma_fp16", "wgmma_bf16"])
 def test_running_max_that_rises_tile_after_tile(monkeypatch, dtype, compute_capability):
     """Scores that rise along the keys (about 6, base 2, per 64 keys) and jump by 40 near the end:
-    the online softmax moves its reference max only when a tile exceeds it by more than 8
-    (softmax.cuh, kMaxGrowth), so some tiles' probabilities are taken against a max that lags by
-    up to 8 and others rescale O. A reference that lagged without bound would overflow P (2^16 is
+    the tensor-core forwards' online softmax moves its reference max only when a tile exceeds it
+    by more than 8 (tc_forward.cuh, TcSoftmax; the fp32 forward keeps the exact max), so some
+    tiles' probabilities are taken against a max that lags by up to 8 and others rescale O. A reference that lagged without bound would overflow P (2^16 is
     past fp16), one that moved without rescaling O would be wrong."""
     monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", compute_capability)
     rng = np.random.default_rng(29)
