@@ -369,8 +369,9 @@ def _per_head(problem: Problem, rows: int, dims: int, zeroed: bool = False, dtyp
 
 
 def _from_per_head(problem: Problem, x, dtype, *, sum_groups: bool = False):
-    """A float32 per-head buffer (`_per_head`; with sum_groups, summed over each GQA group to
-    one kv head) -> the caller's layout and dtype, contiguous."""
+    """A per-head buffer (`_per_head`, float32 or the input type; with sum_groups, summed over
+    each GQA group to one kv head) -> the caller's layout and dtype, contiguous (the buffer
+    itself where it already is)."""
     p, xp = problem, problem.xp
     if sum_groups and p.groups > 1:
         grouped = x.shape[:-3] + (p.kv_heads, p.groups) + x.shape[-2:]

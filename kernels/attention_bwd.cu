@@ -220,9 +220,10 @@ attention_bwd_dkdv(const T* q, const T* k, const T* v, const T* dout, const floa
 }
 
 // grid (ceil(Sq / kBlockM), H, B), block 128, dynamic shared memory DqSmem::kFloats · 4.
-// minBlocksPerSM = 1 lets ptxas take the registers it needs (105-139 at D = 32 and 64): left to
-// its own choice it gave the D = 64 build 72 and 12-28 bytes of spills on sm_90 (NVRTC 13.5).
-// Shared memory (48 and 81 KB) holds occupancy to 4 and 2 blocks per SM, which those allow.
+// minBlocksPerSM = 1 lets ptxas take the registers it needs (105-142 for every tile, NVRTC 13.5):
+// left to its own choice it gave the D = 64 build 72 and 12-28 bytes of spills on sm_90. Shared
+// memory (BackwardTile.dq_shared_bytes, 48-109 KB) holds occupancy to 2-4 blocks of 128 threads
+// per SM on sm_80 and sm_90, which those registers still allow.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kLanesPerRow>
 __global__ void __launch_bounds__(attn::kThreads, 1)
 attention_bwd_dq(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,

@@ -239,16 +239,18 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
         mma_registers_by_rows<T, kStride, kBlockN / 16>(dq, s, sK, lane);
     }
 
-    // Every row inside the sequence is written, rows that attended nothing included (as 0).
-    // (b.stats(p), not at.stats: recomputed rather than held across the loop; see attention_bwd.cu.)
+    // Every row inside the sequence is written, rows that attended nothing included (as 0), by
+    // pairs (store_pair). (b.stats(p), not at.stats: recomputed rather than held across the
+    // loop; see attention_bwd.cu.)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        const int i = m0 + warp * 16 + g + 8 * (e / 2);
+    for (int r = 0; r < 2; ++r) {
+        const int i = m0 + warp * 16 + g + 8 * r;
         if (i >= b.q_rows(p)) continue;
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
-            const int col = d * 8 + 2 * t + (e & 1);
-            if (col < p.head_dim) dq_out[(b.stats(p) + i) * p.head_dim + col] = from_float<T>(dq[d][e] * p.scale);
+            const int col = d * 8 + 2 * t;
+            store_pair(dq_out + (b.stats(p) + i) * p.head_dim + col, col, p.head_dim, dq[d][2 * r] * p.scale,
+                       dq[d][2 * r + 1] * p.scale);
         }
     }
 }

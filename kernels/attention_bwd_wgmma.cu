@@ -7,7 +7,7 @@
 //              block's K and V once (TMA, 128-byte-swizzled boxes of 64 head dims) and, for each
 //              query tile of kBlockM rows that can see the block's keys, fills a stage of a two-
 //              stage ring (pipeline.cuh): Q and dO by TMA (an elected lane), the rows' lse (base
-//              2) and delta by the warp's own loads and stores (-inf and 0 past the sequence,
+//              2) and delta by the warp's own loads and stores (+inf and 0 past the sequence,
 //              backward_stats.cuh), so the full barrier counts the warp's 32 arrivals and the
 //              TMA bytes. Its other warps exit.
 //   consumers  warpgroups 1 and 2 take the registers (setmaxnreg.inc 240) and own 64 keys each;

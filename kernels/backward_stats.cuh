@@ -7,9 +7,9 @@
 namespace attn {
 
 // Row r's statistics of a tile whose first row is `first` (an index into lse and delta) and which
-// has rows_left rows inside the sequence, as the backward uses them: lse in base 2 and delta, or
-// +inf and 0 for a row past the sequence or one that attended to nothing (forward lse -inf), so
-// that every probability of such a row is exp2(-inf) = 0 (see probability).
+// has rows_left rows inside the sequence, as the backward uses them: lse in base 2 and delta;
+// lse2 = +inf for a row past the sequence (delta 0 there) or one that attended to nothing
+// (forward lse -inf), so that every probability of such a row is exp2(-inf) = 0 (probability).
 __device__ __forceinline__ void row_stats(const float* lse, const float* delta, long long first, int r, int rows_left,
                                           float& lse2, float& row_delta) {
     const bool valid = r < rows_left;
@@ -17,12 +17,12 @@ __device__ __forceinline__ void row_stats(const float* lse, const float* delta, 
         ATTN_COUNT_GLOBAL(lse + first + r, 4);
         ATTN_COUNT_GLOBAL(delta + first + r, 4);
     }
-    const float row_lse = valid ? lse[first + r] : -infinity();
-    lse2 = row_lse == -infinity() ? infinity() : row_lse * kLog2e;
+    lse2 = valid ? lse[first + r] * kLog2e : -infinity();
+    lse2 = lse2 == -infinity() ? infinity() : lse2;  // after the multiply: an lse below -2.4e38 gives -inf too
     row_delta = valid ? delta[first + r] : 0.f;
 }
 
-// The per-row statistics the backward needs: lse in base 2 (or -inf) and delta.
+// The per-row statistics the backward needs (row_stats): lse in base 2 (or +inf) and delta.
 __device__ __forceinline__ void stage_row_stats(float* s_lse2, float* s_delta, const float* lse, const float* delta,
                                                 long long first_row, int m0, int block_m, int rows) {
     for (int r = threadIdx.x; r < block_m; r += kThreads) row_stats(lse, delta, first_row + m0, r, rows - m0, s_lse2[r], s_delta[r]);

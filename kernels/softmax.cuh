@@ -20,10 +20,10 @@ __device__ __forceinline__ float row_reduce_sum(float x) {
 // kMaxLag: how far (base 2) the running max may lag a row's true max, FlashAttention-4's
 // conditional rescaling. The running max moves only when a tile's max exceeds it by more than
 // kMaxLag, so probabilities reach 2^kMaxLag at most (kMaxLag = 8: no overflow in the float32
-// sums and accumulators, nor in 16-bit P) and the result is exact either way (sum and
-// accumulators share the reference). Over a long row the max soon settles and most tiles leave
-// the accumulators unscaled, which pays where a caller then skips scaling them (the tensor-core
-// forwards' rescale_rows); 0 keeps the exact running max.
+// sums and accumulators, nor in 16-bit P unless a caller scales P up, as dropout does) and the
+// result is exact either way (sum and accumulators share the reference). Over a long row the max
+// soon settles and most tiles leave the accumulators unscaled, which pays where a caller then
+// skips scaling them (the tensor-core forwards' rescale_rows); 0 keeps the exact running max.
 template <int kLanes, int kMaxLag = 0>
 struct OnlineSoftmax {
     float row_max = -infinity();  // running max of the base-2 scores seen so far (the whole row's)
@@ -73,7 +73,9 @@ struct OnlineSoftmax {
             tile_sum += s[c];
         }
         // 1 where the max stayed, 0 where it was -inf (also for a row that has seen only masked
-        // keys so far: its sum and accumulators are 0 anyway).
+        // keys so far: its sum and accumulators are 0 anyway, and a warp holding such rows, past
+        // the sequence say, scales its O; `moves ? exp2f(...) : 1.f` spilled 40 bytes in the
+        // mma.sync forward at D = 64 with mods on sm_80, NVRTC 13.5).
         const float rescale = exp2f(row_max - shift);
         row_sum = row_sum * rescale + tile_sum;
         row_max = new_max;

@@ -132,7 +132,8 @@ struct DqTile {
     }
 };
 
-// dQ += dS·K·scale from dq_products' pairs: unrolled where every dim is present, rolled else.
+// dQ += dS·K·scale from dq_products' pairs: unrolled for a tile whose rows and dims are all
+// present (every tile but a sequence's last of a head as wide as the tile), rolled else.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kSStride>
 __device__ __forceinline__ void atomic_dq(const Params& p, const BlockInfo& b, const HeadView& at, float* dq_accum,
                                           const T* ds_tile, const T* k_tile, int m0, int warp, int lane) {
@@ -149,8 +150,8 @@ __device__ __forceinline__ void atomic_dq(const Params& p, const BlockInfo& b, c
             });
         return;
     }
-    if (p.head_dim == kHeadDim) {
-        dq_products<true, T, kHeadDim, kBlockM, kBlockN, kSStride>(
+    if (p.head_dim == kHeadDim) {  // a sequence's last tile: rolled, as the clipped copy below
+        dq_products<false, T, kHeadDim, kBlockM, kBlockN, kSStride>(
             ds_tile, k_tile, warp, lane, [&](const float* pair, int row, int dim) { dq.add_pair(pair, row, dim); });
         return;
     }
@@ -183,32 +184,36 @@ __device__ __forceinline__ void add_dq_fragments(const Params& p, const DqTile& 
     }
 }
 
+// A pair of adjacent elements (columns col, col + 1 of a row of `dims`, lo and hi) to dst as Out:
+// one 8-byte (float32) or 4-byte (16-bit) store where both columns exist and rows have an even
+// number of them (pair-aligned), else element by element within the row.
+template <class Out>
+__device__ __forceinline__ void store_pair(Out* dst, int col, int dims, float lo, float hi) {
+    if (col + 1 < dims && dims % 2 == 0) {
+        ATTN_COUNT_GLOBAL(dst, 2 * sizeof(Out));
+        if constexpr (sizeof(Out) == 4) *reinterpret_cast<float2*>(dst) = make_float2(lo, hi);
+        else *reinterpret_cast<unsigned*>(dst) = pack_pair<Out>(lo, hi);
+        return;
+    }
+    if (col < dims) {
+        ATTN_COUNT_GLOBAL(dst, sizeof(Out));
+        dst[0] = from_float<Out>(lo);
+    }
+    if (col + 1 < dims) {
+        ATTN_COUNT_GLOBAL(dst + 1, sizeof(Out));
+        dst[1] = from_float<Out>(hi);
+    }
+}
+
 // Write this warp's rows of dK (times scale) and dV as Out: float32 (per query head, for a GQA
 // group's sum after) or the input type (a call without GQA: no conversion pass after). Keys n0 +
-// key0 + (g, g + 8), dims dim0 + 8d + 2t (+1), each pair as one 8-byte (float32) or 4-byte
-// (16-bit) store where both dims exist (head_dim and head_dim_v even keep the rows pair-aligned).
-// Every key row inside the sequence is written, those no query could see included (as 0).
+// key0 + (g, g + 8), dims dim0 + 8d + 2t (+1), by pairs (store_pair). Every key row inside the
+// sequence is written, those no query could see included (as 0).
 template <class Out, int kDTiles>
 __device__ __forceinline__ void store_dkdv(const Params& p, const BlockInfo& b, Out* dk_out, Out* dv_out,
                                            const float (&dk)[kDTiles][4], const float (&dv)[kDTiles][4], int n0,
                                            int key0, int dim0, int g, int t) {
     const long long key_rows = b.key_stats(p) + n0;
-    auto store = [](Out* dst, int col, int dims, float lo, float hi) {
-        if (col + 1 < dims && dims % 2 == 0) {
-            ATTN_COUNT_GLOBAL(dst, 2 * sizeof(Out));
-            if constexpr (sizeof(Out) == 4) *reinterpret_cast<float2*>(dst) = make_float2(lo, hi);
-            else *reinterpret_cast<unsigned*>(dst) = pack_pair<Out>(lo, hi);
-            return;
-        }
-        if (col < dims) {
-            ATTN_COUNT_GLOBAL(dst, sizeof(Out));
-            dst[0] = from_float<Out>(lo);
-        }
-        if (col + 1 < dims) {
-            ATTN_COUNT_GLOBAL(dst + 1, sizeof(Out));
-            dst[1] = from_float<Out>(hi);
-        }
-    };
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int key = key0 + g + 8 * r;
@@ -216,9 +221,9 @@ __device__ __forceinline__ void store_dkdv(const Params& p, const BlockInfo& b, 
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
             const int col = dim0 + d * 8 + 2 * t;
-            store(dk_out + (key_rows + key) * p.head_dim + col, col, p.head_dim, dk[d][2 * r] * p.scale,
-                  dk[d][2 * r + 1] * p.scale);
-            store(dv_out + (key_rows + key) * p.head_dim_v + col, col, p.head_dim_v, dv[d][2 * r], dv[d][2 * r + 1]);
+            store_pair(dk_out + (key_rows + key) * p.head_dim + col, col, p.head_dim, dk[d][2 * r] * p.scale,
+                       dk[d][2 * r + 1] * p.scale);
+            store_pair(dv_out + (key_rows + key) * p.head_dim_v + col, col, p.head_dim_v, dv[d][2 * r], dv[d][2 * r + 1]);
         }
     }
 }

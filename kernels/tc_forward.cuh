@@ -14,8 +14,10 @@
 namespace attn {
 
 // A lane's row in the m16n8 accumulator layout spreads over its quad; the running max lags by up
-// to 2^8 (OnlineSoftmax's kMaxLag), so that most tiles skip rescaling O (rescale_rows).
-using TcSoftmax = OnlineSoftmax<4, 8>;
+// to 8 (base 2: OnlineSoftmax's kMaxLag), so that most tiles skip rescaling O (rescale_rows).
+// Builds with dropout keep the exact max: P·V there sees P/(1 − p), which with a lagging max
+// reaches 2^8/(1 − p), past fp16's 65504 for p > 0.996.
+using TcSoftmax = OnlineSoftmax<4, kDropoutBuilt ? 0 : 8>;
 
 // This tile's scores (s: kNTiles 8-key column tiles from key n0) -> base-2 units with every
 // feature applied (-inf where masked), then probabilities by the online softmax of this lane's

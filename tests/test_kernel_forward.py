@@ -197,24 +197,42 @@ def test_fully_masked_rows_give_zero(tensor_core_kernel):
     assert not np.isnan(out.astype(np.float32)).any()
 
 
+def rising_scores(dtype):
+    """q, k, v (1, 2, 70 | 300, 64) whose scores step up by 2.6 (natural log; 3.75 base 2) every
+    64 keys and jump by 28 (40 base 2) at key 290, with little noise (scale 1/8: score ≈
+    k[..., 0])."""
+    rng = np.random.default_rng(29)
+    q, k, v = random_qkv(rng, b=1, h=2, sq=70, sk=300, d=64, dtype=np.float32)
+    q[..., 1:] *= 0.1
+    q[..., 0] = 8.0
+    k[..., 0] = 2.6 * (np.arange(300) // 64)
+    k[..., 290:, 0] += 28.0
+    return tuple(x.astype(dtype) for x in (q, k, v))
+
+
 @pytest.mark.parametrize("dtype,compute_capability", [(np.dtype(np.float32), 80), (np.dtype(np.float16), 80),
                                                       (np.dtype(np.float16), 90), (BF16, 90)],
                          ids=["cuda_cores", "mma_sync", "wgmma_fp16", "wgmma_bf16"])
 def test_running_max_that_rises_tile_after_tile(monkeypatch, dtype, compute_capability):
-    """Scores that rise along the keys (about 6, base 2, per 64 keys) and jump by 40 near the end:
-    the tensor-core forwards' online softmax moves its reference max only when a tile exceeds it
-    by more than 8 (tc_forward.cuh, TcSoftmax; the fp32 forward keeps the exact max), so some
-    tiles' probabilities are taken against a max that lags by up to 8 and others rescale O. A reference that lagged without bound would overflow P (2^16 is
-    past fp16), one that moved without rescaling O would be wrong."""
+    """rising_scores: the tensor-core forwards' online softmax moves its reference max only when a
+    tile exceeds it by more than 8 (base 2; tc_forward.cuh, TcSoftmax; the fp32 forward keeps the
+    exact max), so tiles of 64 keys (mma.sync) and of 128 (wgmma) take probabilities up to
+    2^7.5 against a lagging max and others rescale O. A max that lagged without bound would
+    overflow fp16 P (2^16), one that moved without rescaling O would be wrong."""
     monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", compute_capability)
-    rng = np.random.default_rng(29)
-    q, k, v = random_qkv(rng, b=1, h=2, sq=70, sk=300, d=64, dtype=np.float32)
-    q[..., 0] = 8.0  # scale 1/8: score ≈ k[..., 0] (natural log) plus noise
-    k[..., 0] = np.linspace(0.0, 28.0, 300)
-    k[..., 290:, 0] += 28.0
-    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    q, k, v = rising_scores(dtype)
     check(q, k, v, dtype)
     check(q, k, v, dtype, causal=True)  # rows whose keys end before the jump, and some after it
+
+
+@pytest.mark.parametrize("compute_capability", [80, 90], ids=["mma_sync", "wgmma"])
+def test_dropout_builds_keep_the_exact_running_max(monkeypatch, compute_capability):
+    """With dropout P·V sees P/(1 − p): rising_scores' lagged tiles (P = 2^7.5 for every key)
+    would give P·1000 = 1.8e5 at p = 0.999, past fp16's 65504 (inf in O). The exact max keeps
+    P <= 1."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", compute_capability)
+    q, k, v = rising_scores(np.float16)
+    check(q, k, v, np.float16, dropout_p=0.999, dropout_seed=3)
 
 
 def test_broadcast_masks_are_read_in_place():
