@@ -205,6 +205,18 @@ def test_gradients_are_written_in_the_input_type_where_nothing_is_summed_after(m
         assert np.shares_memory(written, returned) == (hkv == 3 and layout == "bhsd" and unpadded)
 
 
+@pytest.mark.parametrize("schedule", ["forward", "reverse", "warps"])
+def test_deterministic_dq_of_query_tiles_that_see_no_key(monkeypatch, tensor_core_kernel, schedule):
+    """Causal, 200 queries over 40 keys (bottom-right): the first two query tiles of 64 rows see no
+    key, so the deterministic dQ kernel's blocks for them run no key tile; their dQ rows (in the
+    input type) are written as 0 all the same (the outputs are poisoned)."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", schedule)
+    rng = np.random.default_rng(23)
+    q, k, v = random_qkv(rng, b=1, h=2, sq=200, sk=40, d=64, dtype=np.float16)
+    grads = check(rng, q, k, v, np.float16, True, causal=True)
+    assert (grads[0][:, :, :160] == 0).all()
+
+
 def test_fully_masked_rows_give_zero_gradients():
     rng = np.random.default_rng(22)
     q, k, v = random_qkv(rng, b=2, sq=90, sk=40, d=16)
