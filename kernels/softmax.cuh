@@ -73,9 +73,10 @@ struct OnlineSoftmax {
             tile_sum += s[c];
         }
         // 1 where the max stayed, 0 where it was -inf (also for a row that has seen only masked
-        // keys so far: its sum and accumulators are 0 anyway, and a warp holding such rows, past
-        // the sequence say, scales its O; `moves ? exp2f(...) : 1.f` spilled 40 bytes in the
-        // mma.sync forward at D = 64 with mods on sm_80, NVRTC 13.5).
+        // keys so far: its sum and accumulators are 0 anyway, though a warp holding such rows,
+        // past the sequence say, then scales its O). Selecting 1 outright where the max stayed,
+        // instead of exp2(0), spilled 40 bytes in the mma.sync forward at D = 64 with mods on
+        // sm_80 (NVRTC 13.5).
         const float rescale = exp2f(row_max - shift);
         row_sum = row_sum * rescale + tile_sum;
         row_max = new_max;
