@@ -116,10 +116,16 @@ struct DqTile {
     __device__ __forceinline__ void add_pair(const float* pair, int row, int dim) const {
         ptx::red_add_pair(rows + row * head_dim + dim, pair[0] * scale, pair[1] * scale, row < rows_left);
     }
-    // For a tile whose rows are all inside the sequence: no predicate (ptxas branches around each
-    // predicated reduction); at is the pair's address.
-    __device__ __forceinline__ void add_pair_interior(const float* pair, float* at) const {
-        ptx::red_add_pair(at, pair[0] * scale, pair[1] * scale, true);
+    // add_pair for a tile whose rows are all inside the sequence and a thread whose pairs lie at
+    // (row0, dim0) and beyond: no predicate (ptxas branches around each predicated reduction), and
+    // rows kHeadDim apart from one base address, so that the pairs' offsets are constants (the
+    // reductions' immediates, no 64-bit address arithmetic per pair).
+    template <int kHeadDim>
+    __device__ __forceinline__ auto interior_adder(int row0, int dim0) const {
+        float* base = rows + row0 * kHeadDim + dim0;
+        return [base, row0, dim0, s = scale](const float* pair, int row, int dim) {
+            ptx::red_add_pair(base + (row - row0) * kHeadDim + (dim - dim0), pair[0] * s, pair[1] * s, true);
+        };
     }
     __device__ __forceinline__ void add_clipped(const float* pair, int row, int dim) const {
 #pragma unroll
@@ -139,15 +145,11 @@ __device__ __forceinline__ void atomic_dq(const Params& p, const BlockInfo& b, c
                                           const T* ds_tile, const T* k_tile, int m0, int warp, int lane) {
     const DqTile dq(p, b, at, dq_accum, m0);
     if (p.head_dim == kHeadDim && dq.rows_left >= kBlockM) {
-        // Every row inside the sequence: as add_dq_fragments, one base address per thread (its
-        // first row and dim in dq_products) and constant offsets from it.
+        // Every row inside the sequence; the thread's first row and dim in dq_products.
         constexpr int kRowGroups = kBlockM / 16;
         const int row0 = (warp % kRowGroups) * 16 + lane / 4, dim0 = 16 * (warp / kRowGroups) + 2 * (lane % 4);
-        float* base = dq.rows + row0 * kHeadDim + dim0;
-        dq_products<true, T, kHeadDim, kBlockM, kBlockN, kSStride>(
-            ds_tile, k_tile, warp, lane, [&](const float* pair, int row, int dim) {
-                dq.add_pair_interior(pair, base + (row - row0) * kHeadDim + (dim - dim0));
-            });
+        dq_products<true, T, kHeadDim, kBlockM, kBlockN, kSStride>(ds_tile, k_tile, warp, lane,
+                                                                   dq.interior_adder<kHeadDim>(row0, dim0));
         return;
     }
     if (p.head_dim == kHeadDim) {  // a sequence's last tile: rolled, as the clipped copy below
@@ -173,12 +175,7 @@ __device__ __forceinline__ void add_dq_fragments(const Params& p, const DqTile& 
     if (p.head_dim != kHeadDim) {
         each_pair([&](const float* pair, int row, int dim) { dq.add_clipped(pair, row, dim); });
     } else if (dq.rows_left >= kTileRows) {
-        // Rows kHeadDim apart: one base address per thread, the pairs' offsets from it constants
-        // (immediates of the reductions, no 64-bit address arithmetic per pair).
-        float* base = dq.rows + (row0 + g) * kHeadDim + dim0 + 2 * t;
-        each_pair([&](const float* pair, int row, int dim) {
-            dq.add_pair_interior(pair, base + (row - row0 - g) * kHeadDim + (dim - dim0 - 2 * t));
-        });
+        each_pair(dq.interior_adder<kHeadDim>(row0 + g, dim0 + 2 * t));
     } else {
         each_pair([&](const float* pair, int row, int dim) { dq.add_pair(pair, row, dim); });
     }
