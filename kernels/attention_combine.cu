@@ -7,9 +7,9 @@
 // lane accumulates the output dims lane, lane + 32, ... (a warp reads 32 consecutive elements
 // of a part's row at a time).
 //
-// Numerics: the running max shifts the scores (no overflow, whatever the lse magnitudes), and a
-// row whose parts so far are all −inf shifts by 0 instead of −inf (OnlineSoftmax::update), so
-// exp2(−inf − −inf) = NaN never appears. A part with lse_p = −inf saw no keys: its weight is
+// Numerics: the running max shifts the scores (no overflow, whatever the lse magnitudes), and it
+// starts from the lowest float, not −inf (OnlineSoftmax::row_max), so a row whose parts so far
+// are all −inf shifts by a finite amount and exp2(−inf − −inf) = NaN never appears. A part with lse_p = −inf saw no keys: its weight is
 // exp2(−inf) = 0, and it is skipped by a select rather than multiplied by 0, so whatever its out
 // holds (garbage, NaN, inf) cannot leak into the result. A row whose parts are all −inf gives
 // out 0 and lse −inf (OnlineSoftmax::inverse_sum and ::lse).

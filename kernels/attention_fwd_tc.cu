@@ -111,6 +111,7 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
 
     int n_begin, n_end;
     b.key_tiles(p, m0, kBlockM, kBlockN, &n_begin, &n_end);
+    const TileSpan interior = b.interior_key_tiles(p, m0, kBlockM, kBlockN);
     auto stage_keys = [&](int n_block) {
         const int stage = pipeline_stage<2>(n_block, n_begin);
         stage_async<kBlockN, kHeadDim>(stage_k(stage), k + at.k, at.k_row, n_block * kBlockN, b.kv_rows(p), p.head_dim, vk);
@@ -141,7 +142,7 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
             for (int j = 0; j < kNTiles; ++j) s[m][j][0] = s[m][j][1] = s[m][j][2] = s[m][j][3] = 0.f;
         mma_rows_by_rows<T, kStride, kHeadDim / 16>(s, sQ, warp * 16, sK, lane);
 
-        const int checks = b.tile_checks(p, m0, kBlockM, n0, kBlockN);
+        const int checks = b.tile_checks(p, interior.contains(n_block), blockIdx.x, n_block);
 #pragma unroll
         for (int m = 0; m < kRowTiles; ++m)
             softmax_tile(s[m], o[m], softmax[m], p, b, score, dropout, row_lo + 64 * m, n0, t, checks);

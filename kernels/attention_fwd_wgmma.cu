@@ -159,6 +159,7 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse,
     unsigned(&pa_flat)[kBlockN / 4] = reinterpret_cast<unsigned(&)[kBlockN / 4]>(pa);
     float rescale[2];
     StageCursor<kKvStages> k_at, v_at;
+    const TileSpan interior = b.interior_key_tiles(p, m0, kBlockM, kBlockN);
 
     // Turns: a group waits on its own barrier (its 128 threads sync, the other group's 128 arrive)
     // before issuing a tile's products, and hands the turn over once they are issued. Group 1
@@ -205,7 +206,7 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse,
         k_at.advance();
         const int n0 = n_block * kBlockN;
         softmax_scores(s, rescale, softmax, p, b, score, dropout, row_lo, n0, t,
-                       b.tile_checks(p, m0, kBlockM, n0, kBlockN));
+                       b.tile_checks(p, interior.contains(n_block), blockIdx.x, n_block));
     };
     auto pack_p = [&] {
 #pragma unroll

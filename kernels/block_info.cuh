@@ -88,6 +88,15 @@ enum { kCausalNone = 0, kCausalBottomRight = 1, kCausalTopLeft = 2 };
 // What a tile's scores must be checked for (BlockInfo::tile_checks, ScoreTransform).
 enum { kCheckStructure = 1, kCheckMods = 2 };
 
+// A range [begin, end) of tile indices (empty when end <= begin).
+struct TileSpan {
+    int begin, end;
+    __device__ __forceinline__ bool contains(int tile) const { return begin <= tile && tile < end; }
+};
+
+// a / b rounded towards -inf, for b > 0 (C++ division rounds towards 0).
+__device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
 // How far right of the diagonal a row may look: min(window right, 0 if causal); -1 if unbounded.
 __device__ __forceinline__ int right_reach(const Params& p) {
     if (!p.causal) return p.window_right;
@@ -197,20 +206,56 @@ struct BlockInfo {
         return inside;
     }
 
+    // The key tiles n of block_n keys whose tile with the rows [m0, m0 + block_m) is interior
+    // (tile_is_interior(p, m0, block_m, n·block_n, block_n)): a contiguous range, worked out once
+    // per block, so that a forward's tile tests two comparisons (tile_is_interior per tile took
+    // about 11 instructions of the wgmma forward's loop, NVRTC 13.5). The backwards test
+    // tile_is_interior per tile: ptxas keeps it off their fastest paths, and the span lengthened
+    // them by 2-3 % (bench/RESULTS.md, 2026-12-01).
+    __device__ __forceinline__ TileSpan interior_key_tiles(const Params& p, int m0, int block_m, int block_n) const {
+        const int m1 = m0 + block_m - 1;
+        TileSpan span{0, m1 < q_len ? kv_len / block_n : 0};  // every row valid; n·bn + bn - 1 < kv_len
+        const int right = right_reach(p);
+        // n·bn + bn - 1 <= m0 + off + right, i.e. n < floor((m0 + off + right + 1) / bn)
+        if (right >= 0) span.end = min(span.end, floor_div(m0 + diag_offset + right + 1, block_n));
+        // n·bn >= m1 + off - left, i.e. n >= ceil((m1 + off - left) / bn)
+        if (p.window_left >= 0) span.begin = -floor_div(-(m1 + diag_offset - p.window_left), block_n);
+        return span;
+    }
+
     // The checks the scores of the tile at (m0, n0) need: the structure on boundary tiles, the
     // mask_mod (where one is compiled in) unless a block mask knows the tile to be full. 0 for an
     // interior tile of a call without a mask_mod, which the softmax takes as its unchecked copy.
     __device__ __forceinline__ int tile_checks(const Params& p, int m0, int block_m, int n0, int block_n) const {
         int checks = tile_is_interior(p, m0, block_m, n0, block_n) ? 0 : kCheckStructure;
 #if ATTN_BLOCK_MASK
-        const long long tile = (static_cast<long long>(bidb * p.heads + bidh) * p.block_m_tiles + m0 / block_m) *
-                               p.block_n_tiles + n0 / block_n;
-        if (!p.block_full[tile]) checks |= kCheckMods;
+        if (!block_full(p, m0 / block_m, n0 / block_n)) checks |= kCheckMods;
 #elif ATTN_MASK_MOD
         checks |= kCheckMods;
 #endif
         return checks;
     }
+    // The same for the tile (m_tile, n_tile) of a forward, which knows whether it is interior
+    // from interior_key_tiles. (Written out rather than called by the form above: passing
+    // tile_is_interior's answer through made ptxas lengthen the dK/dV paths by 2-3 %, NVRTC 13.5.)
+    __device__ __forceinline__ int tile_checks(const Params& p, bool interior, int m_tile, int n_tile) const {
+        int checks = interior ? 0 : kCheckStructure;
+#if ATTN_BLOCK_MASK
+        if (!block_full(p, m_tile, n_tile)) checks |= kCheckMods;
+#elif ATTN_MASK_MOD
+        checks |= kCheckMods;
+#endif
+        return checks;
+    }
+
+#if ATTN_BLOCK_MASK
+    // Whether the block mask knows tile (m_tile, n_tile) of this (entry, head) to be full (no
+    // mask_mod to apply).
+    __device__ __forceinline__ bool block_full(const Params& p, int m_tile, int n_tile) const {
+        return p.block_full[(static_cast<long long>(bidb * p.heads + bidh) * p.block_m_tiles + m_tile) *
+                                p.block_n_tiles + n_tile];
+    }
+#endif
 };
 
 // Where one (batch entry, head) starts in q, k, v and the fourth tensor (out or dout), in

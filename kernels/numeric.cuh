@@ -10,6 +10,7 @@ constexpr float kLog2e = 1.4426950408889634f;  // exp(x) = exp2(x · log2 e)
 constexpr float kLn2 = 0.6931471805599453f;    // ln(x) = log2(x) · ln 2
 
 __device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
+constexpr float kFloatMax = 3.4028234663852886e38f;  // the largest finite float
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }

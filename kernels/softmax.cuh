@@ -26,7 +26,13 @@ __device__ __forceinline__ float row_reduce_sum(float x) {
 // skips scaling them (the tensor-core forwards' rescale_rows); 0 keeps the exact running max.
 template <int kLanes, int kMaxLag = 0>
 struct OnlineSoftmax {
-    float row_max = -infinity();  // running max of the base-2 scores seen so far (the whole row's)
+    // Running max of the base-2 scores seen so far (the whole row's), from the lowest float
+    // rather than -inf: a row that has seen only masked keys (-inf) then shifts by a finite
+    // amount, exp2(-inf - lowest) = 0, with no test per tile against exp2(-inf - -inf) = NaN,
+    // and its rescale factor is exp2(0) = 1, so that a warp holding such rows (past the
+    // sequence) may skip rescaling its O. A finite score never stays below it (x > lowest + lag
+    // for every float above lowest), so every real max is as before.
+    float row_max = -kFloatMax;
     // Running sum of exp2(score - row_max): over this lane's columns only until gather_sum, then
     // over the row. Every lane rescales its share by the same factor, so the shuffles that add
     // the shares are paid once per row, not once per tile (as FlashAttention-2 does).
@@ -40,12 +46,12 @@ struct OnlineSoftmax {
     // Fold an attention sink into the gathered row: a base-2 logit that joins the denominator
     // with no value attached (gpt-oss). After the key loop, so the loop carries no trace of it.
     // Returns the factor by which the row's accumulator must be scaled to the new max (1 without
-    // a sink, sink2 = -inf). A row that attended nothing (max -inf, sum 0) gets max = sink,
-    // sum = 1: out 0, lse = sink.
+    // a sink, sink2 = -inf). A row that attended nothing (max the lowest float, sum 0) gets
+    // max = sink, sum = 1: out 0, lse = sink.
     __device__ __forceinline__ float add_sink(float sink2) {
         if (sink2 == -infinity()) return 1.f;
         const float new_max = fmaxf(row_max, sink2);
-        const float rescale = exp2f(row_max - new_max);  // 0 when row_max is -inf
+        const float rescale = exp2f(row_max - new_max);  // 0 when the row attended nothing
         row_sum = row_sum * rescale + exp2f(sink2 - new_max);
         row_max = new_max;
         return rescale;
@@ -64,20 +70,19 @@ struct OnlineSoftmax {
         for (int c = 0; c < kCols; ++c) tile_max = fmaxf(tile_max, s[c]);
         tile_max = row_reduce_max<kLanes>(tile_max) * scale;
         const float new_max = kMaxLag == 0 ? fmaxf(row_max, tile_max) : tile_max > row_max + kMaxLag ? tile_max : row_max;
-        // A row that has seen only masked keys has max -inf: shift by 0 instead, or
-        // exp2(-inf - -inf) = NaN. Its probabilities are exp2(-inf) = 0 either way.
-        const float shift = new_max == -infinity() ? 0.f : new_max;
-        float tile_sum = 0.f;
-        for (int c = 0; c < kCols; ++c) {
-            s[c] = exp2f(fmaf(s[c], scale, -shift));
+        // The sum starts from the first probability: from 0.f it would cost an add (0 + x is
+        // not x for x = -0, so the compiler keeps it).
+        s[0] = exp2f(fmaf(s[0], scale, -new_max));
+        float tile_sum = s[0];
+        for (int c = 1; c < kCols; ++c) {
+            s[c] = exp2f(fmaf(s[c], scale, -new_max));
             tile_sum += s[c];
         }
-        // 1 where the max stayed, 0 where it was -inf (also for a row that has seen only masked
-        // keys so far: its sum and accumulators are 0 anyway, though a warp holding such rows,
-        // past the sequence say, then scales its O). Selecting 1 outright where the max stayed,
+        // 1 where the max stayed (also for a row that has seen only masked keys so far), else
+        // the factor from the old max to the new. Selecting 1 outright where the max stayed,
         // instead of exp2(0), spilled 40 bytes in the mma.sync forward at D = 64 with mods on
         // sm_80 (NVRTC 13.5).
-        const float rescale = exp2f(row_max - shift);
+        const float rescale = exp2f(row_max - new_max);
         row_sum = row_sum * rescale + tile_sum;
         row_max = new_max;
         return rescale;
