@@ -26,6 +26,13 @@ NVRTC_OPTIONS = ("-std=c++17",)
 CUPY_ADDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
 
 
+# The SASS audit's model of a boundary tile (kernels/block_info.cuh ATTN_BOUNDARY_TILES): a build
+# that takes every key tile as one on the causal diagonal, a window's edge or a sequence's end, so
+# that the hot loop's fastest path is the masked copy's (`python -m cupy_attn kernels --sass
+# --boundary`). Never given to a build that runs.
+BOUNDARY_MODEL_OPTIONS = ("-DATTN_BOUNDARY_TILES=1",)
+
+
 def feature_options(features: int, packed: bool = False) -> tuple:
     """The -D that build a module for a set of score features (kernels/mask.cuh) and a batch
     layout (kernels/block_info.cuh: padded, or packed for attention_varlen)."""

@@ -184,6 +184,10 @@ def _common_args(problem: Problem, q, k, v, fourth, tiles: tuple | None = None) 
     slopes = p.xp.zeros(1, np.float32) if p.alibi_slopes is None else p.xp.ascontiguousarray(p.alibi_slopes, dtype=np.float32)
     sinks = p.xp.zeros(1, np.float32) if p.sinks is None else p.xp.ascontiguousarray(p.sinks, dtype=np.float32)
     left, right = p.window if p.window is not None else (None, None)
+    # A side wider than both sequences reaches every key: clamped there, so that the kernels' band
+    # arithmetic (row + offset ± side, BlockInfo::key_band) cannot overflow an int.
+    reach = p.seq_q + p.seq_k
+    left, right = (None if side is None else min(side, reach) for side in (left, right))
     drop = p.dropout
     dropout = ((np.uint64(0), np.uint32(0), np.uint32(0), F32(1.0)) if drop is None else
                (np.uint64(drop.seed), np.uint32(drop.offset), np.uint32(drop.threshold), F32(drop.scale)))
@@ -368,10 +372,11 @@ def _per_head(problem: Problem, rows: int, dims: int, zeroed: bool = False, dtyp
     return xp.zeros(shape, dtype) if zeroed else _empty(xp, shape, dtype)
 
 
-def _from_per_head(problem: Problem, x, dtype, *, sum_groups: bool = False):
+def _from_per_head(problem: Problem, x, dtype, *, sum_groups: bool = False, scale: float | None = None):
     """A per-head buffer (`_per_head`, float32 or the input type; with sum_groups, summed over
-    each GQA group to one kv head) -> the caller's layout and dtype, contiguous (the buffer
-    itself where it already is)."""
+    each GQA group to one kv head; with scale, multiplied by it in float32 on the way) -> the
+    caller's layout and dtype, contiguous (the buffer itself where it already is and nothing is
+    scaled)."""
     p, xp = problem, problem.xp
     if sum_groups and p.groups > 1:
         grouped = x.shape[:-3] + (p.kv_heads, p.groups) + x.shape[-2:]
@@ -380,7 +385,12 @@ def _from_per_head(problem: Problem, x, dtype, *, sum_groups: bool = False):
         x = x.transpose(1, 0, 2)
     elif p.layout == "bshd":
         x = x.transpose(0, 2, 1, 3)
-    return xp.ascontiguousarray(x.astype(dtype, copy=False))
+    if scale is None:
+        return xp.ascontiguousarray(x.astype(dtype, copy=False))
+    # One pass: the product in float32, rounded once to dtype as it is stored.
+    out = xp.empty(x.shape, dtype=dtype)
+    xp.multiply(x, np.float32(scale), out=out, casting="same_kind")
+    return out
 
 
 def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, deterministic: bool):
@@ -399,7 +409,11 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
 
     # dQ: summed by atomics in float32 (zero-initialised), or written once per row by the
     # deterministic dQ kernel, the tensor-core one in the input type (no conversion pass after;
-    # the dK/dV kernels then take dq as their float32 dq_accum and leave it untouched).
+    # the dK/dV kernels then take dq as their float32 dq_accum and leave it untouched). The
+    # tensor-core dK/dV kernels add dS·K unscaled, and the conversion pass multiplies by the scale
+    # (FlashAttention's dQ postprocessing): a multiplication per dQ element once, instead of one
+    # per element per key block in their hot loops (32 of the D = 64 mma.sync kernel's 673
+    # instructions per tile on sm_90, NVRTC 13.5).
     # dK, dV per query head: in the input type where each is one kv head's (no GQA group to sum),
     # else in float32, each GQA group summed at the end.
     rows_k = p.packing.total_k if p.packing is not None else sk
@@ -454,7 +468,9 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
             common = _common_args(p, q, k, v, dout, (dq_tile.dq_block_m, dq_tile.block_n))
             _launch(target, "attention_bwd_tc.cu", dq_tile.dq_name(p.dtype), (_blocks(sq, dq_tile.dq_block_m), h, b),
                     (q, k, v, dout, lse, delta, dq, vectorised, *common), dq_tile.dq_shared_bytes, **module)
-    grads = (_from_per_head(p, dq, p.dtype), _from_per_head(p, dk, p.dtype, sum_groups=True),
+    dq_unscaled = not deterministic and not isinstance(tile, _config.BackwardTile)
+    grads = (_from_per_head(p, dq, p.dtype, scale=p.scale if dq_unscaled else None),
+             _from_per_head(p, dk, p.dtype, sum_groups=True),
              _from_per_head(p, dv, p.dtype, sum_groups=True))
     if p.sinks is None:
         return grads

@@ -131,6 +131,20 @@ def memory(args) -> int:
     return 0
 
 
+def boundary_tile_report(filename: str, name: str, arch: str) -> dict:
+    """The hot loop of a boundary tile (causal diagonal, window edge, sequence end) of a plain
+    build: its fastest path in the build that takes every tile as one
+    (_compile.BOUNDARY_MODEL_OPTIONS)."""
+    from . import _compile, _config, _nvrtc, _sass
+
+    c, _ = _nvrtc.compile_kernel_least_spills(_compile.kernel_source(filename), name, arch,
+                                              _compile.gpu_build_options(filename, _config.PLAIN_FEATURES)
+                                              + _compile.BOUNDARY_MODEL_OPTIONS)
+    report = _sass.hot_loop_report(*_sass.disassemble(c.cubin), arch)
+    return {"boundary_path_instructions": report.path_instructions,
+            "boundary_issue_per_tensor": round(report.issue_per_tensor, 3)}
+
+
 def kernels(args) -> int:
     from . import _compile, _config, _nvrtc, _sass
 
@@ -152,6 +166,8 @@ def kernels(args) -> int:
                    "advisories": _sass.advisories(c.log)}
             if args.sass:
                 row.update(_sass.hot_loop_report(*_sass.disassemble(c.cubin), arch).as_row())
+                if args.boundary and features == "plain" and row["issue_per_tensor"] is not None:
+                    row.update(boundary_tile_report(filename, name, arch))
             rows.append(row)
             if args.ptx_dir:
                 args.ptx_dir.mkdir(parents=True, exist_ok=True)
@@ -163,6 +179,7 @@ def kernels(args) -> int:
         print(f"NVRTC {_nvrtc.version()}")
         sass = f" {'loop':>5} {'path':>5} {'tensor':>6} {'ldsm':>4} {'lds':>4} {'sts':>4} {'ldgsts':>6} {'tma':>3} {'bar':>3} " \
                f"{'mufu':>4} {'atom':>4} {'issue/tensor':>12}" if args.sass else ""
+        sass += f" {'boundary':>8}" if args.sass and args.boundary else ""
         print(f"{'kernel':<58} {'features':<8} {'arch':<7} {'regs':>4} {'spill st':>8} {'spill ld':>8} {'stack':>5} {'static smem':>11} "
               f"{'s':>6}{sass}")
         for r in rows:
@@ -173,6 +190,8 @@ def kernels(args) -> int:
                 line += (f" {r['loop_instructions']:>5} {r['path_instructions']:>5} {sum(r['tensor_instructions'].values()):>6} "
                          f"{r['ldsm']:>4} {r['lds']:>4} {r['sts']:>4} {r['ldgsts']:>6} {r['tma']:>3} {r['bar']:>3} {r['mufu']:>4} "
                          f"{r['atomics']:>4} {ratio:>12}")
+                if "boundary_issue_per_tensor" in r:
+                    line += f" {r['boundary_issue_per_tensor']:>8.2f}"
             print(line)
             for advisory in r["advisories"]:
                 print(f"    ptxas: {advisory}")
@@ -194,6 +213,10 @@ def main(argv=None) -> int:
     k.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"], choices=("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a"))
     k.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     k.add_argument("--ptx-dir", type=Path, help="write each variant's PTX here")
+    k.add_argument("--boundary", action="store_true",
+                   help="with --sass: also model each plain tensor-core build's boundary tiles (the causal "
+                        "diagonal, a window's edges, a sequence's end), whose scores are masked: "
+                        "boundary_path_instructions and boundary_issue_per_tensor")
     k.add_argument("--features", nargs="+", default=["plain", "all", "dropout"], choices=("plain", "all", "dropout"),
                    help="score-feature builds to compile (a call runs the build of exactly its features): plain (no "
                         "softcap, ALiBi, mask or dropout), all (softcap, ALiBi and a float mask) and dropout (Philox "

@@ -13,8 +13,9 @@
 //   Pᵀ = exp2(s - lse), dSᵀ = Pᵀ ∘ (dPᵀ - delta) · softcap'   (in registers)
 //   dV += Pᵀ·dO, dK += dSᵀ·Q            (Pᵀ and dSᵀ re-packed as A operands; dO and Q
 //                                         read transposed with ldmatrix .trans)
-//   dQ += dS·K·scale                     (dS through shared memory; float32 atomics) unless the
-//                                         deterministic dQ kernel runs after.
+//   dQ += dS·K                           (dS through shared memory; float32 atomics, unscaled:
+//                                         the launcher's conversion multiplies by the scale) unless
+//                                         the deterministic dQ kernel runs after.
 // P and dS are rounded to the input type before their MMAs, as in FlashAttention-2.
 //
 // attention_bwd_dq_tc is the deterministic dQ on tensor cores: one block of 4 warps per 64 query
@@ -271,7 +272,8 @@ attention_bwd_dq_tc(const T* q, const T* k, const T* v, const T* dout, const flo
 // (kBlockN rows) of kHeadDim + 8 16-bit elements, dS (kBlockM x (kBlockN + 8), 16-bit), kStages
 // x (Q, dO (kBlockM rows of kHeadDim + 8), lse and delta (kBlockM floats each)), and with
 // kBlockN < 64 the warps' partial sums of Sᵀ and dPᵀ (4 x 2 x kBlockM x 16 floats). dk_out,
-// dv_out: per query head, float32 or, with dkdv_in_input_type (no GQA group to sum), T.
+// dv_out: per query head, float32 or, with dkdv_in_input_type (no GQA group to sum), T. With
+// accumulate_dq, dS·K (without the scale) is added to dq_accum (float32, per query head, zeroed).
 // vectorised: bits 0-3 for q, k, v, dout rows copyable in 16-byte chunks.
 // minBlocksPerSM = 1 lets ptxas use up to 255 registers: dK and dV stay in registers, unspilled.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kStages>

@@ -20,10 +20,11 @@
 //   Pᵀ, dSᵀ                     in registers
 //   dV += Pᵀ·dO, dK += dSᵀ·Q    wgmma RS: Pᵀ and dSᵀ from registers, dO and Q MN-major from the
 //                               same boxes (no transpose); up to 128 head dims per instruction
-//   dQ += dS·K·scale            wgmma SS over its 64 keys: dS as the packed dSᵀ registers store
+//   dQ += dS·K                  wgmma SS over its 64 keys: dS as the packed dSᵀ registers store
 //                               it (keys x queries, one swizzled box per group, two buffers:
 //                               one named barrier per tile), an MN-major A operand; K MN-major;
-//                               float32 reductions of pairs, unless the deterministic dQ kernel
+//                               float32 reductions of pairs (unscaled: the launcher's conversion
+//                               multiplies by the scale), unless the deterministic dQ kernel
 //                               runs after (each group adds its keys' share: no group waits for
 //                               the other)
 // and releases the stage once its dK, dV products are in. The groups never wait for each other
@@ -395,8 +396,9 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
 // batch) with 128-byte swizzle and boxes of 64 head dims x kBlockM query rows (q, dout) or 128
 // keys (k, v); dk_map, dv_map: of dK, dV per query head (head dims, keys, heads, batch), float32
 // or, with dkdv_in_input_type (no GQA group to sum), T; 128-byte swizzle, boxes of one 128-byte
-// line (32 or 64 dims) x 64 keys. Those six are read and written
-// through them only (the pointers and strides of q, k, v and dout in ATTN_PARAMS go unused).
+// line (32 or 64 dims) x 64 keys. Those six are read and written through them only (the pointers
+// and strides of q, k, v and dout in ATTN_PARAMS go unused). With accumulate_dq, dS·K (without the
+// scale) is added to dq_accum (float32, per query head, zeroed).
 // Compiled for sm_90a only.
 template <class T, int kHeadDim, int kBlockM>
 __global__ void __launch_bounds__(attn::kBwdThreads, 1)

@@ -88,6 +88,18 @@ enum { kCausalNone = 0, kCausalBottomRight = 1, kCausalTopLeft = 2 };
 // What a tile's scores must be checked for (BlockInfo::tile_checks, ScoreTransform).
 enum { kCheckStructure = 1, kCheckMods = 2 };
 
+// 1 only in the SASS audit's model of a boundary tile (cupy_attn/_compile.py
+// BOUNDARY_MODEL_OPTIONS): every tile taken as a boundary tile, so that the hot loop's fastest
+// path is the masked copy's. Never set in a build that runs.
+#ifndef ATTN_BOUNDARY_TILES
+#define ATTN_BOUNDARY_TILES 0
+#endif
+
+// The keys [begin, end) one query row attends (BlockInfo::key_band; empty when end <= begin).
+struct KeyBand {
+    int begin, end;
+};
+
 // A range [begin, end) of tile indices (empty when end <= begin).
 struct TileSpan {
     int begin, end;
@@ -140,6 +152,16 @@ struct BlockInfo {
     __device__ __forceinline__ long long key_stats(const Params& p) const {
         return kPacked ? static_cast<long long>(bidh) * p.total_k + kv_origin(p)
                        : (static_cast<long long>(bidb) * p.heads + bidh) * p.seq_k;
+    }
+
+    // The keys row i attends, [begin, end): inside the lengths (none for a row past q_len), the
+    // causal diagonal and the window.
+    __device__ __forceinline__ KeyBand key_band(const Params& p, int i) const {
+        const int diag = i + diag_offset;
+        KeyBand band{p.window_left >= 0 ? diag - p.window_left : 0, i < q_len ? kv_len : 0};
+        const int right = right_reach(p);
+        if (right >= 0) band.end = min(band.end, diag + right + 1);
+        return band;
     }
 
     // Keys [*begin, *end) that any of the rows [m0, m0 + block_m) may attend.
@@ -227,7 +249,7 @@ struct BlockInfo {
     // mask_mod (where one is compiled in) unless a block mask knows the tile to be full. 0 for an
     // interior tile of a call without a mask_mod, which the softmax takes as its unchecked copy.
     __device__ __forceinline__ int tile_checks(const Params& p, int m0, int block_m, int n0, int block_n) const {
-        int checks = tile_is_interior(p, m0, block_m, n0, block_n) ? 0 : kCheckStructure;
+        int checks = tile_is_interior(p, m0, block_m, n0, block_n) && !ATTN_BOUNDARY_TILES ? 0 : kCheckStructure;
 #if ATTN_BLOCK_MASK
         if (!block_full(p, m0 / block_m, n0 / block_n)) checks |= kCheckMods;
 #elif ATTN_MASK_MOD
@@ -239,7 +261,7 @@ struct BlockInfo {
     // from interior_key_tiles. (Written out rather than called by the form above: passing
     // tile_is_interior's answer through made ptxas lengthen the dK/dV paths by 2-3 %, NVRTC 13.5.)
     __device__ __forceinline__ int tile_checks(const Params& p, bool interior, int m_tile, int n_tile) const {
-        int checks = interior ? 0 : kCheckStructure;
+        int checks = interior && !ATTN_BOUNDARY_TILES ? 0 : kCheckStructure;
 #if ATTN_BLOCK_MASK
         if (!block_full(p, m_tile, n_tile)) checks |= kCheckMods;
 #elif ATTN_MASK_MOD

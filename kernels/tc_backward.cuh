@@ -100,21 +100,20 @@ __device__ __forceinline__ void dq_products(const T* ds_tile, const T* k_tile, i
 }
 
 // dQ of query tile m0 in float32 (dq_accum), to which pairs of products (dims dim, dim + 1 of a
-// row; row relative to m0) are added times scale: with every dim present (head_dim = kHeadDim,
+// row; row relative to m0) are added unscaled (dS·K: the launcher's conversion of dq_accum to the
+// caller's type multiplies by the scale once, not each key block's products): with every dim present (head_dim = kHeadDim,
 // even, so each pair is 8-byte aligned) one 8-byte reduction per pair, predicated on its row being
 // inside the sequence (add_pair); else element by element inside the sequence and the head
 // (add_clipped).
 struct DqTile {
     float* rows;  // row m0 of this head's dQ
     int rows_left, head_dim;
-    float scale;
 
     __device__ __forceinline__ DqTile(const Params& p, const BlockInfo& b, const HeadView& at, float* dq_accum, int m0)
-        : rows(dq_accum + (at.stats + m0) * p.head_dim), rows_left(b.q_rows(p) - m0), head_dim(p.head_dim),
-          scale(p.scale) {}
+        : rows(dq_accum + (at.stats + m0) * p.head_dim), rows_left(b.q_rows(p) - m0), head_dim(p.head_dim) {}
 
     __device__ __forceinline__ void add_pair(const float* pair, int row, int dim) const {
-        ptx::red_add_pair(rows + row * head_dim + dim, pair[0] * scale, pair[1] * scale, row < rows_left);
+        ptx::red_add_pair(rows + row * head_dim + dim, pair[0], pair[1], row < rows_left);
     }
     // add_pair for a tile whose rows are all inside the sequence and a thread whose pairs lie at
     // (row0, dim0) and beyond: no predicate (ptxas branches around each predicated reduction), and
@@ -123,8 +122,8 @@ struct DqTile {
     template <int kHeadDim>
     __device__ __forceinline__ auto interior_adder(int row0, int dim0) const {
         float* base = rows + row0 * kHeadDim + dim0;
-        return [base, row0, dim0, s = scale](const float* pair, int row, int dim) {
-            ptx::red_add_pair(base + (row - row0) * kHeadDim + (dim - dim0), pair[0] * s, pair[1] * s, true);
+        return [base, row0, dim0](const float* pair, int row, int dim) {
+            ptx::red_add_pair(base + (row - row0) * kHeadDim + (dim - dim0), pair[0], pair[1], true);
         };
     }
     __device__ __forceinline__ void add_clipped(const float* pair, int row, int dim) const {
@@ -132,13 +131,13 @@ struct DqTile {
         for (int h = 0; h < 2; ++h) {
             if (row < rows_left && dim + h < head_dim) {
                 ATTN_COUNT_GLOBAL(rows + row * head_dim + dim + h, 4);
-                atomicAdd(rows + row * head_dim + dim + h, pair[h] * scale);
+                atomicAdd(rows + row * head_dim + dim + h, pair[h]);
             }
         }
     }
 };
 
-// dQ += dS·K·scale from dq_products' pairs: unrolled for a tile whose rows and dims are all
+// dQ += dS·K (unscaled: DqTile) from dq_products' pairs: unrolled for a tile whose rows and dims are all
 // present (every tile but a sequence's last of a head as wide as the tile), rolled else.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kSStride>
 __device__ __forceinline__ void atomic_dq(const Params& p, const BlockInfo& b, const HeadView& at, float* dq_accum,
@@ -162,7 +161,7 @@ __device__ __forceinline__ void atomic_dq(const Params& p, const BlockInfo& b, c
 }
 
 // dQ += a warp's products in the m16n8 accumulator layout (rows row0 + g and + 8, dims dim0 + 8d
-// + 2t and + 1), times scale, for a tile of kTileRows rows.
+// + 2t and + 1), unscaled (DqTile), for a tile of kTileRows rows.
 template <int kHeadDim, int kTileRows, int kDTiles>
 __device__ __forceinline__ void add_dq_fragments(const Params& p, const DqTile& dq, const float (&frag)[kDTiles][4],
                                                  int row0, int dim0, int g, int t) {
