@@ -197,6 +197,23 @@ def test_fully_masked_rows_give_zero(tensor_core_kernel):
     assert not np.isnan(out.astype(np.float32)).any()
 
 
+def test_rows_whose_first_key_tiles_are_all_masked(tensor_core_kernel):
+    """The online softmax starts its running max from the lowest float, not -inf (softmax.cuh):
+    rows whose first 150 keys are masked (2 tiles of 64 or 1 of 128 and part of the next with
+    nothing to attend) then attend the rest; rows whose every score is a finite -1e38 (below any
+    real score, above the start) weigh their keys evenly, as the reference does; a row that
+    attends nothing gives 0. A start that stayed put on a finite score, or that shifted by -inf,
+    fails here (NaN, inf or 0 rows)."""
+    rng = np.random.default_rng(17)
+    q, k, v = random_qkv(rng, b=1, h=2, sq=70, sk=300, d=64, dtype=np.float16)
+    mask = np.zeros((1, 1, 70, 300), np.float32)
+    mask[..., :35, :150] = -np.inf
+    mask[..., 35:40, :] = -1e38
+    mask[..., 40, :] = -np.inf
+    out, lse = check(q, k, v, np.float16, mask=mask)
+    assert (out[:, :, 40] == 0).all() and (lse[:, :, 40] == -np.inf).all()
+
+
 def rising_scores(dtype):
     """q, k, v (1, 2, 70 | 300, 64) whose scores step up by 2.6 (natural log; 3.75 base 2) every
     64 keys and jump by 28 (40 base 2) at key 290, with little noise (scale 1/8: score ≈
