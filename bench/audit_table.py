@@ -1,13 +1,14 @@
 """README's "Performance without a GPU" tables from the SASS audit and the emulator's memory
 counters, occupancy by calculation.
 
-    python -m cupy_attn kernels --arch sm_80 sm_90 --sass --json > kernels.json
+    python -m cupy_attn kernels --arch sm_80 sm_90 --sass --boundary --json > kernels.json
     python -m cupy_attn kernels --memory --json > memory.json
     python bench/audit_table.py kernels.json memory.json
 
 fp16, D = 64/128/256, each tensor-core kernel family; the plain build (what a call without
 softcap, ALiBi or a mask runs), with the counts of the build for softcap, ALiBi and a float mask
-together (the report's "all") beside it. Occupancy on sm_90 (65,536 registers,
+together (the report's "all") beside it, and the plain build's boundary tiles (--boundary: a tile
+on the causal diagonal, a window's edge or a sequence's end, whose scores are masked). Occupancy on sm_90 (65,536 registers,
 228 KB shared memory per SM, 1 KB of it reserved per block, registers allocated per warp in
 units of 256): blocks of 4 warps per SM, the lesser of what registers and shared memory allow.
 """
@@ -75,10 +76,18 @@ def is_fp16_variant(name: str, prefix: str, head_dim: int) -> bool:
     return name.startswith(head) and name[len(head)] in ",>"
 
 
+def boundary(row: dict) -> str:
+    """A plain build's boundary-tile issue_per_tensor and path (the report's --boundary), or —."""
+    if "boundary_issue_per_tensor" not in row:
+        return "—"
+    return f"{row['boundary_issue_per_tensor']:.2f} ({row['boundary_path_instructions']})"
+
+
 def table(rows: list[dict]) -> str:
     sizes = shared_bytes()
     lines = ["| kernel | D | arch | path / loop instructions | with softcap, ALiBi and a float mask | tensor instructions "
-             "| ldsm | lds | sts | bar | mufu | issue_per_tensor | registers | blocks (warps) per SM |", "|" + "---|" * 14]
+             "| ldsm | lds | sts | bar | mufu | issue_per_tensor | boundary tile | registers | blocks (warps) per SM |",
+             "|" + "---|" * 15]
     general = {(r["name"], r["arch"]): r for r in rows if r.get("features") == "all"}
     for kind, _, prefix in KERNELS:
         for d in (64, 128, 256):
@@ -94,7 +103,7 @@ def table(rows: list[dict]) -> str:
                 occupancy = f"{blocks} ({blocks * threads(r['name']) // 32})" if r["arch"] != "sm_80" else "—"
                 lines.append(f"| {kind} | {d} | {r['arch']} | {r['path_instructions']} / {r['loop_instructions']} "
                              f"| {built_in} | {tensors} | {r['ldsm']} | {r['lds']} | {r['sts']} | {r['bar']} | {r['mufu']} "
-                             f"| {r['issue_per_tensor']:.2f} | {r['registers']} | {occupancy} |")
+                             f"| {r['issue_per_tensor']:.2f} | {boundary(r)} | {r['registers']} | {occupancy} |")
     return "\n".join(lines)
 
 

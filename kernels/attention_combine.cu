@@ -9,9 +9,10 @@
 //
 // Numerics: the running max shifts the scores (no overflow, whatever the lse magnitudes), and it
 // starts from the lowest float, not −inf (OnlineSoftmax::row_max), so a row whose parts so far
-// are all −inf shifts by a finite amount and exp2(−inf − −inf) = NaN never appears. A part with lse_p = −inf saw no keys: its weight is
-// exp2(−inf) = 0, and it is skipped by a select rather than multiplied by 0, so whatever its out
-// holds (garbage, NaN, inf) cannot leak into the result. A row whose parts are all −inf gives
+// are all −inf shifts by a finite amount and exp2(−inf − −inf) = NaN never appears. A part with
+// lse_p = −inf saw no keys: its weight is exp2(−inf) = 0, and it is skipped by a select rather
+// than multiplied by 0, so whatever its out holds (garbage, NaN, inf) cannot leak into the
+// result. A row whose parts are all −inf gives
 // out 0 and lse −inf (OnlineSoftmax::inverse_sum and ::lse).
 #include "access_count.cuh"
 #include "numeric.cuh"

@@ -95,9 +95,11 @@ enum { kCheckStructure = 1, kCheckMods = 2 };
 #define ATTN_BOUNDARY_TILES 0
 #endif
 
-// The keys [begin, end) one query row attends (BlockInfo::key_band; empty when end <= begin).
-struct KeyBand {
+// The keys one query row attends, or the rows that attend one key: [begin, end), empty when
+// end <= begin (BlockInfo::key_band, query_band).
+struct Band {
     int begin, end;
+    __device__ __forceinline__ bool contains(int x) const { return begin <= x && x < end; }
 };
 
 // A range [begin, end) of tile indices (empty when end <= begin).
@@ -154,13 +156,22 @@ struct BlockInfo {
                        : (static_cast<long long>(bidb) * p.heads + bidh) * p.seq_k;
     }
 
-    // The keys row i attends, [begin, end): inside the lengths (none for a row past q_len), the
-    // causal diagonal and the window.
-    __device__ __forceinline__ KeyBand key_band(const Params& p, int i) const {
+    // The keys row i attends: inside the lengths (none for a row past q_len), the causal diagonal
+    // and the window, i + off - left <= j <= i + off + right.
+    __device__ __forceinline__ Band key_band(const Params& p, int i) const {
         const int diag = i + diag_offset;
-        KeyBand band{p.window_left >= 0 ? diag - p.window_left : 0, i < q_len ? kv_len : 0};
+        Band band{p.window_left >= 0 ? diag - p.window_left : 0, i < q_len ? kv_len : 0};
         const int right = right_reach(p);
         if (right >= 0) band.end = min(band.end, diag + right + 1);
+        return band;
+    }
+
+    // The rows that attend key j: key_band's condition solved for i, j - off - right <= i <=
+    // j - off + left, inside the lengths (none for a key past kv_len).
+    __device__ __forceinline__ Band query_band(const Params& p, int j) const {
+        const int right = right_reach(p);
+        Band band{right >= 0 ? j - diag_offset - right : 0, j < kv_len ? q_len : 0};
+        if (p.window_left >= 0) band.end = min(band.end, j - diag_offset + p.window_left + 1);
         return band;
     }
 

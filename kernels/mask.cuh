@@ -109,15 +109,29 @@ struct ScoreTransform {
     // softmax_scale()) or -inf.
     // checks (BlockInfo::tile_checks): kCheckStructure applies causal, window and lengths (boundary
     // tiles), kCheckMods the mask_mod (tiles a block mask does not know to be full).
+    // The structure is the row's band of keys (BlockInfo::key_band), a function of i alone, which
+    // the compiler works out once per row of a lane's tile: two comparisons and a select per
+    // score, where testing each condition per score cost about 16 instructions per score of a
+    // boundary tile (NVRTC 13.5). For callers whose lanes hold many rows and few keys, by_key.
     __device__ __forceinline__ float operator()(const Params& p, const BlockInfo& b, float qk, int i, int j,
                                                 int checks) const {
-        if (checks & kCheckStructure) {
-            // The row's band, a function of i alone: the compiler works it out once per row of
-            // a lane's tile, and each score costs two comparisons (a test of each condition per
-            // score cost about 16 instructions per score of a boundary tile, NVRTC 13.5).
-            const KeyBand band = b.key_band(p, i);
-            if (j < band.begin || j >= band.end) return -infinity();
-        }
+        if ((checks & kCheckStructure) && !b.key_band(p, i).contains(j)) return -infinity();
+        return unstructured(p, b, qk, i, j, checks);
+    }
+
+    // operator() with the structure as the key's band of rows (BlockInfo::query_band, once per
+    // key): for the tensor-core dK/dV kernels, whose lanes hold Sᵀ of 2 keys and up to 16 rows
+    // (one band per row there took 835 instructions per boundary tile of the mma.sync one at
+    // D = 64 on sm_90 against 805, and 686 against 655 in the wgmma one; NVRTC 13.5).
+    __device__ __forceinline__ float by_key(const Params& p, const BlockInfo& b, float qk, int i, int j,
+                                            int checks) const {
+        if ((checks & kCheckStructure) && !b.query_band(p, j).contains(i)) return -infinity();
+        return unstructured(p, b, qk, i, j, checks);
+    }
+
+    // The score past the structure: softcap, ALiBi, the mods and the mask.
+    __device__ __forceinline__ float unstructured(const Params& p, const BlockInfo& b, float qk, int i, int j,
+                                                  int checks) const {
         float s = capped(p, b, qk, i, j);
 #if ATTN_MASK_MOD
         if ((checks & kCheckMods) && !mods::mask_mod(b.bidb, b.bidh, i, j, p.mod_words)) return -infinity();
