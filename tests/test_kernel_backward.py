@@ -189,8 +189,8 @@ def test_gradients_are_written_in_the_input_type_where_nothing_is_summed_after(m
     by atomics, or in the input type from the deterministic dQ kernel."""
     buffers = []  # (dq, dk or dv as the kernels wrote it, as returned)
     real = _kernel_backend._from_per_head
-    monkeypatch.setattr(_kernel_backend, "_from_per_head", lambda p, x, dtype, sum_groups=False: buffers.append(
-        (x, real(p, x, dtype, sum_groups=sum_groups))) or buffers[-1][1])
+    monkeypatch.setattr(_kernel_backend, "_from_per_head", lambda p, x, dtype, **kw: buffers.append(
+        (x, real(p, x, dtype, **kw))) or buffers[-1][1])
     rng = np.random.default_rng(d + dv + hkv)
     q, k, v = random_qkv(rng, b=2, h=3, hkv=hkv, sq=77, sk=150, d=d, dv=dv, dtype=np.float16, layout=layout)
     if tensor_core_kernel == 90:
