@@ -156,7 +156,10 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
 
         // Pᵀ and dSᵀ in place of Sᵀ and dPᵀ; dS also to shared memory (queries as rows) for dQ.
         const int checks = b.tile_checks(p, m0, kBlockM, n0, kBlockN);
-        probabilities_and_ds(st, dpt, p, b, score, dropout, tile_lse2, tile_delta, m0, n0, key0, g, t, checks);
+        // By key bands up to D = 128; at D = 256 (255 registers) their 4 registers made ptxas
+        // spill 16 bytes on sm_90 (NVRTC 13.5).
+        probabilities_and_ds<kHeadDim <= 128>(st, dpt, p, b, score, dropout, tile_lse2, tile_delta, m0, n0, key0,
+                                              g, t, checks);
         if (accumulate_dq && dim_slice == 0) store_ds_rows<kSStride>(sDS, dpt, key0, g, t);
 
         // dV += Pᵀ·dO and dK += dSᵀ·Q over this tile's queries, in this warp's dims.

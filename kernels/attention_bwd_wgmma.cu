@@ -247,8 +247,8 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
             }
 
             // Pᵀ and dSᵀ in place of Sᵀ and dPᵀ.
-            probabilities_and_ds(st, dpt, p, b, score, dropout, sLse2(stage) + q0, sDelta(stage) + q0, m0 + q0,
-                                 group_n0, warp * 16, g, t, checks);
+            probabilities_and_ds<true>(st, dpt, p, b, score, dropout, sLse2(stage) + q0, sDelta(stage) + q0,
+                                       m0 + q0, group_n0, warp * 16, g, t, checks);
 
             // dV += Pᵀ·dO and dK += dSᵀ·Q, all fragments packed before the first instruction
             // reads them. For dQ, dSᵀ's fragments also go to this group's buffer of the tile's

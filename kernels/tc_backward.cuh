@@ -13,8 +13,10 @@
 namespace attn {
 
 // Pᵀ (after dropout: what dV needs) and dSᵀ in place of Sᵀ and dPᵀ for query tile m0 and key tile
-// n0. lse2 and delta: the tile's rows' statistics in shared memory.
-template <int kQTiles>
+// n0. lse2 and delta: the tile's rows' statistics in shared memory. A boundary tile masks by the
+// lane's two keys' bands of rows (kBandsByKey: ScoreTransform::by_key, 4 registers held across
+// the tile) or by each row's band of keys (worked out per row, 8 instructions each).
+template <bool kBandsByKey, int kQTiles>
 __device__ __forceinline__ void probabilities_and_ds(float (&st)[kQTiles][4], float (&dpt)[kQTiles][4], const Params& p,
                                                      const BlockInfo& b, const ScoreTransform& score,
                                                      const Dropout& dropout, const float* lse2, const float* delta,
@@ -30,7 +32,8 @@ __device__ __forceinline__ void probabilities_and_ds(float (&st)[kQTiles][4], fl
             for (int e = 0; e < 4; ++e) {
                 const int key = key0 + g + 8 * (e / 2), query = j * 8 + 2 * t + (e & 1);
                 const float qk = st[j][e];
-                const float s2 = score.by_key(p, b, qk, m0 + query, n0 + key, tile_checks);
+                const float s2 = kBandsByKey ? score.by_key(p, b, qk, m0 + query, n0 + key, tile_checks)
+                                             : score(p, b, qk, m0 + query, n0 + key, tile_checks);
                 // A dead row's test is redundant (its lse2 is +inf: probability gives 0) but kept
                 // in the checked copy, where rows past the sequence are: without it ptxas keeps
                 // more exponentials in flight there, and the mma.sync dK/dV at D = 128 with
