@@ -78,7 +78,7 @@ def is_fp16_variant(name: str, prefix: str, head_dim: int) -> bool:
 
 def boundary(row: dict) -> str:
     """A plain build's boundary-tile issue_per_tensor and path (the report's --boundary), or —."""
-    if "boundary_issue_per_tensor" not in row:
+    if row.get("boundary_issue_per_tensor") is None:
         return "—"
     return f"{row['boundary_issue_per_tensor']:.2f} ({row['boundary_path_instructions']})"
 

@@ -142,7 +142,7 @@ def boundary_tile_report(filename: str, name: str, arch: str) -> dict:
                                               + _compile.BOUNDARY_MODEL_OPTIONS)
     report = _sass.hot_loop_report(*_sass.disassemble(c.cubin), arch)
     return {"boundary_path_instructions": report.path_instructions,
-            "boundary_issue_per_tensor": round(report.issue_per_tensor, 3)}
+            "boundary_issue_per_tensor": None if report.issue_per_tensor is None else round(report.issue_per_tensor, 3)}
 
 
 def kernels(args) -> int:
@@ -150,6 +150,8 @@ def kernels(args) -> int:
 
     if args.memory:
         return memory(args)
+    if args.boundary and not args.sass:
+        raise SystemExit("python -m cupy_attn kernels: --boundary models the hot loop of --sass; give both")
     rows = []
     levels = _config.FEATURE_NAMES
     for requested in args.arch:
@@ -190,7 +192,7 @@ def kernels(args) -> int:
                 line += (f" {r['loop_instructions']:>5} {r['path_instructions']:>5} {sum(r['tensor_instructions'].values()):>6} "
                          f"{r['ldsm']:>4} {r['lds']:>4} {r['sts']:>4} {r['ldgsts']:>6} {r['tma']:>3} {r['bar']:>3} {r['mufu']:>4} "
                          f"{r['atomics']:>4} {ratio:>12}")
-                if "boundary_issue_per_tensor" in r:
+                if r.get("boundary_issue_per_tensor") is not None:
                     line += f" {r['boundary_issue_per_tensor']:>8.2f}"
             print(line)
             for advisory in r["advisories"]:

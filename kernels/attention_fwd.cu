@@ -105,10 +105,9 @@ __device__ __forceinline__ void forward_block(const Params& p, const T* q, const
 }  // namespace attn
 
 // grid (ceil(Sq / kBlockM), H, B), block 128 threads, dynamic shared memory FwdSmem::kFloats · 4.
-// minBlocksPerSM 4: at most 128 registers, at or above what the tiles' shared memory lets an SM
-// hold (2-5 blocks). Left to itself ptxas gave the D = 32 build with softcap, ALiBi and a float
-// mask 80 registers on sm_90 and spilled 12 bytes (NVRTC 13.5); with a minimum of 1 it took up
-// to 233.
+// minBlocksPerSM 4: at most 128 registers, 4 blocks per SM (the tiles' shared memory allows 2-5).
+// Left to itself ptxas gave the D = 32 build with softcap, ALiBi and a float mask 80 registers on
+// sm_90 and spilled 12 bytes (NVRTC 13.5); with a minimum of 1 it took up to 233.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kLanesPerRow>
 __global__ void __launch_bounds__(attn::kThreads, 4)
 attention_fwd(const T* q, const T* k, const T* v, T* out, float* lse, ATTN_PARAMS) {

@@ -25,6 +25,12 @@ def test_demo_checks_against_reference():
     assert result.stdout.count("e-") >= 4  # one error column entry per case
 
 
+def test_boundary_model_needs_the_sass_report():
+    result = run("kernels", "--boundary", "--dtypes", "float16")
+    assert result.returncode != 0
+    assert "--boundary models the hot loop of --sass" in result.stderr
+
+
 def test_import_does_not_import_cupy_or_frameworks():
     code = "import sys, cupy_attn; print(sorted(m for m in ('cupy', 'torch', 'jax') if m in sys.modules))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
