@@ -8,9 +8,10 @@ counters, occupancy by calculation.
 fp16, D = 64/128/256, each tensor-core kernel family; the plain build (what a call without
 softcap, ALiBi or a mask runs), with the counts of the build for softcap, ALiBi and a float mask
 together (the report's "all") beside it, and the plain build's boundary tiles (--boundary: a tile
-on the causal diagonal, a window's edge or a sequence's end, whose scores are masked). Occupancy on sm_90 (65,536 registers,
-228 KB shared memory per SM, 1 KB of it reserved per block, registers allocated per warp in
-units of 256): blocks of 4 warps per SM, the lesser of what registers and shared memory allow.
+on the causal diagonal, a window's edge or a sequence's end, whose scores are masked). Occupancy
+on sm_90 (65,536 registers, 228 KB shared memory per SM, 1 KB of it reserved per block, registers
+allocated per warp in units of 256): blocks of 4 warps per SM, the lesser of what registers and
+shared memory allow.
 """
 from __future__ import annotations
 

@@ -104,10 +104,10 @@ __device__ __forceinline__ void dq_products(const T* ds_tile, const T* k_tile, i
 
 // dQ of query tile m0 in float32 (dq_accum), to which pairs of products (dims dim, dim + 1 of a
 // row; row relative to m0) are added unscaled (dS·K: the launcher's conversion of dq_accum to the
-// caller's type multiplies by the scale once, not each key block's products): with every dim present (head_dim = kHeadDim,
-// even, so each pair is 8-byte aligned) one 8-byte reduction per pair, predicated on its row being
-// inside the sequence (add_pair); else element by element inside the sequence and the head
-// (add_clipped).
+// caller's type multiplies by the scale once, not each key block's products): with every dim
+// present (head_dim = kHeadDim, even, so each pair is 8-byte aligned) one 8-byte reduction per
+// pair, predicated on its row being inside the sequence (add_pair); else element by element
+// inside the sequence and the head (add_clipped).
 struct DqTile {
     float* rows;  // row m0 of this head's dQ
     int rows_left, head_dim;
@@ -140,8 +140,8 @@ struct DqTile {
     }
 };
 
-// dQ += dS·K (unscaled: DqTile) from dq_products' pairs: unrolled for a tile whose rows and dims are all
-// present (every tile but a sequence's last of a head as wide as the tile), rolled else.
+// dQ += dS·K (unscaled: DqTile) from dq_products' pairs: unrolled for a tile whose rows and dims
+// are all present (every tile but a sequence's last of a head as wide as the tile), rolled else.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kSStride>
 __device__ __forceinline__ void atomic_dq(const Params& p, const BlockInfo& b, const HeadView& at, float* dq_accum,
                                           const T* ds_tile, const T* k_tile, int m0, int warp, int lane) {

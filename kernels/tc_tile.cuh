@@ -47,13 +47,13 @@ struct CoreMatrixLayout {
 // A tile of kRows rows x kCols columns of kBytes-byte elements (16-bit by default; float32 for the
 // backward's dK, dV epilogue where a GQA group's heads are summed after) as TMA writes it with
 // 128-byte swizzle: boxes of 128 bytes of columns (a 128-byte line per row: 64 16-bit or 32
-// float32 columns), kCols / kBoxCols of them
-// one after another, the 16-byte chunks of each line permuted by its row (ptx.cuh,
-// Swizzle::B128). offset(r, c) is the element offset a descriptor starts at for (r, c), before
-// the swizzle, which the hardware applies to the address as TMA did. Read K-major (rows the N of
-// the product, columns reduced): 8-row groups 1024 bytes apart (SBO; LBO unused); MN-major (rows
-// reduced, columns N): boxes kBoxBytes apart (LBO), 8-row groups 1024 bytes (SBO). Boxes start at
-// multiples of 1024 bytes, as the swizzle's atoms must.
+// float32 columns), kCols / kBoxCols of them one after another, the 16-byte chunks of each line
+// permuted by its row (ptx.cuh, Swizzle::B128). offset(r, c) is the element offset a descriptor
+// starts at for (r, c), before the swizzle, which the hardware applies to the address as TMA did.
+// Read K-major (rows the N of the product, columns reduced): 8-row groups 1024 bytes apart
+// (SBO; LBO unused); MN-major (rows reduced, columns N): boxes kBoxBytes apart (LBO), 8-row
+// groups 1024 bytes (SBO). Boxes start at multiples of 1024 bytes, as the swizzle's atoms
+// must.
 template <int kRows, int kCols, int kBytes = 2>
 struct SwizzledBoxLayout {
     static constexpr int kBoxCols = 128 / kBytes, kChunkCols = 16 / kBytes;
