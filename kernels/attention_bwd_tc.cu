@@ -83,9 +83,10 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
     const int key0 = (warp / kDimWarps) * 16;           // this warp's 16 keys, within the block
     const int dim_slice = warp % kDimWarps;              // and its dims [dim0, dim0 + kWarpDims)
     const int dim0 = dim_slice * kWarpDims;
-    const bool vq = vectorised & 1, vk = vectorised & 2, vv = vectorised & 4, vdo = vectorised & 8;
-    stage_async<kBlockN, kHeadDim>(sK, k + at.k, at.k_row, n0, b.kv_rows(p), p.head_dim, vk);
-    stage_async<kBlockN, kHeadDim>(sV, v + at.v, at.v_row, n0, b.kv_rows(p), p.head_dim_v, vv);
+    const TileSource<T, kHeadDim> k_source(k + at.k, at.k_row, b.kv_rows(p), p.head_dim, vectorised & 2);
+    const TileSource<T, kHeadDim> v_source(v + at.v, at.v_row, b.kv_rows(p), p.head_dim_v, vectorised & 4);
+    stage_async<kBlockN>(sK, k_source, n0, n0 + kBlockN <= k_source.whole_rows());
+    stage_async<kBlockN>(sV, v_source, n0, n0 + kBlockN <= v_source.whole_rows());
 
     float dk[kDTiles][4], dv[kDTiles][4];
     #pragma unroll
@@ -95,17 +96,23 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
 
     int m_begin, m_end;
     b.row_tiles(p, n0, kBlockN, kBlockM, &m_begin, &m_end);
+    const TileSource<T, kHeadDim> q_source(q + at.q, at.q_row, b.q_rows(p), p.head_dim, vectorised & 1);
+    const TileSource<T, kHeadDim> do_source(dout + at.o, at.o_row, b.q_rows(p), p.head_dim_v, vectorised & 8);
+    // Whole tiles compared by rows: by tile index (as the forward and the dQ kernel do, 3 and 47
+    // instructions fewer there, and 40 at D = 576 here), ptxas spilled 16 bytes at D = 256 on
+    // sm_90 (NVRTC 13.5).
+    const int whole_rows = whole_rows_of(q_source, do_source);
     // With two stages the next query tile loads while this one is worked on.
     auto stage_queries = [&](int m_block) {
-        const int stage = pipeline_stage<kStages>(m_block, m_begin), m0 = m_block * kBlockM;
-        stage_async<kBlockM, kHeadDim>(sQ(stage), q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim, vq);
-        stage_async<kBlockM, kHeadDim>(sDO(stage), dout + at.o, at.o_row, m0, b.q_rows(p), p.head_dim_v, vdo);
+        const int stage = pipeline_stage<kStages>(m_block), m0 = m_block * kBlockM;
+        stage_async<kBlockM>(sQ(stage), q_source, m0, m0 + kBlockM <= whole_rows);
+        stage_async<kBlockM>(sDO(stage), do_source, m0, m0 + kBlockM <= whole_rows);
         stage_row_stats(sLse2(stage), sDelta(stage), lse, delta, at.stats, m0, kBlockM, b.q_rows(p));
         ptx::cp_async_commit();
     };
     if (kStages == 2 && m_begin < m_end) stage_queries(m_begin);
     for (int m_block = m_begin; m_block < m_end; ++m_block) {
-        const int m0 = m_block * kBlockM, stage = pipeline_stage<kStages>(m_block, m_begin);
+        const int m0 = m_block * kBlockM, stage = pipeline_stage<kStages>(m_block);
         if (kStages == 1) {
             __syncthreads();  // every warp is done with the previous Q, dO, statistics and dS
             stage_queries(m_block);
@@ -196,9 +203,10 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
     const HeadView at = head_view(p, b, strides);
     const int m0 = blockIdx.x * kTcBlockM;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const bool vq = vectorised & 1, vk = vectorised & 2, vv = vectorised & 4, vdo = vectorised & 8;
-    stage_async<kTcBlockM, kHeadDim>(sQ, q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim, vq);
-    stage_async<kTcBlockM, kHeadDim>(sDO, dout + at.o, at.o_row, m0, b.q_rows(p), p.head_dim_v, vdo);
+    const TileSource<T, kHeadDim> q_source(q + at.q, at.q_row, b.q_rows(p), p.head_dim, vectorised & 1);
+    const TileSource<T, kHeadDim> do_source(dout + at.o, at.o_row, b.q_rows(p), p.head_dim_v, vectorised & 8);
+    stage_async<kTcBlockM>(sQ, q_source, m0, m0 + kTcBlockM <= q_source.whole_rows());
+    stage_async<kTcBlockM>(sDO, do_source, m0, m0 + kTcBlockM <= do_source.whole_rows());
     stage_row_stats(sLse2, sDelta, lse, delta, at.stats, m0, kTcBlockM, b.q_rows(p));
 
     float dq[kDTiles][4];
@@ -206,11 +214,14 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
     for (int d = 0; d < kDTiles; ++d) dq[d][0] = dq[d][1] = dq[d][2] = dq[d][3] = 0.f;
     int n_begin, n_end;
     b.key_tiles(p, m0, kTcBlockM, kBlockN, &n_begin, &n_end);
+    const TileSource<T, kHeadDim> k_source(k + at.k, at.k_row, b.kv_rows(p), p.head_dim, vectorised & 2);
+    const TileSource<T, kHeadDim> v_source(v + at.v, at.v_row, b.kv_rows(p), p.head_dim_v, vectorised & 4);
+    const int whole_tiles = whole_rows_of(k_source, v_source) / kBlockN;
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         const int n0 = n_block * kBlockN;
         __syncthreads();  // every warp is done with the previous K and V tiles
-        stage_async<kBlockN, kHeadDim>(sK, k + at.k, at.k_row, n0, b.kv_rows(p), p.head_dim, vk);
-        stage_async<kBlockN, kHeadDim>(sV, v + at.v, at.v_row, n0, b.kv_rows(p), p.head_dim_v, vv);
+        stage_async<kBlockN>(sK, k_source, n0, n_block < whole_tiles);
+        stage_async<kBlockN>(sV, v_source, n0, n_block < whole_tiles);
         ptx::cp_async_commit();
         ptx::cp_async_wait<0>();
         __syncthreads();  // Q, dO, the row statistics (first pass), K and V are in place

@@ -131,10 +131,10 @@ __device__ __forceinline__ void decode_block(const Params& p, const T* q, const 
 #pragma unroll
         for (int e = 0; e < kDimsPerLane; ++e) acc[t][e] = 0.f;
 
-    if (n_begin < n_end) stage_keys(n_begin, 0);
+    if (n_begin < n_end) stage_keys(n_begin, pipeline_stage<kStages>(n_begin));
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         const int n0 = n_block * kBlockN;
-        const int stage = pipeline_stage<kStages>(n_block, n_begin);
+        const int stage = pipeline_stage<kStages>(n_block);
         const T* sK = stage_k(stage);
         const T* sV = stage_v(stage);
         ptx::cp_async_wait<0>();  // this thread's copies of this tile have landed

@@ -9,7 +9,8 @@
 // bank conflicts) and read into fragments with ldmatrix (transposed for V). S = Q·Kᵀ and O += P·V
 // are m16n8k16 MMAs with float32 accumulators; P never leaves registers: the accumulator layout
 // of S is re-packed as the A operand of P·V. Softmax is kernels/softmax.cuh's online softmax, in
-// base 2 with scale·log2 e folded in; masking is done on boundary tiles only.
+// base 2 with scale·log2 e folded in; without dropout the rows' sums are taken on the tensor
+// cores too (P·1 beside P·V). Masking is done on boundary tiles only.
 #include "block_info.cuh"
 #include "dropout.cuh"
 #include "mask.cuh"
@@ -43,10 +44,10 @@ struct OutputStaging {
 // tiles, and the first tile's wait covers it). Each lane writes its pairs there, then stores 16
 // contiguous bytes of a row (8 lanes per row of 64 dims: whole 32-byte sectors), where out's rows
 // are 16-byte aligned and the chunk lies inside the head; element by element otherwise.
-template <class T, int kDTiles>
+template <class T, int kDTiles, class Softmax>
 __device__ __forceinline__ void store_rows(const Params& p, const BlockInfo& b, const HeadView& at, T* out,
                                            float* lse, const float (&o)[kDTiles][4],
-                                           TcSoftmax (&softmax)[2], int row_lo, int lane, T* staging) {
+                                           Softmax (&softmax)[2], int row_lo, int lane, T* staging) {
     using Staging = OutputStaging<8 * kDTiles>;
     const int g = lane / 4;
     float inv[2];
@@ -100,31 +101,40 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;           // groupID, threadID_in_group
     const int row_lo = m0 + warp * 16 + g;          // row tile m's two rows: row_lo + 64m and + 8
-    const bool vq = vectorised & 1, vk = vectorised & 2, vv = vectorised & 4;
 
-    float o[kRowTiles][kDTiles][4];
+    // Without dropout the rows' sums of P are taken on the tensor cores, as P·1 beside P·V: one
+    // MMA per row tile and 16 keys into an accumulator tile after O's, rescaled with O, where
+    // float adds took one instruction per score (per 64-key tile and lane at D = 64, 64 adds
+    // against 8 MMAs). They sum the very rounded P that P·V weighs V by. With dropout the sums
+    // must take P before it is dropped: float adds (OnlineSoftmax).
+    constexpr int kSumTiles = kDropoutBuilt ? 0 : 1;
+    float o[kRowTiles][kDTiles + kSumTiles][4];
 #pragma unroll
     for (int m = 0; m < kRowTiles; ++m)
 #pragma unroll
-        for (int d = 0; d < kDTiles; ++d) o[m][d][0] = o[m][d][1] = o[m][d][2] = o[m][d][3] = 0.f;
-    TcSoftmax softmax[kRowTiles][2];  // rows row_lo + 64m and row_lo + 64m + 8
+        for (int d = 0; d < kDTiles + kSumTiles; ++d) o[m][d][0] = o[m][d][1] = o[m][d][2] = o[m][d][3] = 0.f;
+    TcSoftmaxOf<kSumTiles == 0> softmax[kRowTiles][2];  // rows row_lo + 64m and row_lo + 64m + 8
 
     int n_begin, n_end;
     b.key_tiles(p, m0, kBlockM, kBlockN, &n_begin, &n_end);
     const TileSpan interior = b.interior_key_tiles(p, m0, kBlockM, kBlockN);
+    const TileSource<T, kHeadDim> k_source(k + at.k, at.k_row, b.kv_rows(p), p.head_dim, vectorised & 2);
+    const TileSource<T, kHeadDimV> v_source(v + at.v, at.v_row, b.kv_rows(p), p.head_dim_v, vectorised & 4);
+    const int whole_tiles = whole_rows_of(k_source, v_source) / kBlockN;
     auto stage_keys = [&](int n_block) {
-        const int stage = pipeline_stage<2>(n_block, n_begin);
-        stage_async<kBlockN, kHeadDim>(stage_k(stage), k + at.k, at.k_row, n_block * kBlockN, b.kv_rows(p), p.head_dim, vk);
-        stage_async<kBlockN, kHeadDimV>(stage_v(stage), v + at.v, at.v_row, n_block * kBlockN, b.kv_rows(p), p.head_dim_v, vv);
+        const int stage = pipeline_stage<2>(n_block), n0 = n_block * kBlockN;
+        stage_async<kBlockN>(stage_k(stage), k_source, n0, n_block < whole_tiles);
+        stage_async<kBlockN>(stage_v(stage), v_source, n0, n_block < whole_tiles);
         ptx::cp_async_commit();
     };
     if (n_begin < n_end) {  // Q only then: the epilogue stages O in Q's rows, where no copy may still land
-        stage_async<kBlockM, kHeadDim>(sQ, q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim, vq);
+        const TileSource<T, kHeadDim> q_source(q + at.q, at.q_row, b.q_rows(p), p.head_dim, vectorised & 1);
+        stage_async<kBlockM>(sQ, q_source, m0, m0 + kBlockM <= q_source.whole_rows());
         stage_keys(n_begin);
     }
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         const int n0 = n_block * kBlockN;
-        const int stage = pipeline_stage<2>(n_block, n_begin);
+        const int stage = pipeline_stage<2>(n_block);
         const T* sK = stage_k(stage);
         const T* sV = stage_v(stage);
         ptx::cp_async_wait<0>();  // this thread's copies of this tile (and of Q) have landed
@@ -148,12 +158,16 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
             softmax_tile(s[m], o[m], softmax[m], p, b, score, dropout, row_lo + 64 * m, n0, t, checks);
 
         // O += P·V: P stays in registers as the A operand (16 keys per k-step).
-        mma_registers_by_rows<T, kStrideV, kBlockN / 16>(o, s, sV, lane);
+        mma_registers_by_rows<T, kStrideV, kBlockN / 16, kSumTiles>(o, s, sV, lane);
     }
 
 #pragma unroll
-    for (int m = 0; m < kRowTiles; ++m)  // O through this warp's rows of Q
-        store_rows<T>(p, b, at, out, lse, o[m], softmax[m], row_lo + 64 * m, lane, sQ + (64 * m + 16 * warp) * kStride);
+    for (int m = 0; m < kRowTiles; ++m) {  // O through this warp's rows of Q
+        if constexpr (kSumTiles == 1)  // every column of the sums' tile holds its row's whole sum
+            for (int r = 0; r < 2; ++r) softmax[m][r].row_sum = o[m][kDTiles][2 * r];
+        store_rows<T>(p, b, at, out, lse, reinterpret_cast<const float(&)[kDTiles][4]>(o[m]), softmax[m],
+                      row_lo + 64 * m, lane, sQ + (64 * m + 16 * warp) * kStride);
+    }
 }
 
 }  // namespace attn

@@ -157,7 +157,6 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse,
     float(&s_flat)[4 * kNTiles] = reinterpret_cast<float(&)[4 * kNTiles]>(s);
     unsigned pa[kBlockN / 16][4];  // P of the previous tile as A fragments (16 keys each)
     unsigned(&pa_flat)[kBlockN / 4] = reinterpret_cast<unsigned(&)[kBlockN / 4]>(pa);
-    float rescale[2];
     StageCursor<kKvStages> k_at, v_at;
     const TileSpan interior = b.interior_key_tiles(p, m0, kBlockM, kBlockN);
 
@@ -198,14 +197,14 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse,
                     ptx::descriptor_plus(v_desc, sizeof(T) * KvTile::offset(16 * kk, c * kPvDims)), 1);
         ptx::wgmma_commit();
     };
-    // S of tile n_block, in registers and done with its stage of K, to probabilities (rescale: the
-    // factor O must take before P·V of this tile adds to it).
+    // S of tile n_block, in registers and done with its stage of K, to probabilities (then O
+    // must be rescaled, rescale_rows, before P·V of this tile adds to it).
     auto softmax_of = [&](int n_block) {
         ptx::fence_operands(s_flat);
         consumer_release(bars.k, k_at);
         k_at.advance();
         const int n0 = n_block * kBlockN;
-        softmax_scores(s, rescale, softmax, p, b, score, dropout, row_lo, n0, t,
+        softmax_scores(s, softmax, p, b, score, dropout, row_lo, n0, t,
                        b.tile_checks(p, interior.contains(n_block), blockIdx.x, n_block));
     };
     auto pack_p = [&] {
@@ -243,7 +242,7 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse,
                 pass_turn(n_block);
                 ptx::wgmma_wait<0>();
                 softmax_of(n_block);
-                rescale_rows(o, rescale);
+                rescale_rows(o, softmax);
                 pack_p();
                 finish_pv();
             }
@@ -262,7 +261,7 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse,
                 softmax_of(n_block);
                 ptx::wgmma_wait<0>();
                 pv_done();
-                rescale_rows(o, rescale);
+                rescale_rows(o, softmax);
                 pack_p();
             }
             finish_pv();

@@ -24,8 +24,12 @@ __device__ __forceinline__ float row_reduce_sum(float x) {
 // result is exact either way (sum and accumulators share the reference). Over a long row the max
 // soon settles and most tiles leave the accumulators unscaled, which pays where a caller then
 // skips scaling them (the tensor-core forwards' rescale_rows); 0 keeps the exact running max.
-template <int kLanes, int kMaxLag = 0>
+// kSumsProbabilities: whether update adds up the probabilities. Without, the caller sums them
+// itself (the mma.sync forward: on the tensor cores, as P·1 beside P·V) and sets row_sum to the
+// whole row's sum after the last tile, in place of gather_sum.
+template <int kLanes, int kMaxLag = 0, bool kSumsProbabilities = true>
 struct OnlineSoftmax {
+    static constexpr bool kSums = kSumsProbabilities;
     // Running max of the base-2 scores seen so far (the whole row's), from the lowest float
     // rather than -inf: a row that has seen only masked keys (-inf) then shifts by a finite
     // amount, exp2(-inf - lowest) = 0, with no test per tile against exp2(-inf - -inf) = NaN,
@@ -37,6 +41,12 @@ struct OnlineSoftmax {
     // over the row. Every lane rescales its share by the same factor, so the shuffles that add
     // the shares are paid once per row, not once per tile (as FlashAttention-2 does).
     float row_sum = 0.f;
+    // The last update's move of the running max: whether it moved, and the old max minus the
+    // new (0 where it did not), whose exp2 is the factor update returned. A caller that skips
+    // scaling where the max stayed (rescale_rows) tests max_moved and works the factor out only
+    // where it scales.
+    bool max_moved = false;
+    float max_shift = 0.f;
 
     // Add up the row's lanes' shares of the sum, after the last tile and before add_sink,
     // inverse_sum or lse. Every lane of the warp together (a shuffle), rows inside the sequence
@@ -66,24 +76,25 @@ struct OnlineSoftmax {
     // scores and scale 1.
     template <int kCols>
     __device__ __forceinline__ float update(float (&s)[kCols], float scale = 1.f) {
-        float tile_max = -infinity();
-        for (int c = 0; c < kCols; ++c) tile_max = fmaxf(tile_max, s[c]);
+        float tile_max = s[0];  // (not from -inf: fmaxf(-inf, x) is kept, as it is not x for NaN)
+        for (int c = 1; c < kCols; ++c) tile_max = fmaxf(tile_max, s[c]);
         tile_max = row_reduce_max<kLanes>(tile_max) * scale;
-        const float new_max = kMaxLag == 0 ? fmaxf(row_max, tile_max) : tile_max > row_max + kMaxLag ? tile_max : row_max;
-        // The sum starts from the first probability: from 0.f it would cost an add (0 + x is
-        // not x for x = -0, so the compiler keeps it).
-        s[0] = exp2f(fmaf(s[0], scale, -new_max));
-        float tile_sum = s[0];
-        for (int c = 1; c < kCols; ++c) {
-            s[c] = exp2f(fmaf(s[c], scale, -new_max));
-            tile_sum += s[c];
-        }
+        max_moved = tile_max > row_max + kMaxLag;
+        const float new_max = max_moved ? tile_max : row_max;
+        for (int c = 0; c < kCols; ++c) s[c] = exp2f(fmaf(s[c], scale, -new_max));
         // 1 where the max stayed (also for a row that has seen only masked keys so far), else
         // the factor from the old max to the new. Selecting 1 outright where the max stayed,
         // instead of exp2(0), spilled 40 bytes in the mma.sync forward at D = 64 with mods on
         // sm_80 (NVRTC 13.5).
-        const float rescale = exp2f(row_max - new_max);
-        row_sum = row_sum * rescale + tile_sum;
+        max_shift = row_max - new_max;
+        const float rescale = exp2f(max_shift);
+        if constexpr (kSumsProbabilities) {
+            // The sum starts from the first probability: from 0.f it would cost an add (0 + x
+            // is not x for x = -0, so the compiler keeps it).
+            float tile_sum = s[0];
+            for (int c = 1; c < kCols; ++c) tile_sum += s[c];
+            row_sum = row_sum * rescale + tile_sum;
+        }
         row_max = new_max;
         return rescale;
     }

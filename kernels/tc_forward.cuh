@@ -17,16 +17,20 @@ namespace attn {
 // to 8 (base 2: OnlineSoftmax's kMaxLag), so that most tiles skip rescaling O (rescale_rows).
 // Builds with dropout keep the exact max: P·V there sees P/(1 − p), which with a lagging max
 // reaches 2^8/(1 − p), past fp16's 65504 for p > 0.996.
-using TcSoftmax = OnlineSoftmax<4, kDropoutBuilt ? 0 : 8>;
+// kSumsProbabilities as OnlineSoftmax's: false where the caller sums P on the tensor cores.
+template <bool kSumsProbabilities = true>
+using TcSoftmaxOf = OnlineSoftmax<4, kDropoutBuilt ? 0 : 8, kSumsProbabilities>;
+using TcSoftmax = TcSoftmaxOf<>;
 
 // This tile's scores (s: kNTiles 8-key column tiles from key n0) -> base-2 units with every
 // feature applied (-inf where masked), then probabilities by the online softmax of this lane's
-// two rows (row_lo, row_lo + 8), whose columns are spread over the lane's quad; rescale[r] is the
-// factor by which row r's earlier accumulators must be scaled to the new running max (a caller
-// whose O is still being summed by the tensor cores applies it once they are done). Dropout then
-// zeroes (or scales) the probabilities P·V sees, after the row sums took them all.
-template <int kNTiles>
-__device__ __forceinline__ void softmax_scores(float (&s)[kNTiles][4], float (&rescale)[2], TcSoftmax (&softmax)[2],
+// two rows (row_lo, row_lo + 8), whose columns are spread over the lane's quad; the rows' earlier
+// accumulators must then be scaled to the new running max (rescale_rows: a caller whose O is
+// still being summed by the tensor cores scales it once they are done, before the next tile's
+// softmax). Dropout then zeroes (or scales) the probabilities P·V sees, after the row sums took
+// them all.
+template <int kNTiles, class Softmax>
+__device__ __forceinline__ void softmax_scores(float (&s)[kNTiles][4], Softmax (&softmax)[2],
                                                const Params& p, const BlockInfo& b, const ScoreTransform& score,
                                                const Dropout& dropout, int row_lo, int n0, int t, int checks) {
     auto tile = [&](int tile_checks) {
@@ -37,7 +41,7 @@ __device__ __forceinline__ void softmax_scores(float (&s)[kNTiles][4], float (&r
             for (int c = 0; c < 2 * kNTiles; ++c)
                 row[c] = score(p, b, s[c / 2][2 * r + c % 2], row_lo + 8 * r, n0 + (c / 2) * 8 + 2 * t + c % 2,
                                tile_checks);
-            rescale[r] = softmax[r].update(row, score.softmax_scale());
+            softmax[r].update(row, score.softmax_scale());
 #pragma unroll
             for (int c = 0; c < 2 * kNTiles; ++c)
                 s[c / 2][2 * r + c % 2] = row[c] * dropout.factor(row_lo + 8 * r, n0 + (c / 2) * 8 + 2 * t + c % 2);
@@ -50,12 +54,14 @@ __device__ __forceinline__ void softmax_scores(float (&s)[kNTiles][4], float (&r
     else tile(0);
 }
 
-// o's rows (2r, 2r + 1 of each 8-dim tile: row r of the lane) scaled by rescale[r], unless every
-// row of the warp kept its running max (TcSoftmax: factors of exactly 1), as most tiles of a long
-// row do. Every lane of the warp together (a vote).
-template <int kDTiles>
-__device__ __forceinline__ void rescale_rows(float (&o)[kDTiles][4], const float (&rescale)[2]) {
-    if (!__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) return;
+// o's rows (2r, 2r + 1 of each 8-dim tile: row r of the lane) scaled to row r's new running max
+// after softmax_scores, unless every row of the warp kept its max (TcSoftmax), as most tiles of a
+// long row do. Every lane of the warp together (a vote). The factors are worked out only past
+// the vote, so a tile that keeps its max pays no exp2 for them.
+template <int kDTiles, class Softmax>
+__device__ __forceinline__ void rescale_rows(float (&o)[kDTiles][4], const Softmax (&softmax)[2]) {
+    if (!__any_sync(0xffffffffu, softmax[0].max_moved || softmax[1].max_moved)) return;
+    const float rescale[2] = {exp2f(softmax[0].max_shift), exp2f(softmax[1].max_shift)};
 #pragma unroll
     for (int d = 0; d < kDTiles; ++d)
 #pragma unroll
@@ -63,24 +69,24 @@ __device__ __forceinline__ void rescale_rows(float (&o)[kDTiles][4], const float
 }
 
 // softmax_scores, with o rescaled at once (for a caller whose O is in registers).
-template <int kNTiles, int kDTiles>
-__device__ __forceinline__ void softmax_tile(float (&s)[kNTiles][4], float (&o)[kDTiles][4], TcSoftmax (&softmax)[2],
+template <int kNTiles, int kDTiles, class Softmax>
+__device__ __forceinline__ void softmax_tile(float (&s)[kNTiles][4], float (&o)[kDTiles][4], Softmax (&softmax)[2],
                                              const Params& p, const BlockInfo& b, const ScoreTransform& score,
                                              const Dropout& dropout, int row_lo, int n0, int t, int checks) {
-    float rescale[2];
-    softmax_scores(s, rescale, softmax, p, b, score, dropout, row_lo, n0, t, checks);
-    rescale_rows(o, rescale);
+    softmax_scores(s, softmax, p, b, score, dropout, row_lo, n0, t, checks);
+    rescale_rows(o, softmax);
 }
 
 // After the last tile: each of this lane's two rows' sums gathered and its attention sink folded
 // in; inv[r] is the factor that normalises row r's accumulators (0 for a row that attended
 // nothing: its output is 0, not 0/0), and one lane per quad writes the row's lse where the row
 // lies inside the sequence. Every lane of the warp together (the sums are shuffles).
+template <class Softmax>
 __device__ __forceinline__ void finish_rows(const Params& p, const BlockInfo& b, const HeadView& at, float* lse,
-                                            TcSoftmax (&softmax)[2], int row_lo, int t, float (&inv)[2]) {
+                                            Softmax (&softmax)[2], int row_lo, int t, float (&inv)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        softmax[r].gather_sum();
+        if constexpr (Softmax::kSums) softmax[r].gather_sum();
         const float sink_rescale = softmax[r].add_sink(sink_log2(p, b));  // before inverse_sum and lse
         inv[r] = sink_rescale * softmax[r].inverse_sum();
         if (t == 0 && row_lo + 8 * r < b.q_rows(p)) {

@@ -14,36 +14,6 @@ struct TcLayout {
     static constexpr int kStride = kHeadDim + 8;  // halves per shared-memory row (+16 bytes)
 };
 
-// How a staging loop spreads a tile's 16-byte chunks over the block's kThreads threads: in passes
-// of kRowsPerPass rows x kChunksPerPass chunks, kColumnPasses of them side by side, each thread
-// moving the chunk at first_chunk's (row, column) plus a whole pass's rows and columns per step.
-// A layout's offsets are additive over such steps, so a thread computes its addresses once.
-
-// wgmma's core-matrix layout without swizzle for a tile of kCols 16-bit columns (read as a K-major
-// operand when the columns are the reduced dimension, MN-major when they are N): 8x8 core matrices
-// of 128 contiguous bytes, consecutive along the columns (LBO = 128 bytes), then along the rows
-// (SBO = 16·kCols bytes). offset(r, c) is the element offset of (r, c).
-// Staging: a quarter-warp's 8 lanes fill one core matrix (rows r..r+7 of one chunk column: 128
-// contiguous bytes, free of bank conflicts, where consecutive chunks of a row would be 128 bytes
-// apart on the same 4 banks); a warp 8 rows x 4 chunks (64 contiguous bytes of each row: whole
-// sectors); the 4 warps side by side along the columns as far as they go.
-template <int kCols>
-struct CoreMatrixLayout {
-    static constexpr unsigned kLbo = 128, kSbo = 16 * kCols;
-    static __device__ __forceinline__ int offset(int r, int c) {
-        return (r / 8) * (8 * kCols) + (c / 8) * 64 + (r % 8) * 8 + c % 8;
-    }
-    static constexpr int kWarpsAcross = kCols / 32 < kThreads / 32 ? kCols / 32 : kThreads / 32;
-    static constexpr int kChunksPerPass = 4 * kWarpsAcross;
-    static constexpr int kRowsPerPass = kWarpsAcross ? 8 * (kThreads / 32) / kWarpsAcross : 0;
-    static constexpr int kColumnPasses = kChunksPerPass ? kCols / 8 / kChunksPerPass : 0;
-    static __device__ __forceinline__ void first_chunk(int thread, int& r, int& c) {
-        const int lane = thread % 32, warp = thread / 32;
-        r = (warp / kWarpsAcross) * 8 + lane % 8;
-        c = ((warp % kWarpsAcross) * 4 + lane / 8) * 8;
-    }
-};
-
 // A tile of kRows rows x kCols columns of kBytes-byte elements (16-bit by default; float32 for the
 // backward's dK, dV epilogue where a GQA group's heads are summed after) as TMA writes it with
 // 128-byte swizzle: boxes of 128 bytes of columns (a 128-byte line per row: 64 16-bit or 32
@@ -73,10 +43,14 @@ struct SwizzledBoxLayout {
     }
 };
 
-// Row-major rows of kHeadDim + 8 elements (the mma.sync kernels' ldmatrix layout). Staging:
-// consecutive threads along a row, contiguous in global and in shared memory: a whole row per
-// pass where its chunks divide the block's threads, else the largest power-of-two share of it
-// (576 dims: 72 chunks, passes of 8 chunks x 16 rows, 9 of them across).
+// Row-major rows of kHeadDim + 8 elements (the mma.sync kernels' ldmatrix layout). Staging
+// spreads a tile's 16-byte chunks over the block's kThreads threads in passes of kRowsPerPass
+// rows x kChunksPerPass chunks, kColumnPasses of them side by side, each thread moving the chunk
+// at first_chunk's (row, column) plus a whole pass's rows and columns per step (the offsets are
+// additive over such steps, so a thread computes its addresses once): consecutive threads along
+// a row, contiguous in global and in shared memory, a whole row per pass where its chunks divide
+// the block's threads, else the largest power-of-two share of it (576 dims: 72 chunks, passes of
+// 8 chunks x 16 rows, 9 of them across).
 template <int kHeadDim>
 struct PaddedRowLayout {
     static __device__ __forceinline__ int offset(int r, int c) { return r * TcLayout<kHeadDim>::kStride + c; }
@@ -118,31 +92,60 @@ __device__ __forceinline__ void for_each_chunk(T* dst, const T* src, long long r
     }
 }
 
-// Stage rows [row0, row0 + kRows) x kHeadDim of a 16-bit matrix in shared memory laid out by
-// Layout: 16-byte chunks by cp.async where the source allows it (`vectorised`: aligned base and
-// strides), element by element otherwise; zeros past `rows` and `dims`. The caller commits and
-// waits. A whole tile (every row inside the sequence, the head as wide as the tile, aligned: all
-// but a sequence's last tile of a head that fills its tile) is copied with no test per chunk,
-// fully unrolled; other tiles check each chunk, in rolled passes. (A test per thread, taking the
+// A 16-bit matrix whose tiles stage_async copies: `rows` rows (the sequence) of `dims` elements
+// (the head) from src, row_stride elements apart; vectorised where its rows may go by 16-byte
+// chunks (aligned base and stride). whole_width: vectorised, and the head as wide as kHeadDim.
+template <class T, int kHeadDim>
+struct TileSource {
+    const T* src;
+    long long row_stride;
+    int rows, dims;
+    bool vectorised, whole_width;
+    __device__ __forceinline__ TileSource(const T* src, long long row_stride, int rows, int dims, bool vectorised)
+        : src(src), row_stride(row_stride), rows(rows), dims(dims), vectorised(vectorised),
+          whole_width(vectorised && dims >= kHeadDim) {}
+
+    // The rows within which a tile may be copied whole: all of the sequence's where the source
+    // is vectorised and the head as wide as kHeadDim, none otherwise. A tile [row0, row0 + n)
+    // is whole where row0 + n <= whole_rows(): all but a sequence's last tile of a head that
+    // fills its tile.
+    __device__ __forceinline__ int whole_rows() const { return whole_width ? rows : 0; }
+};
+
+// The whole_rows of two matrices a loop stages together, with the same rows (K and V, Q and
+// dO): the loop works it out once and tests each tile with one comparison, of rows or of tile
+// indices against whole_rows / tile rows (which one ptxas schedules better differs by kernel).
+// Testing each matrix's flags per tile, ptxas reloaded and retested them on every one (NVRTC
+// 13.5: 14 instructions more per 64-key tile of the fp16 mma.sync forward at D = 64 on sm_90).
+template <class T, int kHeadDimA, int kHeadDimB>
+__device__ __forceinline__ int whole_rows_of(const TileSource<T, kHeadDimA>& a, const TileSource<T, kHeadDimB>& b) {
+    return a.whole_width && b.whole_width ? a.rows : 0;
+}
+
+// Stage rows [row0, row0 + kRows) x kHeadDim of `from` in shared memory laid out by
+// PaddedRowLayout: 16-byte chunks by cp.async where the source allows it, element by element
+// otherwise; zeros past its rows and dims. The caller commits and waits. A whole tile (the
+// caller's `whole`: row0 + kRows <= TileSource::whole_rows) is copied with no test per chunk, fully
+// unrolled; other tiles check each chunk, in rolled passes. (A test per thread, taking the
 // unchecked copy for the columns inside a narrower head too, made the common whole tile's path
 // 1–3 % longer in the SASS audit: its branch diverges.)
-template <int kRows, int kHeadDim, class Layout = PaddedRowLayout<kHeadDim>, class T>
-__device__ __forceinline__ void stage_async(T* dst, const T* src, long long row_stride, int row0, int rows, int dims,
-                                            bool vectorised) {
+template <int kRows, class T, int kHeadDim>
+__device__ __forceinline__ void stage_async(T* dst, const TileSource<T, kHeadDim>& from, int row0, bool whole) {
+    using Layout = PaddedRowLayout<kHeadDim>;
     int r0, c0;
     Layout::first_chunk(threadIdx.x, r0, c0);
-    src += row0 * row_stride;
-    if (vectorised && row0 + kRows <= rows && dims >= kHeadDim) {
-        for_each_chunk<kRows, kHeadDim, Layout, true>(dst, src, row_stride, r0, c0,
+    const T* src = from.src + row0 * from.row_stride;
+    if (whole) {
+        for_each_chunk<kRows, kHeadDim, Layout, true>(dst, src, from.row_stride, r0, c0,
                                                       [](T* d, const T* s, int, int) { ptx::cp_async<16>(d, s); });
         return;
     }
-    for_each_chunk<kRows, kHeadDim, Layout, false>(dst, src, row_stride, r0, c0, [&](T* d, const T* s, int dr, int dc) {
-        const bool row_in = row0 + r0 + dr < rows;
-        if (vectorised && row_in && c0 + dc + 8 <= dims) {
+    for_each_chunk<kRows, kHeadDim, Layout, false>(dst, src, from.row_stride, r0, c0, [&](T* d, const T* s, int dr, int dc) {
+        const bool row_in = row0 + r0 + dr < from.rows;
+        if (from.vectorised && row_in && c0 + dc + 8 <= from.dims) {
             ptx::cp_async<16>(d, s);
         } else {
-            for (int e = 0; e < 8; ++e) d[e] = (row_in && c0 + dc + e < dims) ? s[e] : from_float<T>(0.f);
+            for (int e = 0; e < 8; ++e) d[e] = (row_in && c0 + dc + e < from.dims) ? s[e] : from_float<T>(0.f);
         }
     });
 }
@@ -177,21 +180,24 @@ __device__ __forceinline__ void stage_pairs(const float (&o)[kDTiles][4], const 
 // block at (row0, col0) of a row-major tile, matrices ordered (rows 0-7, cols 0-7), (rows 8-15,
 // cols 0-7), (rows 0-7, cols 8-15), (rows 8-15, cols 8-15): the A-operand order of mma.m16n8k16.
 // With ldmatrix .trans the same addresses give the B operands of two adjacent n-tiles of a tile
-// stored (k, n) row-major (registers 0-1: columns 0-7, registers 2-3: columns 8-15).
+// stored (k, n) row-major (registers 0-1: columns 0-7, registers 2-3: columns 8-15). The lane's
+// offset and the block's are summed apart, so that for constant (row0, col0) the lane's address
+// is shared by every fragment and the rest folds into ldmatrix's immediate offset (one product
+// of the summed rows, ptxas recomputed an address per fragment and tile: NVRTC 13.5).
 template <int kStride, class T>
 __device__ __forceinline__ const T* a_address(const T* tile, int row0, int col0, int lane) {
     const int m = lane / 8;
-    return tile + (row0 + (m % 2) * 8 + lane % 8) * kStride + col0 + (m / 2) * 8;
+    return tile + (((m % 2) * 8 + lane % 8) * kStride + (m / 2) * 8) + (row0 * kStride + col0);
 }
 
 // ldmatrix.x4 address for B operands of two adjacent n-tiles of 8: matrices (rows 0-7, cols 0-7),
 // (rows 0-7, cols 8-15), (rows 8-15, cols 0-7), (rows 8-15, cols 8-15), so registers 0-1 are
 // the fragment of the rows 0-7 and registers 2-3 that of rows 8-15. For a non-transposed load
-// the rows are n (e.g. keys of K for Q·Kᵀ) and the columns k.
+// the rows are n (e.g. keys of K for Q·Kᵀ) and the columns k. Offsets summed as a_address's.
 template <int kStride, class T>
 __device__ __forceinline__ const T* b_address(const T* tile, int row0, int col0, int lane) {
     const int m = lane / 8;
-    return tile + (row0 + (m / 2) * 8 + lane % 8) * kStride + col0 + (m % 2) * 8;
+    return tile + (((m / 2) * 8 + lane % 8) * kStride + (m % 2) * 8) + (row0 * kStride + col0);
 }
 
 // The accumulator fragments of two adjacent 8-column tiles (16 rows x 16 columns, float) as the
@@ -241,18 +247,25 @@ __device__ __forceinline__ void mma_rows_by_rows(float (&acc)[kNTiles][4], const
 // acc[m] (16 x 8·kNTiles) += P_m·B, for P_m the 16 x 16·kKSteps accumulators of an earlier MMA
 // (rounded to T and re-packed as A operands: FlashAttention-2's register-resident P) and B = rows
 // [0, 16·kKSteps) of b_tile, read transposed (P·V, Pᵀ·dO, dS·K, ...), once per k-step for all
-// kRowTiles row tiles.
-template <class T, int kStride, int kKSteps, int kRowTiles, int kNTiles>
+// kRowTiles row tiles. With kSumTiles = 1 the last column tile of acc takes P_m·1 instead: every
+// column of it the sums of P_m's rows, of the same rounded P the product weighs B by.
+template <class T, int kStride, int kKSteps, int kSumTiles = 0, int kRowTiles, int kNTiles>
 __device__ __forceinline__ void mma_registers_by_rows(float (&acc)[kRowTiles][kNTiles][4],
                                                       const float (&p)[kRowTiles][2 * kKSteps][4], const T* b_tile,
                                                       int lane) {
+    static_assert(kSumTiles == 0 || kSumTiles == 1, "one column tile of row sums at most");
+    const unsigned ones = pack_pair<T>(1.f, 1.f);
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) {
         unsigned a[kRowTiles][4];
 #pragma unroll
         for (int m = 0; m < kRowTiles; ++m) accumulators_as_a<T>(a[m], p[m][2 * kk], p[m][2 * kk + 1]);
+        if constexpr (kSumTiles == 1)
 #pragma unroll
-        for (int j = 0; j < kNTiles; j += 2) {
+            for (int m = 0; m < kRowTiles; ++m)
+                ptx::mma_m16n8k16<T>(acc[m][kNTiles - 1], a[m], {ones, ones}, acc[m][kNTiles - 1]);
+#pragma unroll
+        for (int j = 0; j < kNTiles - kSumTiles; j += 2) {
             unsigned bf[4];  // B fragments of column tiles j (bf[0..1]) and j + 1 (bf[2..3])
             ptx::ldmatrix<4, true>(bf, a_address<kStride>(b_tile, kk * 16, j * 8, lane));
 #pragma unroll

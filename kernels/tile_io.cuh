@@ -6,12 +6,13 @@ namespace attn {
 
 constexpr int kThreads = 128;  // 4 warps; cupy_attn._config.THREADS must match
 
-// The stage (0 .. kStages - 1) holding tile `tile` of a loop over tiles from `first` that loads
-// each tile into the next of kStages buffers: an unsigned remainder, which for 1 or 2 stages is a
-// mask (a signed one adds a sign correction per tile).
+// The stage (0 .. kStages - 1) holding tile `tile` (>= 0) of a loop that loads each tile into
+// the next of kStages buffers: by the tile's own index, not its place in the loop (which costs
+// a subtraction per use), as an unsigned remainder, which for 1 or 2 stages is a mask (a signed
+// one adds a sign correction per tile).
 template <int kStages>
-__device__ __forceinline__ int pipeline_stage(int tile, int first) {
-    return static_cast<int>(static_cast<unsigned>(tile - first) % kStages);
+__device__ __forceinline__ int pipeline_stage(int tile) {
+    return static_cast<int>(static_cast<unsigned>(tile) % kStages);
 }
 
 // Copy rows [row0, row0 + kRows) of a (rows, dims) matrix (row stride in elements, unit stride

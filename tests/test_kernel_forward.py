@@ -252,6 +252,30 @@ def test_dropout_builds_keep_the_exact_running_max(monkeypatch, compute_capabili
     check(q, k, v, np.float16, dropout_p=0.999, dropout_seed=3)
 
 
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
+def test_mma_sync_forward_normalises_by_the_rounded_probabilities(monkeypatch, dtype):
+    """The mma.sync forward (builds without dropout) sums each row's P as rounded to the input
+    type, on the tensor cores (P·1 beside P·V), so V's rows are weighed by weights that sum to 1
+    as used: with V all ones every output is exactly 1, as the reference's. Here every P but the
+    first (1) lies 0.44 of an ulp above 0.75 and rounds down, so a sum of the unrounded P (float
+    adds, as the other kernels take) would leave every row one ulp below 1."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 80)
+    ulp = 2.0 ** -(np.finfo(dtype).nmant + 1)  # the spacing in [0.5, 1)
+    target = 8 * np.log(0.75 + 0.44 * ulp)  # the score giving that P at D = 64 (scale 1/8)
+    q = np.zeros((1, 1, 5, 64), dtype)
+    k = np.zeros((1, 1, 100, 64), dtype)
+    q[..., :2] = 1
+    k[..., 1:, 0] = target
+    k[..., 1:, 1] = target - k[0, 0, 1, 0].astype(np.float64)  # the rest, in finer steps
+    v = np.ones((1, 1, 100, 64), dtype)
+    p = np.exp((k[0, 0, :, 0].astype(np.float64) + k[0, 0, :, 1].astype(np.float64)) / 8)
+    rounded = p.astype(dtype).astype(np.float64)
+    assert np.all(rounded[1:] == 0.75) and p[0] == 1  # P rounds down by 0.44 ulp ...
+    assert np.float64(rounded.sum() / p.sum()).astype(dtype) != 1  # ... enough to show in O
+    out = cupy_attn.attention(q, k, v, backend="emulator")
+    assert out.dtype == dtype and np.all(out.astype(np.float64) == 1)
+
+
 def test_broadcast_masks_are_read_in_place():
     rng = np.random.default_rng(12)
     q, k, v = random_qkv(rng, b=3, h=4, sq=33, sk=77, d=16)
