@@ -143,7 +143,8 @@ class TensorCoreTile:
         return f"attention_bwd_dq_tc<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_n}>"
 
 
-# Per thread: (block_m / 64)·(D/2) float accumulators of O plus (block_m / 64)·(block_n/2) of S.
+# Per thread: (block_m / 64)·(D/2) float accumulators of O plus (block_m / 64)·(block_n/2) of S
+# and (block_m / 64)·4 of the rows' sums (P·1; builds without dropout).
 # FlashAttention-2's choice for D <= 128 on sm_80/sm_90 is 128 query rows per block of 4 warps: each
 # K and V fragment a warp reads from shared memory then serves two MMAs. The SASS audit's path
 # per 64 keys over tensor cycles (fp16, sm_90; bench/RESULTS.md, 2026-12-01, third session): at
@@ -156,11 +157,11 @@ class TensorCoreTile:
 # the two K/V stages stay within sm_86's 99 KB. Which wins on a GPU is the next GPU run's to say
 # (bench/tile_sweep.py).
 TENSOR_CORE_TILES = (
-    TensorCoreTile(32, 128, 64, "2 x (16 + 32) accumulators per thread; 30 KB shared"),
-    TensorCoreTile(64, 128, 64, "2 x (32 + 32) accumulators per thread; 54 KB shared"),
-    TensorCoreTile(128, 64, 64, "64 + 32 accumulators per thread; 85 KB shared"),
-    TensorCoreTile(256, 64, 16, "128 + 8 accumulators per thread; 66 KB shared"),
-    TensorCoreTile(576, 64, 16, "value dims in launches of 256: 128 + 8 accumulators per thread; 126 KB shared (WIDE)",
+    TensorCoreTile(32, 128, 64, "2 x (16 + 32 + 4) accumulators per thread; 30 KB shared"),
+    TensorCoreTile(64, 128, 64, "2 x (32 + 32 + 4) accumulators per thread; 54 KB shared"),
+    TensorCoreTile(128, 64, 64, "64 + 32 + 4 accumulators per thread; 85 KB shared"),
+    TensorCoreTile(256, 64, 16, "128 + 8 + 4 accumulators per thread; 66 KB shared"),
+    TensorCoreTile(576, 64, 16, "value dims in launches of 256: 128 + 8 + 4 accumulators per thread; 126 KB shared (WIDE)",
                    value_slice=256),
 )
 TENSOR_CORE_DTYPES = (np.dtype(np.float16), BFLOAT16)

@@ -98,15 +98,11 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
     b.row_tiles(p, n0, kBlockN, kBlockM, &m_begin, &m_end);
     const TileSource<T, kHeadDim> q_source(q + at.q, at.q_row, b.q_rows(p), p.head_dim, vectorised & 1);
     const TileSource<T, kHeadDim> do_source(dout + at.o, at.o_row, b.q_rows(p), p.head_dim_v, vectorised & 8);
-    // Whole tiles compared by rows: by tile index (as the forward and the dQ kernel do, 3 and 47
-    // instructions fewer there, and 40 at D = 576 here), ptxas spilled 16 bytes at D = 256 on
-    // sm_90 (NVRTC 13.5).
-    const int whole_rows = whole_rows_of(q_source, do_source);
+    const int whole_tiles = whole_rows_of(q_source, do_source) / kBlockM;
     // With two stages the next query tile loads while this one is worked on.
     auto stage_queries = [&](int m_block) {
         const int stage = pipeline_stage<kStages>(m_block), m0 = m_block * kBlockM;
-        stage_async<kBlockM>(sQ(stage), q_source, m0, m0 + kBlockM <= whole_rows);
-        stage_async<kBlockM>(sDO(stage), do_source, m0, m0 + kBlockM <= whole_rows);
+        stage_async_pair<kBlockM>(sQ(stage), q_source, sDO(stage), do_source, m0, m_block < whole_tiles);
         stage_row_stats(sLse2(stage), sDelta(stage), lse, delta, at.stats, m0, kBlockM, b.q_rows(p));
         ptx::cp_async_commit();
     };
@@ -220,8 +216,7 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
         const int n0 = n_block * kBlockN;
         __syncthreads();  // every warp is done with the previous K and V tiles
-        stage_async<kBlockN>(sK, k_source, n0, n_block < whole_tiles);
-        stage_async<kBlockN>(sV, v_source, n0, n_block < whole_tiles);
+        stage_async_pair<kBlockN>(sK, k_source, sV, v_source, n0, n_block < whole_tiles);
         ptx::cp_async_commit();
         ptx::cp_async_wait<0>();
         __syncthreads();  // Q, dO, the row statistics (first pass), K and V are in place

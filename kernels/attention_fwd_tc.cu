@@ -123,8 +123,7 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     const int whole_tiles = whole_rows_of(k_source, v_source) / kBlockN;
     auto stage_keys = [&](int n_block) {
         const int stage = pipeline_stage<2>(n_block), n0 = n_block * kBlockN;
-        stage_async<kBlockN>(stage_k(stage), k_source, n0, n_block < whole_tiles);
-        stage_async<kBlockN>(stage_v(stage), v_source, n0, n_block < whole_tiles);
+        stage_async_pair<kBlockN>(stage_k(stage), k_source, stage_v(stage), v_source, n0, n_block < whole_tiles);
         ptx::cp_async_commit();
     };
     if (n_begin < n_end) {  // Q only then: the epilogue stages O in Q's rows, where no copy may still land

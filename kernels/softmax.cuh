@@ -69,11 +69,11 @@ struct OnlineSoftmax {
 
     // Turn this lane's kCols scores of the current tile into probabilities (in place) relative
     // to the running max (moved only by more than kMaxLag); return the factor by which earlier
-    // accumulators must be scaled: exactly 1 where the max stayed, so that a caller may skip
-    // the scaling (rescale_rows). The base-2 scores are s·scale (scale > 0): a caller whose
-    // scores need no more than the scale passes them unscaled and the scale here, where it folds
-    // into one FFMA per score, exp2(s·scale − max), as FlashAttention does; others pass base-2
-    // scores and scale 1.
+    // accumulators must be scaled, exactly 1 where the max stayed (max_moved and max_shift say
+    // the same, for a caller that skips the scaling then: rescale_rows). The base-2 scores are
+    // s·scale (scale > 0): a caller whose scores need no more than the scale passes them
+    // unscaled and the scale here, where it folds into one FFMA per score, exp2(s·scale − max),
+    // as FlashAttention does; others pass base-2 scores and scale 1.
     template <int kCols>
     __device__ __forceinline__ float update(float (&s)[kCols], float scale = 1.f) {
         float tile_max = s[0];  // (not from -inf: fmaxf(-inf, x) is kept, as it is not x for NaN)
@@ -82,10 +82,10 @@ struct OnlineSoftmax {
         max_moved = tile_max > row_max + kMaxLag;
         const float new_max = max_moved ? tile_max : row_max;
         for (int c = 0; c < kCols; ++c) s[c] = exp2f(fmaf(s[c], scale, -new_max));
-        // 1 where the max stayed (also for a row that has seen only masked keys so far), else
-        // the factor from the old max to the new. Selecting 1 outright where the max stayed,
-        // instead of exp2(0), spilled 40 bytes in the mma.sync forward at D = 64 with mods on
-        // sm_80 (NVRTC 13.5).
+        // The factor is 1 where the max stayed (also for a row that has seen only masked keys
+        // so far), else the factor from the old max to the new: exp2(0), not 1 selected outright,
+        // which spilled 40 bytes in the mma.sync forward at D = 64 with mods on sm_80 (NVRTC
+        // 13.5) when that kernel took the factor from here.
         max_shift = row_max - new_max;
         const float rescale = exp2f(max_shift);
         if constexpr (kSumsProbabilities) {

@@ -113,10 +113,11 @@ struct TileSource {
 };
 
 // The whole_rows of two matrices a loop stages together, with the same rows (K and V, Q and
-// dO): the loop works it out once and tests each tile with one comparison, of rows or of tile
-// indices against whole_rows / tile rows (which one ptxas schedules better differs by kernel).
-// Testing each matrix's flags per tile, ptxas reloaded and retested them on every one (NVRTC
-// 13.5: 14 instructions more per 64-key tile of the fp16 mma.sync forward at D = 64 on sm_90).
+// dO), for stage_async_pair: the loop works out once how many of its tiles lie within it and
+// tests each tile's index against that, one comparison for both matrices. Testing each
+// matrix's flags per tile, ptxas reloaded and retested them on every one (NVRTC 13.5: 14
+// instructions more per 64-key tile of the fp16 mma.sync forward at D = 64 on sm_90; comparing
+// rows instead of tile indices made the deterministic dQ kernel's path 47 longer).
 template <class T, int kHeadDimA, int kHeadDimB>
 __device__ __forceinline__ int whole_rows_of(const TileSource<T, kHeadDimA>& a, const TileSource<T, kHeadDimB>& b) {
     return a.whole_width && b.whole_width ? a.rows : 0;
@@ -148,6 +149,21 @@ __device__ __forceinline__ void stage_async(T* dst, const TileSource<T, kHeadDim
             for (int e = 0; e < 8; ++e) d[e] = (row_in && c0 + dc + e < from.dims) ? s[e] : from_float<T>(0.f);
         }
     });
+}
+
+// Stage the same rows of two matrices (K and V, Q and dO): both copied whole where the caller
+// found the tile within whole_rows_of(a, b) (both_whole), else each as its own whole_rows allows,
+// so that a narrower or unaligned one (V or dO with Dv < D) leaves the other's copy unchecked.
+template <int kRows, class T, int kHeadDimA, int kHeadDimB>
+__device__ __forceinline__ void stage_async_pair(T* dst_a, const TileSource<T, kHeadDimA>& a, T* dst_b,
+                                                 const TileSource<T, kHeadDimB>& b, int row0, bool both_whole) {
+    if (both_whole) {
+        stage_async<kRows>(dst_a, a, row0, true);
+        stage_async<kRows>(dst_b, b, row0, true);
+    } else {
+        stage_async<kRows>(dst_a, a, row0, row0 + kRows <= a.whole_rows());
+        stage_async<kRows>(dst_b, b, row0, row0 + kRows <= b.whole_rows());
+    }
 }
 
 template <class T>
