@@ -85,8 +85,8 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
     const int dim0 = dim_slice * kWarpDims;
     const TileSource<T, kHeadDim> k_source(k + at.k, at.k_row, b.kv_rows(p), p.head_dim, vectorised & 2);
     const TileSource<T, kHeadDim> v_source(v + at.v, at.v_row, b.kv_rows(p), p.head_dim_v, vectorised & 4);
-    stage_async<kBlockN>(sK, k_source, n0, n0 + kBlockN <= k_source.whole_rows());
-    stage_async<kBlockN>(sV, v_source, n0, n0 + kBlockN <= v_source.whole_rows());
+    stage_async<kBlockN>(sK, k_source, n0);
+    stage_async<kBlockN>(sV, v_source, n0);
 
     float dk[kDTiles][4], dv[kDTiles][4];
     #pragma unroll
@@ -201,8 +201,8 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const TileSource<T, kHeadDim> q_source(q + at.q, at.q_row, b.q_rows(p), p.head_dim, vectorised & 1);
     const TileSource<T, kHeadDim> do_source(dout + at.o, at.o_row, b.q_rows(p), p.head_dim_v, vectorised & 8);
-    stage_async<kTcBlockM>(sQ, q_source, m0, m0 + kTcBlockM <= q_source.whole_rows());
-    stage_async<kTcBlockM>(sDO, do_source, m0, m0 + kTcBlockM <= do_source.whole_rows());
+    stage_async<kTcBlockM>(sQ, q_source, m0);
+    stage_async<kTcBlockM>(sDO, do_source, m0);
     stage_row_stats(sLse2, sDelta, lse, delta, at.stats, m0, kTcBlockM, b.q_rows(p));
 
     float dq[kDTiles][4];

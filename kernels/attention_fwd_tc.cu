@@ -128,7 +128,7 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     };
     if (n_begin < n_end) {  // Q only then: the epilogue stages O in Q's rows, where no copy may still land
         const TileSource<T, kHeadDim> q_source(q + at.q, at.q_row, b.q_rows(p), p.head_dim, vectorised & 1);
-        stage_async<kBlockM>(sQ, q_source, m0, m0 + kBlockM <= q_source.whole_rows());
+        stage_async<kBlockM>(sQ, q_source, m0);
         stage_keys(n_begin);
     }
     for (int n_block = n_begin; n_block < n_end; ++n_block) {

@@ -151,6 +151,13 @@ __device__ __forceinline__ void stage_async(T* dst, const TileSource<T, kHeadDim
     });
 }
 
+// stage_async of a tile copied whole wherever its source's whole_rows allow (a tile staged once,
+// or the fallback of stage_async_pair).
+template <int kRows, class T, int kHeadDim>
+__device__ __forceinline__ void stage_async(T* dst, const TileSource<T, kHeadDim>& from, int row0) {
+    stage_async<kRows>(dst, from, row0, row0 + kRows <= from.whole_rows());
+}
+
 // Stage the same rows of two matrices (K and V, Q and dO): both copied whole where the caller
 // found the tile within whole_rows_of(a, b) (both_whole), else each as its own whole_rows allows,
 // so that a narrower or unaligned one (V or dO with Dv < D) leaves the other's copy unchecked.
@@ -161,8 +168,8 @@ __device__ __forceinline__ void stage_async_pair(T* dst_a, const TileSource<T, k
         stage_async<kRows>(dst_a, a, row0, true);
         stage_async<kRows>(dst_b, b, row0, true);
     } else {
-        stage_async<kRows>(dst_a, a, row0, row0 + kRows <= a.whole_rows());
-        stage_async<kRows>(dst_b, b, row0, row0 + kRows <= b.whole_rows());
+        stage_async<kRows>(dst_a, a, row0);
+        stage_async<kRows>(dst_b, b, row0);
     }
 }
 
