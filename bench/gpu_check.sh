@@ -68,7 +68,11 @@ if run tests; then
     note "== GPU tests"
     extra=()
     $py -c "import xdist" 2>/dev/null && extra+=(-n 8)
-    $py -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout 120)
+    # A kernel that never finishes (an mbarrier phase nobody completes) blocks its worker inside a
+    # CUDA call, where the default signal method cannot interrupt it: the thread method ends that
+    # worker after 90 s (pytest-xdist reports the test as crashed and starts a new worker), so a hang
+    # costs one test rather than the step's whole time limit.
+    $py -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout 90 --timeout-method thread)
     if [ -n "$dry" ]; then
         # Collection only: where CuPy is missing the GPU modules skip themselves (exit 5, nothing
         # collected); what this checks is the command line and that every test module imports.
