@@ -56,6 +56,8 @@ constexpr unsigned kDsBarrier = 1, kLoopDoneBarrier = kDsBarrier + kBwdConsumerG
 // The register split of attention_fwd_wgmma.cu: 24 + 2 x 240 per lane-triple, from a launch of
 // 168 per thread.
 constexpr int kBwdProducerRegisters = 24, kBwdConsumerRegisters = 240;
+static_assert(register_split_fits(kBwdThreads, kBwdProducerRegisters, kBwdConsumerRegisters),
+              "the split must fit the launch");
 
 struct BackwardBarriers {
     StageRing<kQueryStages> queries;  // Q, dO, lse2, delta of a query tile

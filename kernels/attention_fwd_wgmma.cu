@@ -48,6 +48,7 @@ constexpr unsigned kTurnBarrier = 1, kStagedBarrier = kTurnBarrier + kConsumerGr
 // Registers per thread after the split: 24 + 2 x 240 = 504 per lane-triple, 64512 of the SM's
 // 65536 (the launch gives each thread 65536 / 384 = 168, rounded to 8).
 constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
+static_assert(register_split_fits(kWsThreads, kProducerRegisters, kConsumerRegisters), "the split must fit the launch");
 
 struct ForwardBarriers {
     StageRing<kKvStages> k, v;

@@ -10,6 +10,15 @@
 #pragma once
 #include "ptx.cuh"
 
+// Whether a warp-specialised block's register split fits its launch: under
+// __launch_bounds__(threads, 1) each thread starts with 65536 / threads registers, rounded down to
+// 8 (the compile report asserts the kernels get exactly that), and setmaxnreg.inc waits until the
+// block's pool holds what the consumers ask for, so a split over the launch's total would hang
+// them. One producer warpgroup at `producer`, the other threads at `consumer`.
+__host__ __device__ constexpr bool register_split_fits(int threads, int producer, int consumer) {
+    return 128 * producer + (threads - 128) * consumer <= threads * (65536 / threads / 8 * 8);
+}
+
 template <int kStages>
 struct StageRing {
     unsigned long long full[kStages];

@@ -99,6 +99,7 @@ inline void ldmatrix_fn(void* const* lanes, unsigned) {
 // warp collective when the warp waits for the operation's group.
 struct WgmmaOperand {
     u32 a[4];                    // A fragment in registers (RS form), as for mma.m16n8k16
+    const u32* a_registers;      // the caller's A fragment, which must still hold a[] at the wait
     unsigned long long a_desc;   // or A in shared memory (SS form)
     unsigned long long b_desc;
     bool a_in_registers;
@@ -107,7 +108,46 @@ struct WgmmaOperand {
     int scale_d;                 // 0: D = A·B, else D = A·B + D
     int warp_in_group;
     float* d;                    // N / 2 accumulators of this lane
+    float d_at_issue[64];        // and what they held when the instruction was issued
+    unsigned long long issued;   // register_clock at the issue
 };
+
+// The tensor cores read a wgmma's A registers and read and write its accumulators at any time
+// between the issue and the wait that covers it, so the thread must not write them in that window
+// (on the GPU the result would be undefined; fence_operands only keeps the compiler from moving
+// accesses into it). The emulator, which reads them only at the wait, checks there that they
+// still hold what they held at the issue or, for accumulators, what an earlier wgmma of the
+// window wrote into them: register_clock orders issues and executions, and last_written records,
+// per accumulator array, the values and time of the latest emulated write.
+struct WrittenAccumulators {
+    unsigned long long at;
+    float values[64];
+};
+inline thread_local unsigned long long register_clock = 0;  // a block runs on one host thread
+inline thread_local std::map<const float*, WrittenAccumulators> last_written;
+
+inline void take_issue_snapshot(WgmmaOperand& op, int accumulators) {
+    memcpy(op.d_at_issue, op.d, sizeof(float) * accumulators);
+    op.issued = ++register_clock;
+}
+
+// The pattern of a swizzled operand restarts every 8 lines (an atom), and the hardware takes the
+// operand's line within it from the descriptor's base offset (0 here), not from the address: the
+// start must lie in an atom's first 128 bytes (address bits 7.. within the atom clear; the k-steps
+// of a K-major operand move it 32, 64 or 96 bytes along the first line). The emulator swizzles
+// absolute addresses, as TMA writes them, so without this check a start on a later line would
+// read there what the hardware does not.
+inline unsigned swizzle_span(unsigned long long desc) {
+    static constexpr unsigned kSpan[4] = {0, 128, 64, 32};  // the descriptor's swizzle modes 0..3
+    return kSpan[desc >> 62];
+}
+inline void check_descriptor(unsigned long long desc, const char* operand) {
+    if ((desc >> 49) & 7u) ::emu::fail("wgmma: a non-zero matrix base offset is not emulated");
+    const unsigned span = swizzle_span(desc), start = static_cast<unsigned>(desc & 0x3fffu) << 4;
+    if (span && start % (8 * span) >= 128)
+        ::emu::fail(::emu::format("wgmma: %s's %u-byte swizzled operand starts %u bytes into its %u-byte atom, past the "
+                                  "atom's first 128 bytes (base offset 0)", operand, span, start % (8 * span), 8 * span));
+}
 
 // Element (row, k) of an operand (row: its M or N index), 16-bit elements, after the PTX ISA's
 // canonical layouts (CuTe notation, in 16-byte units T). Without swizzle: 8x8 core matrices of 128
@@ -121,9 +161,7 @@ struct WgmmaOperand {
 // LBO bytes to the next W/2 rows and SBO to the next 8 k.
 template <class T>
 inline float descriptor_element(unsigned long long desc, int row, int k, bool mn_major) {
-    if ((desc >> 49) & 7u) ::emu::fail("wgmma: a non-zero matrix base offset is not emulated");
-    static constexpr unsigned kSpan[4] = {0, 128, 64, 32};  // the descriptor's swizzle modes 0..3
-    const unsigned span = kSpan[desc >> 62];
+    const unsigned span = swizzle_span(desc);
     const size_t start = (desc & 0x3fffu) << 4, lbo = ((desc >> 16) & 0x3fffu) << 4, sbo = ((desc >> 32) & 0x3fffu) << 4;
     size_t offset;
     if (!span) {
@@ -150,6 +188,20 @@ inline void wgmma_fn(void* const* lanes, unsigned) {
             (!first.a_in_registers && op(lane)->a_desc != first.a_desc) || op(lane)->scale_d != first.scale_d ||
             op(lane)->a_mn_major != first.a_mn_major || op(lane)->b_mn_major != first.b_mn_major)
             ::emu::fail("wgmma: the lanes of a warp passed different descriptors or scale-d");
+    check_descriptor(first.b_desc, "B");
+    if (!first.a_in_registers) check_descriptor(first.a_desc, "A");
+    for (int lane = 0; lane < 32; ++lane) {
+        const WgmmaOperand& o = *op(lane);
+        if (o.a_in_registers && memcmp(o.a_registers, o.a, sizeof o.a))
+            ::emu::fail(::emu::format("wgmma: lane %d wrote its A registers before the wait that covers the wgmma reading "
+                                      "them", lane));
+        const auto written = last_written.find(o.d);
+        const float* expected =
+            written != last_written.end() && written->second.at > o.issued ? written->second.values : o.d_at_issue;
+        if (memcmp(o.d, expected, sizeof(float) * (N / 2)))
+            ::emu::fail(::emu::format("wgmma: lane %d wrote its accumulators between the wgmma's issue and the wait that "
+                                      "covers it", lane));
+    }
     float A[16][16], B[16][N];
     for (int k = 0; k < 16; ++k)
         for (int n = 0; n < N; ++n) B[k][n] = descriptor_element<T>(first.b_desc, n, k, first.b_mn_major);
@@ -173,6 +225,9 @@ inline void wgmma_fn(void* const* lanes, unsigned) {
                 for (int k = 0; k < 16; ++k) sum = std::fma(A[row][k], B[k][col], sum);
                 d[4 * j + e] = sum;
             }
+        WrittenAccumulators& written = last_written[d];
+        written.at = ++register_clock;
+        memcpy(written.values, d, sizeof(float) * (N / 2));
     }
 }
 }  // namespace emulated
@@ -310,12 +365,13 @@ __device__ __forceinline__ float ex2_approx(float x) {
 // column 8j + 2t + e % 2 (g = lane / 4, t = lane % 4), so N / 2 floats per lane. B, and A in the
 // SS form, are read from shared memory through matrix descriptors, in the canonical layouts
 // without swizzle (8x8 core matrices of 128 contiguous bytes; LBO = bytes between core matrices
-// along K, SBO = along M/N) or with one (descriptor_element below; the kernels' TMA boxes are
+// along K, SBO = along M/N) or with one (descriptor_element above; the kernels' TMA boxes are
 // 128-byte swizzled), each K-major or MN-major (Major below; A from registers is the
 // mma.m16n8k16 fragment).
 // The results are defined only after wgmma_wait covers their group; the emulator writes them
 // then, reading the operands as the async proxy sees them (poison where no fence_proxy_async
-// published the generic writes). Not modelled by the emulator: wgmma_fence's register ordering.
+// published the generic writes), and checking that the thread left the instruction's registers
+// alone until then (WgmmaOperand). Not modelled: wgmma_fence's register ordering.
 
 // The shared-window address of a pointer into shared memory.
 __device__ __forceinline__ u32 shared_address(const void* p) {
@@ -684,14 +740,16 @@ __device__ __forceinline__ void wgmma_m64k16_ss(float (&d)[N / 2], unsigned long
 #endif
 #else
     auto op = std::make_shared<emulated::WgmmaOperand>();
-    *op = emulated::WgmmaOperand{{}, a_desc, b_desc, false, kTransA != 0, kTransB != 0, scale_d,
+    *op = emulated::WgmmaOperand{{}, nullptr, a_desc, b_desc, false, kTransA != 0, kTransB != 0, scale_d,
                                  static_cast<int>(::emu::tl_fiber->linear / 32 % 4), d};
+    emulated::take_issue_snapshot(*op, N / 2);
     ::emu::defer_warp_op(emulated::wgmma_fn<T, N>, op, "wgmma.mma_async (SS)");
 #endif
 }
 
 // RS form: A from registers (the mma.m16n8k16 A fragment of this warp's 16 rows), B (kMajorB)
-// from shared memory. The A registers, like the accumulators, must stay untouched until the wait.
+// from shared memory. The A registers, like the accumulators, must stay untouched until the wait
+// (the emulator fails otherwise).
 template <class T, int N, Major kMajorB>
 __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const u32 (&a)[4], unsigned long long b_desc,
                                                 int scale_d) {
@@ -712,8 +770,9 @@ __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const u32 (&a
 #endif
 #else
     auto op = std::make_shared<emulated::WgmmaOperand>();
-    *op = emulated::WgmmaOperand{{a[0], a[1], a[2], a[3]}, 0, b_desc, true, false, kTransB != 0, scale_d,
+    *op = emulated::WgmmaOperand{{a[0], a[1], a[2], a[3]}, a, 0, b_desc, true, false, kTransB != 0, scale_d,
                                  static_cast<int>(::emu::tl_fiber->linear / 32 % 4), d};
+    emulated::take_issue_snapshot(*op, N / 2);
     ::emu::defer_warp_op(emulated::wgmma_fn<T, N>, op, "wgmma.mma_async (RS)");
 #endif
 }

@@ -435,6 +435,36 @@ def test_wgmma_without_the_proxy_fence_reads_poison(schedule):
     assert np.isnan(D).all()
 
 
+def run_wgmma_once(options, a_from="shared"):
+    mod = module("wgmma.cu", options, names=WGMMA_NAMES)
+    rng = np.random.default_rng(9)
+    A, B = (rng.standard_normal(shape).astype(np.float16) for shape in ((64, 16), (16, 64)))
+    C = rng.standard_normal((64, 64)).astype(np.float32)
+    D = np.full((64, 64), np.nan, np.float32)
+    mod.get_function(f"wgmma<__half, {str(a_from == 'registers').lower()}, 64, false>")(
+        1, 128, (A, B, C, D, I32(1)), shared_mem=8192)
+    return A.astype(np.float64) @ B.astype(np.float64), C, D
+
+
+@pytest.mark.parametrize("a_from", ["shared", "registers"])
+def test_wgmma_accumulators_written_before_the_wait_fail(a_from):
+    with pytest.raises(EmulatorError, match="wgmma: lane 0 wrote its accumulators between the wgmma's issue and the wait"):
+        run_wgmma_once(["-DWRITE_D_BEFORE_WAIT"], a_from)
+
+
+def test_wgmma_a_registers_written_before_the_wait_fail():
+    with pytest.raises(EmulatorError, match="wgmma: lane 0 wrote its A registers before the wait"):
+        run_wgmma_once(["-DWRITE_A_BEFORE_WAIT"], "registers")
+
+
+@pytest.mark.parametrize("a_from", ["shared", "registers"])
+def test_wgmma_accumulating_over_two_waited_groups_is_not_reported(a_from):
+    # The second group's accumulators, at the first wait, hold what the first group wrote: the
+    # check must follow them, not the values at the second issue.
+    product, C, D = run_wgmma_once(["-DTWO_GROUPS"], a_from)
+    np.testing.assert_allclose(D, 2 * product + C, rtol=1e-5, atol=1e-5)
+
+
 def test_wgmma_operand_beyond_shared_memory_fails():
     # With LBO and SBO swapped, B's descriptor reaches past the 8 KB the operands occupy.
     mod = module("wgmma.cu", ["-DWRONG_LAYOUT"], names=WGMMA_NAMES)

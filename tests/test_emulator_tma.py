@@ -187,6 +187,15 @@ def test_wgmma_told_the_wrong_major_ness_of_a_is_wrong(a_mn_major):
     assert not np.allclose(d, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("a_mn_major", [False, True], ids=["a_k_major", "a_mn_major"])
+def test_wgmma_operand_starting_past_its_atoms_first_line_fails(a_mn_major):
+    # The hardware takes the swizzle's phase from the descriptor's base offset (0), not from the
+    # address, so a start one line into the atom reads other rows than the emulator's absolute
+    # swizzle would: reported rather than emulated.
+    with pytest.raises(EmulatorError, match="wgmma: A's 128-byte swizzled operand starts 128 bytes into its 1024-byte atom"):
+        run_wgmma(module("-DMID_ATOM_START"), True, a_mn_major=a_mn_major)
+
+
 # ---- tensor maps ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,message", [
     (dict(dtype=np.int32), "dtype must be float16, bfloat16 or float32, got int32"),

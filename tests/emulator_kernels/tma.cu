@@ -68,7 +68,8 @@ __global__ void tma_store_box(const __grid_constant__ ptx::TensorMap map, const 
 // as its transpose, rows n) or MN-major (rows k, 64 n per line), as K and V are in attention.
 // Four k-steps of m64n64k16; the K-major descriptors advance 32 bytes within the line per step,
 // the MN-major ones 16 lines (2048 bytes). -DWRONG_MAJOR_A tells the instruction the other
-// major-ness of A than the one it was loaded in.
+// major-ness of A than the one it was loaded in; -DMID_ATOM_START starts A's descriptor one line
+// into the box's first swizzle atom, which base offset 0 cannot express (the emulator must fail).
 template <bool kMnMajorA, bool kMnMajorB>
 __global__ void tma_wgmma(const __grid_constant__ ptx::TensorMap a_map, const __grid_constant__ ptx::TensorMap b_map,
                           float* D) {
@@ -98,7 +99,11 @@ __global__ void tma_wgmma(const __grid_constant__ ptx::TensorMap a_map, const __
     constexpr bool kToldMnMajorA = kMnMajorA;
 #endif
     // MN-major: LBO steps to the next 64 m or n (none here), SBO to the next 8 k (8 lines).
+#ifdef MID_ATOM_START
+    const unsigned long long a_desc = ptx::wgmma_descriptor(sA + 128, kMnMajorA ? 8192 : 16, 1024, kSwizzle);
+#else
     const unsigned long long a_desc = ptx::wgmma_descriptor(sA, kMnMajorA ? 8192 : 16, 1024, kSwizzle);
+#endif
     const unsigned long long b_desc = ptx::wgmma_descriptor(sB, kMnMajorB ? 8192 : 16, 1024, kSwizzle);
     float d[32];
     ptx::wgmma_fence();

@@ -5,7 +5,10 @@
 // whose 16 row groups fill that, SBO 128 bytes) so the
 // descriptor decoding is exercised; -DWRONG_LAYOUT passes LBO and SBO swapped, -DWRONG_MAJOR tells
 // the instruction the other major-ness of B than the one it was placed in: both must give a wrong
-// result. -DNO_FENCE leaves out the proxy fence, so wgmma reads poison.
+// result. -DNO_FENCE leaves out the proxy fence, so wgmma reads poison. -DWRITE_D_BEFORE_WAIT and
+// -DWRITE_A_BEFORE_WAIT write an accumulator or an A register (RS form) between the issue and the
+// wait, which the emulator must report; -DTWO_GROUPS issues the product twice in two groups
+// (D = 2·A·B + C), the second waited for after the first: legal, and must not be reported.
 constexpr unsigned kLboA = 256, kSboA = 512, kSboB = 128;
 template <int N>
 constexpr unsigned kLboB = N <= 64 ? 1024 : 16 * N;
@@ -58,19 +61,31 @@ __global__ void wgmma(const T* A, const T* B, const float* C, float* D, int wait
     float d[N / 2];
     for (int j = 0; j < N / 8; ++j)
         for (int e = 0; e < 4; ++e) d[4 * j + e] = C[(16 * warp + g + 8 * (e / 2)) * N + 8 * j + 2 * t + (e & 1)];
-    ptx::wgmma_fence();
-    if (kRegisterA) {
-        unsigned a[4];
-        for (int r = 0; r < 4; ++r) {
-            const int row = 16 * warp + g + 8 * (r & 1), col = 2 * t + 8 * (r >> 1);
-            a[r] = static_cast<unsigned>(A[row * 16 + col].__x) | static_cast<unsigned>(A[row * 16 + col + 1].__x) << 16;
-        }
-        ptx::wgmma_m64k16_rs<T, N, kInstructionMajor<kMnMajorB>>(d, a, descriptor(sB, kLboB<N>, kSboB), 1);
-    } else {
-        ptx::wgmma_m64k16_ss<T, N, kInstructionMajor<kMnMajorB>>(d, descriptor(sA, kLboA, kSboA),
-                                                                  descriptor(sB, kLboB<N>, kSboB), 1);
+    unsigned a[4];  // (RS form) read by the tensor cores until the wait, so in scope until then
+    for (int r = 0; r < 4; ++r) {
+        const int row = 16 * warp + g + 8 * (r & 1), col = 2 * t + 8 * (r >> 1);
+        a[r] = static_cast<unsigned>(A[row * 16 + col].__x) | static_cast<unsigned>(A[row * 16 + col + 1].__x) << 16;
     }
-    ptx::wgmma_commit();
+    ptx::wgmma_fence();
+#ifdef TWO_GROUPS
+    for (int group = 0; group < 2; ++group) {
+#endif
+        if (kRegisterA)
+            ptx::wgmma_m64k16_rs<T, N, kInstructionMajor<kMnMajorB>>(d, a, descriptor(sB, kLboB<N>, kSboB), 1);
+        else
+            ptx::wgmma_m64k16_ss<T, N, kInstructionMajor<kMnMajorB>>(d, descriptor(sA, kLboA, kSboA),
+                                                                      descriptor(sB, kLboB<N>, kSboB), 1);
+        ptx::wgmma_commit();
+#ifdef TWO_GROUPS
+    }
+    ptx::wgmma_wait<1>();
+#endif
+#ifdef WRITE_D_BEFORE_WAIT
+    d[N / 2 - 1] = 0.f;
+#endif
+#ifdef WRITE_A_BEFORE_WAIT
+    a[3] ^= 1u;
+#endif
     if (waits) ptx::wgmma_wait<0>();
     for (int j = 0; j < N / 8; ++j)
         for (int e = 0; e < 4; ++e) D[(16 * warp + g + 8 * (e / 2)) * N + 8 * j + 2 * t + (e & 1)] = d[4 * j + e];

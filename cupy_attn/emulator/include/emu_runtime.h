@@ -423,9 +423,11 @@ inline void count_access(int space, const void* address, unsigned bytes, const c
     f->log.accesses.push_back(Access{file, line, space, occurrence, f->linear & 31u, at, bytes});
 }
 
-// The shared-window address of a pointer into the block's dynamic shared memory (what
-// __cvta_generic_to_shared gives on the GPU, where dynamic shared memory starts at 0 for kernels
-// without static shared memory), and back; anything outside fails the block.
+// The offset of a pointer into the block's dynamic shared memory, standing in for its
+// shared-window address (__cvta_generic_to_shared), and back; anything outside fails the block.
+// On the GPU, kernels without static shared memory have theirs start after the 1 KB the system
+// reserves per block (sm_80 and later): a multiple of 1024 bytes, so banks, swizzle atoms and the
+// alignments the emulator checks fall as they do there.
 inline unsigned shared_offset(const void* p, const char* what) {
     const unsigned char* c = static_cast<const unsigned char*>(p);
     Block* b = tl_block;
