@@ -102,6 +102,25 @@ def test_features(tensor_core_kernels, feature, layout):
     check(q, k, v, np.float16, layout=layout, **feature_keywords(feature, rng))
 
 
+@pytest.mark.parametrize("sq, sk, causal", [(1, 1, False), (7, 64, False), (65, 129, False), (200, 385, True),
+                                             (300, 70, True), (70, 300, "top_left")])
+@pytest.mark.parametrize("d", [64, 128])
+def test_tile_counts_and_blocks_without_work(tensor_core_kernels, sq, sk, causal, d):
+    """One to four key tiles per block, and blocks with nothing to do: query blocks that see no
+    key (bottom-right causal, Sq > Sk: the first Sq - Sk rows) and key blocks that no query sees
+    (top-left, Sk > Sq: keys from Sq on), forward and backward. The warp-specialised kernels'
+    producer and consumers must agree on every count, zero included, or the block hangs."""
+    rng = np.random.default_rng(sq * 1000 + sk)
+    q, k, v = random_qkv(rng, b=2, h=4, hkv=2, sq=sq, sk=sk, d=d, dtype=BF16)
+    check(q, k, v, BF16, causal=causal)
+    gq, gk, gv = on_gpu(q, k, v)
+    out, lse = cupy_attn.attention(gq, gk, gv, return_lse=True, causal=causal)
+    dout = rng.standard_normal(out.shape).astype(BF16)
+    grads = cupy_attn.attention_backward(cupy.asarray(dout), gq, gk, gv, out, lse, causal=causal)
+    for g, w in zip(grads, reference.attention_gradients(dout, q, k, v, causal=causal)):
+        assert_close(g.get(), w, BF16, grad=True)
+
+
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16), BF16], ids=str)
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("d", [64, 128, 256])
