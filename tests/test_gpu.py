@@ -112,13 +112,7 @@ def test_tile_counts_and_blocks_without_work(tensor_core_kernels, sq, sk, causal
     producer and consumers must agree on every count, zero included, or the block hangs."""
     rng = np.random.default_rng(sq * 1000 + sk)
     q, k, v = random_qkv(rng, b=2, h=4, hkv=2, sq=sq, sk=sk, d=d, dtype=BF16)
-    check(q, k, v, BF16, causal=causal)
-    gq, gk, gv = on_gpu(q, k, v)
-    out, lse = cupy_attn.attention(gq, gk, gv, return_lse=True, causal=causal)
-    dout = rng.standard_normal(out.shape).astype(BF16)
-    grads = cupy_attn.attention_backward(cupy.asarray(dout), gq, gk, gv, out, lse, causal=causal)
-    for g, w in zip(grads, reference.attention_gradients(dout, q, k, v, causal=causal)):
-        assert_close(g.get(), w, BF16, grad=True)
+    check_with_gradients(q, k, v, BF16, rng, causal=causal)
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16), BF16], ids=str)

@@ -100,10 +100,11 @@ __global__ void tma_wgmma(const __grid_constant__ ptx::TensorMap a_map, const __
 #endif
     // MN-major: LBO steps to the next 64 m or n (none here), SBO to the next 8 k (8 lines).
 #ifdef MID_ATOM_START
-    const unsigned long long a_desc = ptx::wgmma_descriptor(sA + 128, kMnMajorA ? 8192 : 16, 1024, kSwizzle);
+    constexpr int kAStart = 128;  // one line into the atom
 #else
-    const unsigned long long a_desc = ptx::wgmma_descriptor(sA, kMnMajorA ? 8192 : 16, 1024, kSwizzle);
+    constexpr int kAStart = 0;
 #endif
+    const unsigned long long a_desc = ptx::wgmma_descriptor(sA + kAStart, kMnMajorA ? 8192 : 16, 1024, kSwizzle);
     const unsigned long long b_desc = ptx::wgmma_descriptor(sB, kMnMajorB ? 8192 : 16, 1024, kSwizzle);
     float d[32];
     ptx::wgmma_fence();
