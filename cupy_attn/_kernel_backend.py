@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from . import _compile, _config, _mods_source, _numpy_backend
+from . import _compile, _config, _mods_source, _numpy_backend, _schedule
 from ._problem import Problem
 from ._tensor_map import TensorMapError, TensorMapSpec
 
@@ -35,20 +35,25 @@ EMULATOR_COMPUTE_CAPABILITY = None
 CUDA_COMPUTE_CAPABILITY = None
 # Users choose the same through the environment, e.g. 90 for the wgmma kernels on an H100.
 CAPABILITY_VARIABLE = "CUPY_ATTN_COMPUTE_CAPABILITY"
+# The L2 the emulator sizes the query-tiled kernels' sections of (batch entry, head) pairs for
+# (_schedule.heads_per_section): an H100's. Tests shrink it to split small problems into sections.
+EMULATOR_L2_BYTES = 50 * 2**20
 
 # Within compile_only(): the kernels a call would launch, built and recorded instead of run.
 _COMPILE_ONLY = contextvars.ContextVar("cupy_attn_compile_only", default=None)
 
 _CAUSAL = {None: 0, "bottom_right": 1, "top_left": 2}
-_MAX_GRID_YZ = 65535
 
 
 def check_supported(problem: Problem, target: str) -> None:
     if problem.dtype == np.float64:
         raise TypeError(f"float64 inputs run on the NumPy backend only; backend {target!r} takes float16, bfloat16 or float32")
     _config.forward_tile(problem.head_dim, problem.head_dim_v)  # raises for head dims above MAX_HEAD_DIM
-    if problem.heads > _MAX_GRID_YZ or problem.batch > _MAX_GRID_YZ:
-        raise ValueError(f"at most {_MAX_GRID_YZ} heads and batch entries per call, got H = {problem.heads}, B = {problem.batch}")
+    if problem.heads > _schedule.GRID_YZ_LIMIT or problem.batch > _schedule.GRID_YZ_LIMIT:
+        raise ValueError(f"at most {_schedule.GRID_YZ_LIMIT} heads and batch entries per call, got H = {problem.heads}, "
+                         f"B = {problem.batch}")
+    if problem.heads * problem.batch >= 2**31:  # query_block_place's pair index (kernels/block_info.cuh)
+        raise ValueError(f"fewer than 2^31 (batch entry, head) pairs per call, got H = {problem.heads}, B = {problem.batch}")
 
 
 def _last_dim_contiguous(xp, x):
@@ -175,6 +180,42 @@ def _empty(xp, shape, dtype):
     return xp.full(shape, np.nan, dtype=dtype) if POISON_OUTPUTS else xp.empty(shape, dtype=dtype)
 
 
+def _heads_magic(heads: int) -> tuple:
+    """heads_magic and heads_shift of ATTN_PARAMS: query_block_place's division by the head count."""
+    magic, shift = _schedule.division_magic(max(heads, 1))
+    return np.uint32(magic), I32(shift)
+
+
+def _l2_bytes(target: str) -> int:
+    if target == "emulator":
+        return EMULATOR_L2_BYTES
+    import cupy
+
+    return _device_l2_bytes(cupy.cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_l2_bytes(device: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceProperties(device)["l2CacheSize"])
+
+
+def _query_grid(problem: Problem, target: str, block_m: int) -> tuple[int, int, int]:
+    """The grid of a kernel whose blocks each take a tile of block_m query rows of one (batch
+    entry, head) pair (kernels/block_info.cuh, query_block_place): the pairs in sections whose K
+    and V (one kv head's per GQA group) fit the L2 together (_schedule)."""
+    p = problem
+    tiles = _blocks(p.seq_q, block_m)
+    if tiles > _schedule.GRID_YZ_LIMIT:
+        raise ValueError(f"at most {_schedule.GRID_YZ_LIMIT} query tiles per call: seq_q up to "
+                         f"{_schedule.GRID_YZ_LIMIT * block_m} for this call's tiles of {block_m} rows, got {p.seq_q}")
+    pairs = p.heads * p.batch
+    kv_bytes = p.seq_k * (p.head_dim + p.head_dim_v) * p.dtype.itemsize
+    section = _schedule.heads_per_section(kv_bytes, pairs, _l2_bytes(target), p.groups)
+    return _schedule.query_grid(tiles, pairs, section)
+
+
 def _common_args(problem: Problem, q, k, v, fourth, tiles: tuple | None = None) -> tuple:
     """ATTN_PARAMS (kernels/block_info.cuh): everything after a kernel's own pointers. ``fourth``
     is out in the forward and dout in the backward; ``tiles`` the kernel's (query rows, keys) per
@@ -193,7 +234,8 @@ def _common_args(problem: Problem, q, k, v, fourth, tiles: tuple | None = None) 
                (np.uint64(drop.seed), np.uint32(drop.offset), np.uint32(drop.threshold), F32(drop.scale)))
     return (
         _lengths(p, p.q_lengths, p.seq_q), _lengths(p, p.kv_lengths, p.seq_k), *_packing_args(p), slopes, sinks, mask,
-        I32(p.heads), I32(p.groups), I32(p.seq_q), I32(p.seq_k), I32(p.head_dim), I32(p.head_dim_v),
+        I32(p.heads), *_heads_magic(p.heads), I32(p.groups), I32(p.seq_q), I32(p.seq_k), I32(p.head_dim),
+        I32(p.head_dim_v),
         *_bhs_strides(p, q), *_bhs_strides(p, k), *_bhs_strides(p, v), *_bhs_strides(p, fourth),
         *mask_strides, mask_kind,
         I32(_CAUSAL[p.causal]), I32(-1 if left is None else left), I32(-1 if right is None else right),
@@ -335,7 +377,10 @@ def forward(problem: Problem, q, k, v, *, target: str):
                       "mma.sync forward runs instead")
             tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype, 80, module["features"])
             out, maps = _output(p, False), ()
-    grid = (_blocks(p.seq_q, tile.block_m), p.heads, p.batch)
+    # The tensor-core forwards start their blocks in the order _query_grid shapes; the CUDA-core
+    # one keeps the grid (query tiles, heads, batch entries) (kernels/block_info.cuh).
+    tensor_cores = isinstance(tile, (_config.TensorCoreTile, _config.HopperTile))
+    grid = _query_grid(p, target, tile.block_m) if tensor_cores else (_blocks(p.seq_q, tile.block_m), p.heads, p.batch)
     # A tile computing fewer value dims per launch than Dv runs once per slice of v and out (views:
     # same strides, shifted base), each launch writing the same lse.
     width = getattr(tile, "value_dim", p.head_dim_v)
@@ -468,7 +513,7 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
                     (q, k, v, dout, lse, delta, dq, *common), dq_tile.dq_shared_bytes, **module)
         else:
             common = _common_args(p, q, k, v, dout, (dq_tile.dq_block_m, dq_tile.block_n))
-            _launch(target, "attention_bwd_tc.cu", dq_tile.dq_name(p.dtype), (_blocks(sq, dq_tile.dq_block_m), h, b),
+            _launch(target, "attention_bwd_tc.cu", dq_tile.dq_name(p.dtype), _query_grid(p, target, dq_tile.dq_block_m),
                     (q, k, v, dout, lse, delta, dq, vectorised, *common), dq_tile.dq_shared_bytes, **module)
     dq_unscaled = not deterministic and not isinstance(tile, _config.BackwardTile)
     grads = (_from_per_head(p, dq, p.dtype, scale=p.scale if dq_unscaled else None),

@@ -193,11 +193,12 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
     float* sLse2 = reinterpret_cast<float*>(sV + kBlockN * kStride);
     float* sDelta = sLse2 + kTcBlockM;
 
-    const BlockInfo b(p, blockIdx.y, blockIdx.z);
+    const BlockPlace place = query_block_place(p);
+    const BlockInfo b(p, place.head, place.batch);
     const ScoreTransform score(p, b);
     const Dropout dropout(p, b);
     const HeadView at = head_view(p, b, strides);
-    const int m0 = blockIdx.x * kTcBlockM;
+    const int m0 = place.tile * kTcBlockM;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const TileSource<T, kHeadDim> q_source(q + at.q, at.q_row, b.q_rows(p), p.head_dim, vectorised & 1);
     const TileSource<T, kHeadDim> do_source(dout + at.o, at.o_row, b.q_rows(p), p.head_dim_v, vectorised & 8);
@@ -267,8 +268,9 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
 
 }  // namespace attn
 
-// grid (ceil(Sq / 64), H, B), block 128, dynamic shared memory: Q, dO (64 rows) and K, V
-// (kBlockN rows) of kHeadDim + 8 16-bit elements, lse and delta (64 floats each).
+// grid (pairs per section, ceil(Sq / 64), sections) (query_block_place), block 128, dynamic shared
+// memory: Q, dO (64 rows) and K, V (kBlockN rows) of kHeadDim + 8 16-bit elements, lse and delta
+// (64 floats each).
 template <class T, int kHeadDim, int kBlockN>
 __global__ void __launch_bounds__(attn::kThreads, 1)
 attention_bwd_dq_tc(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,

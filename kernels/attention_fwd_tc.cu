@@ -93,11 +93,12 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     auto stage_k = [&](int stage) { return sQ + kBlockM * kStride + kBlockN * (kStride + kStrideV) * stage; };
     auto stage_v = [&](int stage) { return stage_k(stage) + kBlockN * kStride; };
 
-    const BlockInfo b(p, blockIdx.y, blockIdx.z);
+    const BlockPlace place = query_block_place(p);
+    const BlockInfo b(p, place.head, place.batch);
     const ScoreTransform score(p, b);
     const Dropout dropout(p, b);
     const HeadView at = head_view(p, b, strides);
-    const int m0 = blockIdx.x * kBlockM;
+    const int m0 = place.tile * kBlockM;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;           // groupID, threadID_in_group
     const int row_lo = m0 + warp * 16 + g;          // row tile m's two rows: row_lo + 64m and + 8
@@ -151,7 +152,7 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
             for (int j = 0; j < kNTiles; ++j) s[m][j][0] = s[m][j][1] = s[m][j][2] = s[m][j][3] = 0.f;
         mma_rows_by_rows<T, kStride, kHeadDim / 16>(s, sQ, warp * 16, sK, lane);
 
-        const int checks = b.tile_checks(p, interior.contains(n_block), blockIdx.x, n_block);
+        const int checks = b.tile_checks(p, interior.contains(n_block), place.tile, n_block);
 #pragma unroll
         for (int m = 0; m < kRowTiles; ++m)
             softmax_tile(s[m], o[m], softmax[m], p, b, score, dropout, row_lo + 64 * m, n0, t, checks);
@@ -171,13 +172,14 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
 
 }  // namespace attn
 
-// grid (ceil(Sq / kBlockM), H, B), block 128 threads, dynamic shared memory (kBlockM + 2 kBlockN)
-// rows of (kHeadDim + 8) and 2 kBlockN rows of (kHeadDimV + 8) 16-bit elements. vectorised: bit 0/1/2 set
-// when q/k/v rows may be copied in 16-byte chunks (16-byte aligned base, strides multiples of 8
-// elements). kHeadDimV < kHeadDim: v and out are a slice of kHeadDimV dims of the value head dims,
-// one launch per slice (O's accumulators are what registers bound; Q and K only take shared memory).
-// kMinBlocks: the blocks per SM ptxas is asked to leave registers for in the plain build (the tile
-// table's min_blocks; builds with more features need more registers and are left to ptxas).
+// grid (pairs per section, ceil(Sq / kBlockM), sections) (query_block_place), block 128 threads,
+// dynamic shared memory (kBlockM + 2 kBlockN) rows of (kHeadDim + 8) and 2 kBlockN rows of
+// (kHeadDimV + 8) 16-bit elements. vectorised: bit 0/1/2 set when q/k/v rows may be copied in
+// 16-byte chunks (16-byte aligned base, strides multiples of 8 elements). kHeadDimV < kHeadDim: v
+// and out are a slice of kHeadDimV dims of the value head dims, one launch per slice (O's
+// accumulators are what registers bound; Q and K only take shared memory). kMinBlocks: the blocks
+// per SM ptxas is asked to leave registers for in the plain build (the tile table's min_blocks;
+// builds with more features need more registers and are left to ptxas).
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kHeadDimV, int kMinBlocks>
 __global__ void __launch_bounds__(attn::kThreads, attn::ScoreTransform::kPlain ? kMinBlocks : 1)
 attention_fwd_tc(const T* q, const T* k, const T* v, T* out, float* lse, int vectorised, ATTN_PARAMS) {

@@ -98,8 +98,9 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse,
     T* sV = sK + kKvStages * kTileElements;
     ForwardBarriers& bars = *reinterpret_cast<ForwardBarriers*>(sV + kKvStages * kTileElements);
 
-    const BlockInfo b(p, blockIdx.y, blockIdx.z);
-    const int m0 = blockIdx.x * kBlockM;
+    const BlockPlace place = query_block_place(p);
+    const BlockInfo b(p, place.head, place.batch);
+    const int m0 = place.tile * kBlockM;
     int n_begin, n_end;
     b.key_tiles(p, m0, kBlockM, kBlockN, &n_begin, &n_end);
     if (threadIdx.x == 0) {
@@ -206,7 +207,7 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse,
         k_at.advance();
         const int n0 = n_block * kBlockN;
         softmax_scores(s, softmax, p, b, score, dropout, row_lo, n0, t,
-                       b.tile_checks(p, interior.contains(n_block), blockIdx.x, n_block));
+                       b.tile_checks(p, interior.contains(n_block), place.tile, n_block));
     };
     auto pack_p = [&] {
 #pragma unroll
@@ -290,13 +291,13 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse,
 
 }  // namespace attn
 
-// grid (ceil(Sq / 128), H, B) of a padded batch, block 384 threads (a producer warpgroup and two
-// consumers), dynamic shared memory: Q (128 x kHeadDim) and two stages of K and of V (kBlockN x
-// kHeadDim each), 16-bit, then the barriers. q_map, k_map, v_map, o_map: TMA maps of q, k, v and
-// out (head dims, rows, heads, batch) with 128-byte swizzle and boxes of 64 head dims x 128 query
-// rows (q), kBlockN keys (k, v) and 64 query rows (out: one consumer group's); q, k, v and out are
-// read and written through them only (their pointers and strides in ATTN_PARAMS go unused; lse is
-// written directly). Compiled for sm_90a only.
+// grid (pairs per section, ceil(Sq / 128), sections) (query_block_place), block 384 threads (a
+// producer warpgroup and two consumers), dynamic shared memory: Q (128 x kHeadDim) and two stages
+// of K and of V (kBlockN x kHeadDim each), 16-bit, then the barriers. q_map, k_map, v_map, o_map:
+// TMA maps of q, k, v and out (head dims, rows, heads, batch) with 128-byte swizzle and boxes of 64
+// head dims x 128 query rows (q), kBlockN keys (k, v) and 64 query rows (out: one consumer
+// group's); q, k, v and out are read and written through them only (their pointers and strides in
+// ATTN_PARAMS go unused; lse is written directly). Compiled for sm_90a only.
 template <class T, int kHeadDim, int kBlockN>
 __global__ void __launch_bounds__(attn::kWsThreads, 1)
 attention_fwd_wgmma(const T* q, const T* k, const T* v, T* out, float* lse,

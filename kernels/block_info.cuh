@@ -62,7 +62,10 @@ struct Params {
     const float* alibi_slopes;   // (B, H), contiguous
     const float* sinks;          // (H,) natural-log logits; read only when has_sinks
     const void* mask;            // bool (uint8) or float32, read through mask strides
-    int heads, kv_group, seq_q, seq_k, head_dim, head_dim_v;
+    int heads;
+    unsigned heads_magic;        // pair / heads = umulhi(2 · pair, heads_magic) >> heads_shift
+    int heads_shift;             //   (cupy_attn/_schedule.py, division_magic)
+    int kv_group, seq_q, seq_k, head_dim, head_dim_v;
     long long mask_stride_b, mask_stride_h, mask_stride_q, mask_stride_k;
     int mask_kind;               // 0 none, 1 bool (True = may attend), 2 additive float
     int causal;                  // 0 none, 1 bottom-right, 2 top-left
@@ -101,6 +104,36 @@ struct Band {
     int begin, end;
     __device__ __forceinline__ bool contains(int x) const { return begin <= x && x < end; }
 };
+
+// Where a block of a tensor-core kernel that tiles the queries (the mma.sync and wgmma forwards,
+// the tensor-core deterministic dQ kernel) works: its query tile, head and batch entry. A GPU
+// starts a grid's blocks in the order of their linear index (x fastest), and the launcher shapes
+// the grid so that that order serves two ends (cupy_attn/_schedule.py):
+// - the tail: under a causal mask a later query tile visits more key tiles, and a heavy block
+//   started last keeps its SM busy while the others idle; so the last tiles start first (longest
+//   processing time first, as FlashAttention-3 orders its query tiles);
+// - the L2: the blocks of one (batch entry, head) pair all read its K and V; so the pairs go in
+//   sections, sized so that a section's K and V fit the L2 together, and a section's blocks start
+//   before the next section's.
+// The grid is (pairs per section, query tiles, sections): x the pair within its section, y the
+// tile's rank (the last tile first), z the section. The place comes from blockIdx and parameters
+// through a multiply-high and a shift (the division by the head count, its magic number worked
+// out by the launcher), short enough for ptxas to recompute where it needs the values rather than
+// hold them across the hot loop: with a division, or a decode from the linear index, ptxas held
+// them and spilled at D = 256 (4-52 bytes in the wgmma forward with features, NVRTC 13.5). (The
+// CUDA-core kernels keep the grid (query tiles, heads, batch entries): at their 128 registers
+// even this made the fp32 forward spill; the dK/dV kernels keep (key tiles, heads, batch
+// entries), whose heaviest tiles, the first, start first within a pair.)
+struct BlockPlace {
+    int tile, head, batch;
+};
+
+__device__ __forceinline__ BlockPlace query_block_place(const Params& p) {
+    const unsigned pair = blockIdx.z * gridDim.x + blockIdx.x;  // batch entry · heads + head, < 2^31
+    const unsigned batch = __umulhi(2 * pair, p.heads_magic) >> p.heads_shift;  // pair / heads
+    return BlockPlace{static_cast<int>(gridDim.y - 1 - blockIdx.y), static_cast<int>(pair - batch * p.heads),
+                      static_cast<int>(batch)};
+}
 
 // A range [begin, end) of tile indices (empty when end <= begin).
 struct TileSpan {
@@ -313,18 +346,20 @@ __device__ __forceinline__ HeadView head_view(const Params& p, const BlockInfo& 
 // a Params and the stride table (q, k, v and a fourth tensor: out in the forward, dout in the
 // backward; batch, head, row strides each, in elements). One list, so the launcher builds it once.
 #define ATTN_PARAMS                                                                                              \
-    const int *q_lengths, const int *kv_lengths, const int *q_starts, const int *kv_starts, int packed,         \
-        int total_q, int total_k, const float *alibi_slopes, const float *sinks, const void *mask, int heads,   \
-        int kv_group, int seq_q, int seq_k, int head_dim, int head_dim_v, long long q_sb, long long q_sh,        \
-        long long q_sr, long long k_sb, long long k_sh, long long k_sr, long long v_sb, long long v_sh,          \
-        long long v_sr, long long o_sb, long long o_sh, long long o_sr, long long mask_sb, long long mask_sh,    \
-        long long mask_sq, long long mask_sk, int mask_kind, int causal, int window_left, int window_right,      \
-        int has_alibi, int has_sinks, float scale, float softcap, unsigned long long dropout_seed,                \
-        unsigned dropout_offset, unsigned dropout_threshold, float dropout_scale ATTN_MOD_PARAM ATTN_BLOCK_PARAM
+    const int *q_lengths, const int *kv_lengths, const int *q_starts, const int *kv_starts, int packed,          \
+        int total_q, int total_k, const float *alibi_slopes, const float *sinks, const void *mask, int heads,    \
+        unsigned heads_magic, int heads_shift, int kv_group, int seq_q, int seq_k, int head_dim, int head_dim_v, \
+        long long q_sb, long long q_sh, long long q_sr, long long k_sb, long long k_sh, long long k_sr,          \
+        long long v_sb, long long v_sh, long long v_sr, long long o_sb, long long o_sh, long long o_sr,          \
+        long long mask_sb, long long mask_sh, long long mask_sq, long long mask_sk, int mask_kind, int causal,   \
+        int window_left, int window_right, int has_alibi, int has_sinks, float scale, float softcap,             \
+        unsigned long long dropout_seed, unsigned dropout_offset, unsigned dropout_threshold,                    \
+        float dropout_scale ATTN_MOD_PARAM ATTN_BLOCK_PARAM
 #define ATTN_UNPACK_PARAMS                                                                                       \
     const attn::Params p{q_lengths, kv_lengths, q_starts, kv_starts, packed, total_q, total_k, alibi_slopes,     \
-                         sinks, mask, heads, kv_group, seq_q, seq_k, head_dim, head_dim_v, mask_sb, mask_sh,    \
-                         mask_sq, mask_sk, mask_kind, causal, window_left, window_right, has_alibi, has_sinks,  \
-                         scale, softcap, dropout_seed, dropout_offset, dropout_threshold, dropout_scale ATTN_MOD_FIELD ATTN_BLOCK_FIELD}; \
+                         sinks, mask, heads, heads_magic, heads_shift, kv_group, seq_q, seq_k, head_dim,         \
+                         head_dim_v, mask_sb, mask_sh, mask_sq, mask_sk, mask_kind, causal, window_left,         \
+                         window_right, has_alibi, has_sinks, scale, softcap, dropout_seed, dropout_offset,       \
+                         dropout_threshold, dropout_scale ATTN_MOD_FIELD ATTN_BLOCK_FIELD};                      \
     const long long strides[12] = {q_sb, q_sh, q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, o_sb, o_sh, o_sr}
 

@@ -38,6 +38,7 @@ inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 [[noreturn]] inline void __trap() { ::emu::fail("__trap() called"); }
 inline unsigned __lanemask_lt() { return (1u << ::emu::lane_id()) - 1u; }
+inline unsigned __umulhi(unsigned a, unsigned b) { return static_cast<unsigned>((static_cast<unsigned long long>(a) * b) >> 32); }
 template <class T> inline T __ldg(const T* p) { return *p; }
 
 template <class T>

@@ -1,0 +1,123 @@
+"""A model, no GPU needed, of how the order in which a forward's blocks start (cupy_attn/_schedule.py,
+kernels/block_info.cuh query_block_place) shapes the end of a launch: the tail, where some SMs idle
+while the last blocks finish.
+
+    python bench/schedule_model.py [--sms 132] [--l2-mib 50] [--blocks-per-sm 1 2] [--overhead 1]
+
+For the benchmark's configurations (B·S = 16k, H·D = 2048, S = 1k-16k, D = 64 and 128, causal and
+not; bench/bench_attention.py) and the forward tiles the table chooses on compute capability 9.0
+(both kernel families), each block's work is the number of key tiles it visits (under a causal
+mask, Sq = Sk) plus `--overhead` tiles of prologue and epilogue. Blocks start in launch order,
+each on the slot (an SM's room for one block) that frees first, as a GPU's block scheduler hands
+them out. Printed per case and order:
+
+    tail    the modelled time over its lower bound, max(total work / slots, the largest block),
+            minus 1: the share of the launch lost to SMs idling at its end
+    L2 MiB  the most K and V that blocks running at once read (distinct (entry, head) pairs among
+            them times one pair's K and V), against the L2
+
+Orders: "before" is the grid (query tiles, heads, batch entries) the forwards ran on until
+2026-12-02 (a pair's tiles in order, pair after pair); "now" is query_block_place's (sections
+sized by heads_per_section for --l2-mib, the last tile first). The deterministic dQ kernels take
+the same order. Ignored: per-tile costs that differ (boundary tiles, memory stalls), other
+launches, and whether the L2 actually keeps what fits.
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cupy_attn import _config, _schedule  # noqa: E402
+
+DTYPE = np.dtype(np.float16)  # 2-byte elements; bf16 tiles are the same
+
+
+def tile_work(index: int, seq: int, block: int, other: int, causal: bool) -> int:
+    """Key tiles of `other` keys that query tile `index` of `block` rows visits at Sq = Sk = seq
+    (under a causal mask, keys up to its last row)."""
+    last = min((index + 1) * block, seq) if causal else seq
+    return -(-last // other)
+
+
+def simulate(order, work, slots: int, shared_bytes: int) -> tuple[float, float]:
+    """(tail, the most bytes the blocks running at once share) of blocks started in `order` (each
+    a (tile, head, entry)) on `slots` slots, `work[tile]` each, `shared_bytes` per (head, entry)."""
+    free = [(0.0, slot, None) for slot in range(slots)]
+    running, most, end = {}, 0, 0.0
+    for tile, head, entry in order:
+        start, slot, _ = heapq.heappop(free)
+        running[slot] = (head, entry)
+        most = max(most, len(set(running.values())))
+        finish = start + work[tile]
+        heapq.heappush(free, (finish, slot, (head, entry)))
+        end = max(end, finish)
+    bound = max(sum(work[t] for t, _, _ in order) / slots, max(work))
+    return end / bound - 1, most * shared_bytes
+
+
+def forwards(head_dim: int):
+    """(name, query rows per block, keys per tile) of the forwards the table chooses on compute
+    capability 9.0 for fp16/bf16 plain calls: wgmma and mma.sync."""
+    out = []
+    for family, cc in (("wgmma", 90), ("mma.sync", 80)):
+        tile = _config.forward_tile(head_dim, head_dim, DTYPE, cc)
+        out.append((f"forward {family}", tile.block_m, tile.block_n))
+    return out
+
+
+def model_rows(sms: int = 132, l2_bytes: int = 50 * 2**20, blocks_per_sm=(1, 2), overhead: float = 1.0):
+    """One dict per (kernel, D, S, causal, blocks per SM) of the benchmark's configurations: the
+    tail and the K and V the blocks running at once read (bytes), before and now."""
+    out = []
+    for d in (64, 128):
+        heads = 2048 // d
+        for name, block, other in forwards(d):
+            for seq in (1024, 2048, 4096, 8192, 16384):
+                entries, tiles = 16384 // seq, -(-seq // block)
+                pairs, shared = heads * entries, seq * 2 * d * DTYPE.itemsize
+                before = [(t, pair % heads, pair // heads) for pair in range(pairs) for t in range(tiles)]
+                grid = _schedule.query_grid(tiles, pairs, _schedule.heads_per_section(shared, pairs, l2_bytes))
+                now = _schedule.launch_order(grid, heads)
+                for causal in (False, True):
+                    work = [tile_work(t, seq, block, other, causal) + overhead for t in range(tiles)]
+                    for per_sm in blocks_per_sm:
+                        (tail0, l2_0), (tail1, l2_1) = (simulate(o, work, sms * per_sm, shared) for o in (before, now))
+                        out.append(dict(kernel=name, D=d, S=seq, causal=causal, blocks_per_sm=per_sm, tail_before=tail0,
+                                        tail_now=tail1, shared_before=l2_0, shared_now=l2_1))
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sms", type=int, default=132, help="SMs (an H100 SXM or H200: 132)")
+    parser.add_argument("--l2-mib", type=float, default=50, help="the L2 sections are sized for (H100/H200: 50)")
+    parser.add_argument("--blocks-per-sm", type=int, nargs="+", default=[1, 2],
+                        help="blocks resident per SM (the wgmma kernels: 1; the mma.sync ones 1-3 by registers)")
+    parser.add_argument("--overhead", type=float, default=1.0, help="a block's prologue and epilogue, in tiles")
+    args = parser.parse_args(argv)
+    print(f"{args.sms} SMs, sections for {args.l2_mib:g} MiB of L2, overhead {args.overhead:g} tile(s) per block")
+    print("| kernel | D | S | causal | blocks/SM | tail before | tail now | L2 MiB before | L2 MiB now |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    rows = model_rows(args.sms, int(args.l2_mib * 2**20), args.blocks_per_sm, args.overhead)
+    for r in rows:
+        print(f"| {r['kernel']} | {r['D']} | {r['S']} | {'yes' if r['causal'] else 'no'} | {r['blocks_per_sm']} | "
+              f"{r['tail_before']:.1%} | {r['tail_now']:.1%} | {r['shared_before'] / 2**20:.0f} | "
+              f"{r['shared_now'] / 2**20:.0f} |")
+    for causal in (True, False):
+        for per_sm in args.blocks_per_sm:
+            part = [r for r in rows if r["causal"] == causal and r["blocks_per_sm"] == per_sm]
+            mean = lambda key: sum(r[key] for r in part) / len(part)  # noqa: E731
+            print(f"{'causal' if causal else 'not causal'}, {per_sm} block(s) per SM: tail {mean('tail_before'):.1%} "
+                  f"before, {mean('tail_now'):.1%} now on average (most {max(r['tail_before'] for r in part):.1%}, "
+                  f"{max(r['tail_now'] for r in part):.1%}); K and V read at once at most "
+                  f"{max(r['shared_before'] for r in part) / 2**20:.0f} and {max(r['shared_now'] for r in part) / 2**20:.0f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
