@@ -43,6 +43,10 @@ EMULATOR_L2_BYTES = 50 * 2**20
 _COMPILE_ONLY = contextvars.ContextVar("cupy_attn_compile_only", default=None)
 
 _CAUSAL = {None: 0, "bottom_right": 1, "top_left": 2}
+# The fewest query rows a tile of the tensor-core forwards or dQ kernel holds: the grid's y axis
+# counts their tiles (_query_grid).
+_QUERY_TILE_ROWS = min([t.block_m for t in _config.TENSOR_CORE_TILES + _config.HOPPER_TILES]
+                       + [_config.TensorCoreTile.dq_block_m])
 
 
 def check_supported(problem: Problem, target: str) -> None:
@@ -54,6 +58,11 @@ def check_supported(problem: Problem, target: str) -> None:
                          f"B = {problem.batch}")
     if problem.heads * problem.batch >= 2**31:  # query_block_place's pair index (kernels/block_info.cuh)
         raise ValueError(f"fewer than 2^31 (batch entry, head) pairs per call, got H = {problem.heads}, B = {problem.batch}")
+    if problem.dtype in _config.TENSOR_CORE_DTYPES and _blocks(problem.seq_q, _QUERY_TILE_ROWS) > _schedule.GRID_YZ_LIMIT:
+        # the tensor-core forwards' and dQ's grid (_query_grid), checked before any kernel runs
+        raise ValueError(f"float16/bfloat16 calls take at most {_schedule.GRID_YZ_LIMIT} query tiles of "
+                         f"{_QUERY_TILE_ROWS} rows (seq_q up to {_schedule.GRID_YZ_LIMIT * _QUERY_TILE_ROWS}), "
+                         f"got seq_q = {problem.seq_q}")
 
 
 def _last_dim_contiguous(xp, x):
@@ -206,10 +215,7 @@ def _query_grid(problem: Problem, target: str, block_m: int) -> tuple[int, int, 
     entry, head) pair (kernels/block_info.cuh, query_block_place): the pairs in sections whose K
     and V (one kv head's per GQA group) fit the L2 together (_schedule)."""
     p = problem
-    tiles = _blocks(p.seq_q, block_m)
-    if tiles > _schedule.GRID_YZ_LIMIT:
-        raise ValueError(f"at most {_schedule.GRID_YZ_LIMIT} query tiles per call: seq_q up to "
-                         f"{_schedule.GRID_YZ_LIMIT * block_m} for this call's tiles of {block_m} rows, got {p.seq_q}")
+    tiles = _blocks(p.seq_q, block_m)  # within the grid's limit: check_supported
     pairs = p.heads * p.batch
     kv_bytes = p.seq_k * (p.head_dim + p.head_dim_v) * p.dtype.itemsize
     section = _schedule.heads_per_section(kv_bytes, pairs, _l2_bytes(target), p.groups)

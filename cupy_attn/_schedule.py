@@ -19,14 +19,17 @@ kernels, (query tiles, heads, batch entries), whose fp32 forward it made spill a
 """
 from __future__ import annotations
 
+import math
+
 GRID_YZ_LIMIT = 65535  # blocks along a grid's y and z axes
 
 # The share of the L2 one section's K and V may take. Two sections run at once for a while (the
 # next one's heaviest tiles start while this one's lightest finish), and the L2 also holds what
 # streams through (each block's Q tile, its output) and, on an H100/H200, copies of lines in both
-# of its halves; bench/schedule_model.py models the blocks running at once to share at most about
-# half the L2 with this. A guess until a GPU run measures it (FlashAttention-3 sizes its sections
-# for 32 MB of an H100's 50).
+# of its halves. With this, bench/schedule_model.py models the blocks running at once on an H200
+# to read at most 32 MiB of K and V of its 50 at the forwards' own occupancy (one block per SM for
+# the wgmma forward, two for the mma.sync one), as the former grid did. A guess until a GPU run
+# measures it (FlashAttention-3 sizes its sections for 32 MB of an H100's 50).
 L2_SHARE = 0.25
 
 
@@ -44,9 +47,16 @@ def heads_per_section(shared_bytes: int, pairs: int, l2_bytes: int, group: int =
         return 1
     fit = groups if shared_bytes == 0 else max(1, int(l2_bytes * L2_SHARE) // shared_bytes)
     fewest = -(-pairs // GRID_YZ_LIMIT)  # pairs per section for at most GRID_YZ_LIMIT sections
-    sizes = [n * group for n in range(1, groups + 1) if groups % n == 0 and n * group >= fewest]
+    sizes = [n * group for n in _divisors(groups) if n * group >= fewest]
     fitting = [s for s in sizes if s // group <= fit]
     return max(fitting) if fitting else min(sizes)
+
+
+def _divisors(n: int) -> list[int]:
+    """The divisors of n >= 1 (trial division up to its square root: a call's pairs number up to
+    2^31)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def query_grid(tiles: int, pairs: int, section: int) -> tuple[int, int, int]:

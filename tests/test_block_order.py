@@ -11,7 +11,7 @@ import pytest
 import cupy_attn
 from cupy_attn import _compile, _kernel_backend, _paths, _problem, _schedule
 from cupy_attn.emulator import RawModule
-from helpers import check_forward_and_backward, random_qkv
+from helpers import BF16, check_forward_and_backward, random_qkv
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
@@ -114,11 +114,22 @@ def test_query_grid_of_a_call(monkeypatch):
         assert _kernel_backend._query_grid(problem, "emulator", 16) == (section, 3, 12 // section), kv_heads_fit
 
 
-def test_too_many_query_tiles_are_refused():
-    q, k, v = random_qkv(np.random.default_rng(0), b=1, h=1, sq=65535 * 64 + 1, sk=1, d=1, dtype=np.float16)
-    problem = _problem.make_problem(q, k, v, backend="emulator")
-    with pytest.raises(ValueError, match=r"at most 65535 query tiles per call: seq_q up to 4194240 .* got 4194241"):
-        _kernel_backend._query_grid(problem, "emulator", 64)
+@pytest.mark.parametrize("dtype", [np.float16, BF16], ids=str)
+def test_too_many_query_tiles_are_refused_before_any_kernel_runs(monkeypatch, dtype):
+    """fp16/bf16: at most 65535 query tiles of 64 rows, the tensor-core forwards' and dQ's grid
+    (a deterministic backward would otherwise stop at its dQ, after the others ran); fp32 runs on
+    CUDA cores, whose grid has room."""
+    monkeypatch.setattr(_kernel_backend, "_launch", lambda *a, **kw: pytest.fail("a kernel was launched"))
+    q, k, v = random_qkv(np.random.default_rng(0), b=1, h=1, sq=65535 * 64 + 1, sk=1, d=1, dtype=dtype)
+    what = r"float16/bfloat16 calls take at most 65535 query tiles of 64 rows \(seq_q up to 4194240\), got seq_q = 4194241"
+    with pytest.raises(ValueError, match=what):
+        cupy_attn.attention(q, k, v, backend="emulator")
+    out = np.zeros(q.shape, dtype)
+    lse = np.zeros((1, 1, q.shape[2]), np.float32)
+    with pytest.raises(ValueError, match=what):
+        cupy_attn.attention_backward(out, q, k, v, out, lse, backend="emulator", deterministic=True)
+    ok = q[:, :, :65535 * 64]
+    assert _kernel_backend._query_grid(_problem.make_problem(ok, k, v, backend="emulator"), "emulator", 64)[1] == 65535
 
 
 @pytest.fixture(scope="module")

@@ -115,21 +115,27 @@ def test_tile_counts_and_blocks_without_work(tensor_core_kernels, sq, sk, causal
     check_with_gradients(q, k, v, BF16, rng, causal=causal)
 
 
-@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=str)
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_query_tiles_in_sections_of_pairs(monkeypatch, tensor_core_kernels, dtype, deterministic):
-    """The forwards' and deterministic dQ kernels' grid (pairs per section, query tiles, sections;
-    kernels/block_info.cuh query_block_place) with the L2 taken as one kv head's K and V: sections
-    of 2 of the 12 (batch entry, head) pairs, in (batch, seq, head) rows with lengths per entry,
-    so that a block given another pair reads other rows."""
+    """The tensor-core forwards' and dQ's grid (pairs per section, query tiles, sections;
+    kernels/block_info.cuh query_block_place) with the L2 taken as one kv head's K and V: 6
+    sections of 2 of the 12 (batch entry, head) pairs, in (batch, seq, head) rows with lengths per
+    entry, so that a block given another pair reads other rows."""
     from cupy_attn import _schedule
 
     monkeypatch.setattr(_schedule, "L2_SHARE", 1.0)
     monkeypatch.setattr(_kernel_backend, "_device_l2_bytes", lambda device: 1031 * 2 * 64 * dtype.itemsize)
+    grids = []
+    real_launch = _kernel_backend._launch
+    monkeypatch.setattr(_kernel_backend, "_launch", lambda target, f, name, grid, *a, **kw:
+                        grids.append((name, grid)) or real_launch(target, f, name, grid, *a, **kw))
     rng = np.random.default_rng(11)
     q, k, v = random_qkv(rng, b=2, h=6, hkv=3, sq=700, sk=1031, d=64, dtype=dtype, layout="bshd")
     check_with_gradients(q, k, v, dtype, rng, deterministic=deterministic, causal=True, layout="bshd",
                          q_lengths=np.array([700, 433]), kv_lengths=np.array([1031, 612]))
+    sectioned = [grid for name, grid in grids if name.startswith(("attention_fwd", "attention_bwd_dq"))]
+    assert len(sectioned) == 1 + deterministic and all(g[0] == 2 and g[2] == 6 for g in sectioned), grids
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16), BF16], ids=str)
