@@ -1,26 +1,27 @@
-"""A model, no GPU needed, of how the order in which a forward's blocks start (cupy_attn/_schedule.py,
-kernels/block_info.cuh query_block_place) shapes the end of a launch: the tail, where some SMs idle
-while the last blocks finish.
+"""A model, no GPU needed, of how the order in which a kernel's blocks start (cupy_attn/_schedule.py,
+kernels/block_info.cuh query_block_place and key_block_place) shapes the end of a launch: the
+tail, where some SMs idle while the last blocks finish.
 
     python bench/schedule_model.py [--sms 132] [--l2-mib 50] [--blocks-per-sm 1 2] [--overhead 1]
 
 For the benchmark's configurations (B·S = 16k, H·D = 2048, S = 1k-16k, D = 64 and 128, causal and
-not; bench/bench_attention.py) and the forward tiles the table chooses on compute capability 9.0
-(both kernel families), each block's work is the number of key tiles it visits (under a causal
-mask, Sq = Sk) plus `--overhead` tiles of prologue and epilogue. Blocks start in launch order,
-each on the slot (an SM's room for one block) that frees first, as a GPU's block scheduler hands
-them out. Printed per case and order:
+not; bench/bench_attention.py) and the tiles the table chooses on compute capability 9.0 (both
+kernel families' forward and dK/dV), each block's work is the number of tiles it visits (key
+tiles of a forward block, query tiles of a dK/dV block; under a causal mask, Sq = Sk) plus
+`--overhead` tiles of prologue and epilogue. Blocks start in launch order, each on the slot (an
+SM's room for one block) that frees first, as a GPU's block scheduler hands them out. Printed per
+case and order:
 
     tail    the modelled time over its lower bound, max(total work / slots, the largest block),
             minus 1: the share of the launch lost to SMs idling at its end
-    L2 MiB  the most K and V that blocks running at once read (distinct (entry, head) pairs among
-            them times one pair's K and V), against the L2
+    L2 MiB  the most rows that blocks running at once share (distinct (entry, head) pairs among
+            them times one pair's K and V, or Q, dO, lse and delta), against the L2
 
-Orders: "before" is the grid (query tiles, heads, batch entries) the forwards ran on until
-2026-12-02 (a pair's tiles in order, pair after pair); "now" is query_block_place's (sections
-sized by heads_per_section for --l2-mib, the last tile first). The deterministic dQ kernels take
-the same order. Ignored: per-tile costs that differ (boundary tiles, memory stalls), other
-launches, and whether the L2 actually keeps what fits.
+Orders: "before" is the grid (tiles, heads, batch entries) the kernels ran on until 2026-12-02 (a
+pair's tiles in order, pair after pair); "now" is block_place's (sections sized by
+heads_per_section for --l2-mib; the last query tile first, the first key tile first). The
+deterministic dQ kernel takes the forwards' order. Ignored: per-tile costs that differ (boundary
+tiles, memory stalls), other launches, and whether the L2 actually keeps what fits.
 """
 from __future__ import annotations
 
@@ -37,11 +38,15 @@ from cupy_attn import _config, _schedule  # noqa: E402
 DTYPE = np.dtype(np.float16)  # 2-byte elements; bf16 tiles are the same
 
 
-def tile_work(index: int, seq: int, block: int, other: int, causal: bool) -> int:
-    """Key tiles of `other` keys that query tile `index` of `block` rows visits at Sq = Sk = seq
-    (under a causal mask, keys up to its last row)."""
-    last = min((index + 1) * block, seq) if causal else seq
-    return -(-last // other)
+def tile_work(axis: str, index: int, seq: int, block: int, other: int, causal: bool) -> int:
+    """Tiles of `other` rows or keys that tile `index` (of `block` rows or keys) visits at Sq =
+    Sk = seq: a query tile's key tiles (under a causal mask, keys up to its last row), a key
+    tile's query tiles (rows from its first key)."""
+    if not causal:
+        return -(-seq // other)
+    if axis == "queries":
+        return -(-min((index + 1) * block, seq) // other)
+    return -(-seq // other) - index * block // other
 
 
 def simulate(order, work, slots: int, shared_bytes: int) -> tuple[float, float]:
@@ -60,31 +65,33 @@ def simulate(order, work, slots: int, shared_bytes: int) -> tuple[float, float]:
     return end / bound - 1, most * shared_bytes
 
 
-def forwards(head_dim: int):
-    """(name, query rows per block, keys per tile) of the forwards the table chooses on compute
-    capability 9.0 for fp16/bf16 plain calls: wgmma and mma.sync."""
+def kernels(head_dim: int):
+    """(name, axis, block rows or keys, the other side's tile) of the kernels the table chooses on
+    compute capability 9.0 for fp16/bf16 plain calls: the wgmma and mma.sync forwards and dK/dVs."""
     out = []
     for family, cc in (("wgmma", 90), ("mma.sync", 80)):
-        tile = _config.forward_tile(head_dim, head_dim, DTYPE, cc)
-        out.append((f"forward {family}", tile.block_m, tile.block_n))
+        f = _config.forward_tile(head_dim, head_dim, DTYPE, cc)
+        b = _config.backward_tile(head_dim, head_dim, DTYPE, cc)
+        out += [(f"forward {family}", "queries", f.block_m, f.block_n), (f"dK/dV {family}", "keys", b.block_n, b.block_m)]
     return out
 
 
 def model_rows(sms: int = 132, l2_bytes: int = 50 * 2**20, blocks_per_sm=(1, 2), overhead: float = 1.0):
     """One dict per (kernel, D, S, causal, blocks per SM) of the benchmark's configurations: the
-    tail and the K and V the blocks running at once read (bytes), before and now."""
+    tail and the rows the blocks running at once share (bytes), before and now."""
     out = []
     for d in (64, 128):
         heads = 2048 // d
-        for name, block, other in forwards(d):
+        for name, axis, block, other in kernels(d):
             for seq in (1024, 2048, 4096, 8192, 16384):
                 entries, tiles = 16384 // seq, -(-seq // block)
-                pairs, shared = heads * entries, seq * 2 * d * DTYPE.itemsize
+                pairs, row_bytes = heads * entries, 2 * d * DTYPE.itemsize
+                shared = seq * row_bytes if axis == "queries" else seq * (row_bytes + 8)
                 before = [(t, pair % heads, pair // heads) for pair in range(pairs) for t in range(tiles)]
-                grid = _schedule.query_grid(tiles, pairs, _schedule.heads_per_section(shared, pairs, l2_bytes))
-                now = _schedule.launch_order(grid, heads)
+                grid = _schedule.sectioned_grid(tiles, pairs, _schedule.heads_per_section(shared, pairs, l2_bytes))
+                now = _schedule.launch_order(grid, heads, axis == "queries")
                 for causal in (False, True):
-                    work = [tile_work(t, seq, block, other, causal) + overhead for t in range(tiles)]
+                    work = [tile_work(axis, t, seq, block, other, causal) + overhead for t in range(tiles)]
                     for per_sm in blocks_per_sm:
                         (tail0, l2_0), (tail1, l2_1) = (simulate(o, work, sms * per_sm, shared) for o in (before, now))
                         out.append(dict(kernel=name, D=d, S=seq, causal=causal, blocks_per_sm=per_sm, tail_before=tail0,
@@ -114,7 +121,7 @@ def main(argv=None) -> int:
             mean = lambda key: sum(r[key] for r in part) / len(part)  # noqa: E731
             print(f"{'causal' if causal else 'not causal'}, {per_sm} block(s) per SM: tail {mean('tail_before'):.1%} "
                   f"before, {mean('tail_now'):.1%} now on average (most {max(r['tail_before'] for r in part):.1%}, "
-                  f"{max(r['tail_now'] for r in part):.1%}); K and V read at once at most "
+                  f"{max(r['tail_now'] for r in part):.1%}); rows shared at once at most "
                   f"{max(r['shared_before'] for r in part) / 2**20:.0f} and {max(r['shared_now'] for r in part) / 2**20:.0f} MiB")
     return 0
 

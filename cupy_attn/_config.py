@@ -109,6 +109,9 @@ class TensorCoreTile:
 
     filename: ClassVar[str] = "attention_fwd_tc.cu"
     dq_block_m: ClassVar[int] = 64  # the deterministic dQ kernel's rows per block: kTcBlockM
+    # Its blocks (and the dQ kernel's) start in sections of (batch entry, head) pairs, the last
+    # query tile first (kernels/block_info.cuh query_block_place, _schedule.py).
+    sectioned: ClassVar[bool] = True
 
     head_dim: int
     block_m: int
@@ -177,6 +180,7 @@ class HopperTile:
     (head dims pad to 64)."""
 
     filename: ClassVar[str] = "attention_fwd_wgmma.cu"
+    sectioned: ClassVar[bool] = True  # query_block_place, as TensorCoreTile
 
     head_dim: int
     block_n: int
@@ -259,6 +263,14 @@ class TensorCoreBackwardTile:
         partials = 4 * 2 * m * 16 if self.dim_warps > 1 else 0
         return 2 * (2 * n + stages * 2 * m) * (d + 8) + 2 * m * (n + 8) + 4 * (stages * 2 * m + partials)
 
+    @property
+    def sectioned(self) -> bool:
+        """Whether its blocks start in sections of (batch entry, head) pairs, the first key tile
+        first (kernels/block_info.cuh key_block_place; the kernel decides the same from kHeadDim):
+        up to D = 128. Wider ones keep the grid (key tiles, heads, batch entries): the place's
+        arithmetic made the D = 256 build spill 36 bytes on sm_90 (NVRTC 13.5)."""
+        return self.head_dim <= 128
+
     def name_expression(self, dtype) -> str:
         return (f"attention_bwd_dkdv_tc<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_m}, {self.block_n}, "
                 f"{self.stages}>")
@@ -289,6 +301,7 @@ class HopperBackwardTile:
 
     filename: ClassVar[str] = "attention_bwd_wgmma.cu"
     block_n: ClassVar[int] = 128  # the kernel's keys per block: two consumer warpgroups of 64
+    sectioned: ClassVar[bool] = True  # key_block_place, as TensorCoreBackwardTile up to D = 128
     threads: ClassVar[int] = 384
 
     head_dim: int

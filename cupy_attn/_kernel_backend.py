@@ -47,6 +47,10 @@ _CAUSAL = {None: 0, "bottom_right": 1, "top_left": 2}
 # counts their tiles (_query_grid).
 _QUERY_TILE_ROWS = min([t.block_m for t in _config.TENSOR_CORE_TILES + _config.HOPPER_TILES]
                        + [_config.TensorCoreTile.dq_block_m])
+# The fewest keys a tile of the sectioned dK/dV kernels holds: the grid's y axis counts their tiles
+# (_key_grid).
+_KEY_TILE_KEYS = min(t.block_n for t in _config.TENSOR_CORE_BACKWARD_TILES + _config.HOPPER_BACKWARD_TILES
+                     if t.sectioned)
 
 
 def check_supported(problem: Problem, target: str) -> None:
@@ -210,16 +214,29 @@ def _device_l2_bytes(device: int) -> int:
     return int(cupy.cuda.runtime.getDeviceProperties(device)["l2CacheSize"])
 
 
+def _sectioned_grid(problem: Problem, target: str, tiles: int, shared_bytes: int, group: int) -> tuple[int, int, int]:
+    """The grid of a kernel whose blocks each take a tile of one (batch entry, head) pair, in
+    sections of pairs whose shared rows (shared_bytes each, groups of `group` heads) fit the L2
+    together (kernels/block_info.cuh, query_block_place and key_block_place; _schedule)."""
+    pairs = problem.heads * problem.batch
+    section = _schedule.heads_per_section(shared_bytes, pairs, _l2_bytes(target), group)
+    return _schedule.sectioned_grid(tiles, pairs, section)
+
+
 def _query_grid(problem: Problem, target: str, block_m: int) -> tuple[int, int, int]:
-    """The grid of a kernel whose blocks each take a tile of block_m query rows of one (batch
-    entry, head) pair (kernels/block_info.cuh, query_block_place): the pairs in sections whose K
-    and V (one kv head's per GQA group) fit the L2 together (_schedule)."""
+    """The tensor-core forwards' and dQ's grid: query tiles of block_m rows (within the grid's
+    limit: check_supported), a pair's blocks sharing its K and V (one kv head's per GQA group)."""
     p = problem
-    tiles = _blocks(p.seq_q, block_m)  # within the grid's limit: check_supported
-    pairs = p.heads * p.batch
-    kv_bytes = p.seq_k * (p.head_dim + p.head_dim_v) * p.dtype.itemsize
-    section = _schedule.heads_per_section(kv_bytes, pairs, _l2_bytes(target), p.groups)
-    return _schedule.query_grid(tiles, pairs, section)
+    return _sectioned_grid(p, target, _blocks(p.seq_q, block_m), p.seq_k * (p.head_dim + p.head_dim_v) * p.dtype.itemsize,
+                           p.groups)
+
+
+def _key_grid(problem: Problem, target: str, block_n: int) -> tuple[int, int, int]:
+    """The tensor-core dK/dV kernels' grid up to D = 128: key tiles of block_n keys (within the
+    grid's limit: backward checks), a pair's blocks sharing its Q, dO, lse and delta."""
+    p = problem
+    return _sectioned_grid(p, target, _blocks(p.seq_k, block_n),
+                           p.seq_q * ((p.head_dim + p.head_dim_v) * p.dtype.itemsize + 8), 1)
 
 
 def _common_args(problem: Problem, q, k, v, fourth, tiles: tuple | None = None) -> tuple:
@@ -385,8 +402,8 @@ def forward(problem: Problem, q, k, v, *, target: str):
             out, maps = _output(p, False), ()
     # The tensor-core forwards start their blocks in the order _query_grid shapes; the CUDA-core
     # one keeps the grid (query tiles, heads, batch entries) (kernels/block_info.cuh).
-    tensor_cores = isinstance(tile, (_config.TensorCoreTile, _config.HopperTile))
-    grid = _query_grid(p, target, tile.block_m) if tensor_cores else (_blocks(p.seq_q, tile.block_m), p.heads, p.batch)
+    sectioned = getattr(tile, "sectioned", False)
+    grid = _query_grid(p, target, tile.block_m) if sectioned else (_blocks(p.seq_q, tile.block_m), p.heads, p.batch)
     # A tile computing fewer value dims per launch than Dv runs once per slice of v and out (views:
     # same strides, shifted base), each launch writing the same lse.
     width = getattr(tile, "value_dim", p.head_dim_v)
@@ -449,10 +466,16 @@ def _from_per_head(problem: Problem, x, dtype, *, sum_groups: bool = False, scal
 def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, deterministic: bool):
     p, xp = problem, problem.xp
     check_supported(p, target)
+    b, h, sq, sk = p.batch, p.heads, p.seq_q, p.seq_k
     tile = _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, compute_capability(target))
+    if getattr(_config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, 80), "sectioned", False) \
+            and _blocks(sk, _KEY_TILE_KEYS) > _schedule.GRID_YZ_LIMIT:
+        # _key_grid's limit, checked before any kernel runs (the wgmma tile may fall back to this one)
+        raise ValueError(f"the float16/bfloat16 backward up to D = 128 takes at most {_schedule.GRID_YZ_LIMIT} key "
+                         f"tiles of {_KEY_TILE_KEYS} keys (seq_k up to {_schedule.GRID_YZ_LIMIT * _KEY_TILE_KEYS}), "
+                         f"got seq_k = {sk}")
     q, k, v, dout, out = (_last_dim_contiguous(xp, x) for x in (q, k, v, dout, out))
     lse = xp.ascontiguousarray(lse, dtype=np.float32)
-    b, h, sq, sk = p.batch, p.heads, p.seq_q, p.seq_k
 
     # delta = rowsum(dO ∘ O), one per lse entry; a packed batch is one sequence of total_q rows here.
     delta = _empty(xp, p.lse_shape, np.float32)
@@ -498,7 +521,9 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
         dv = _per_head(p, rows_k, p.head_dim_v, dtype=dkdv_dtype)
     in_input_type = I32(dkdv_dtype == p.dtype)
     common = _common_args(p, q, k, v, dout, (tile.block_m, tile.block_n))
-    dkdv_grid = (_blocks(sk, tile.block_n), h, b)
+    # The tensor-core dK/dV kernels up to D = 128 start their blocks in the order _key_grid shapes;
+    # the others keep the grid (key tiles, heads, batch entries) (kernels/block_info.cuh).
+    dkdv_grid = _key_grid(p, target, tile.block_n) if getattr(tile, "sectioned", False) else (_blocks(sk, tile.block_n), h, b)
     if isinstance(tile, _config.BackwardTile):  # fp32: CUDA cores
         _launch(target, "attention_bwd.cu", tile.dkdv_name(p.dtype), dkdv_grid,
                 (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), *common), tile.dkdv_shared_bytes,

@@ -74,11 +74,13 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
     auto sLse2 = [&](int stage) { return sStats + stage * 2 * kBlockM; };
     auto sDelta = [&](int stage) { return sLse2(stage) + kBlockM; };
 
-    const BlockInfo b(p, blockIdx.y, blockIdx.z);
+    // In sections up to D = 128 (key_block_place; the launcher's TensorCoreBackwardTile.sectioned).
+    const BlockPlace place = kHeadDim <= 128 ? key_block_place(p) : grid_place();
+    const BlockInfo b(p, place.head, place.batch);
     const ScoreTransform score(p, b);
     const Dropout dropout(p, b);
     const HeadView at = head_view(p, b, strides);  // .o is dout; .stats indexes lse, delta, dq rows
-    const int n0 = blockIdx.x * kBlockN;
+    const int n0 = place.tile * kBlockN;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int key0 = (warp / kDimWarps) * 16;           // this warp's 16 keys, within the block
     const int dim_slice = warp % kDimWarps;              // and its dims [dim0, dim0 + kWarpDims)
@@ -279,14 +281,15 @@ attention_bwd_dq_tc(const T* q, const T* k, const T* v, const T* dout, const flo
     attn::dq_tc_block<T, kHeadDim, kBlockN>(p, q, k, v, dout, lse, delta, dq, vectorised, strides);
 }
 
-// grid (ceil(Sk / kBlockN), H, B), block 128, dynamic shared memory (DkdvTcLayout): K, V
-// (kBlockN rows) of kHeadDim + 8 16-bit elements, dS (kBlockM x (kBlockN + 8), 16-bit), kStages
-// x (Q, dO (kBlockM rows of kHeadDim + 8), lse and delta (kBlockM floats each)), and with
-// kBlockN < 64 the warps' partial sums of Sᵀ and dPᵀ (4 x 2 x kBlockM x 16 floats). dk_out,
-// dv_out: per query head, float32 or, with dkdv_in_input_type (no GQA group to sum), T. With
-// accumulate_dq, dS·K (without the scale) is added to dq_accum (float32, per query head, zeroed).
-// vectorised: bits 0-3 for q, k, v, dout rows copyable in 16-byte chunks.
-// minBlocksPerSM = 1 lets ptxas use up to 255 registers: dK and dV stay in registers, unspilled.
+// grid (pairs per section, ceil(Sk / kBlockN), sections) (key_block_place) up to D = 128, else
+// (ceil(Sk / kBlockN), H, B), block 128, dynamic shared memory (DkdvTcLayout): K, V (kBlockN rows)
+// of kHeadDim + 8 16-bit elements, dS (kBlockM x (kBlockN + 8), 16-bit), kStages x (Q, dO (kBlockM
+// rows of kHeadDim + 8), lse and delta (kBlockM floats each)), and with kBlockN < 64 the warps'
+// partial sums of Sᵀ and dPᵀ (4 x 2 x kBlockM x 16 floats). dk_out, dv_out: per query head, float32
+// or, with dkdv_in_input_type (no GQA group to sum), T. With accumulate_dq, dS·K (without the
+// scale) is added to dq_accum (float32, per query head, zeroed). vectorised: bits 0-3 for q, k, v,
+// dout rows copyable in 16-byte chunks. minBlocksPerSM = 1 lets ptxas use up to 255 registers: dK
+// and dV stay in registers, unspilled.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 __global__ void __launch_bounds__(attn::kThreads, 1)
 attention_bwd_dkdv_tc(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,

@@ -107,9 +107,10 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
     auto sLse2 = [&](int stage) { return sStats0 + stage * 2 * kBlockM; };
     auto sDelta = [&](int stage) { return sLse2(stage) + kBlockM; };
 
-    const BlockInfo b(p, blockIdx.y, blockIdx.z);
+    const BlockPlace place = key_block_place(p);
+    const BlockInfo b(p, place.head, place.batch);
     const HeadView at = head_view(p, b, strides);  // .stats indexes lse, delta and dq rows
-    const int n0 = blockIdx.x * kBwdKeys;
+    const int n0 = place.tile * kBwdKeys;
     int m_begin, m_end;
     b.row_tiles(p, n0, kBwdKeys, kBlockM, &m_begin, &m_end);
     if (threadIdx.x == 0) {
@@ -392,16 +393,16 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
 
 }  // namespace attn
 
-// grid (ceil(Sk / 128), H, B) of a padded batch, block 384 threads (a producer warpgroup and two
-// consumers), dynamic shared memory as laid out in dkdv_wgmma_block (HopperBackwardTile.
-// shared_bytes). q_map, k_map, v_map, do_map: TMA maps of q, k, v and dout (head dims, rows, heads,
-// batch) with 128-byte swizzle and boxes of 64 head dims x kBlockM query rows (q, dout) or 128
-// keys (k, v); dk_map, dv_map: of dK, dV per query head (head dims, keys, heads, batch), float32
-// or, with dkdv_in_input_type (no GQA group to sum), T; 128-byte swizzle, boxes of one 128-byte
-// line (32 or 64 dims) x 64 keys. Those six are read and written through them only (the pointers
-// and strides of q, k, v and dout in ATTN_PARAMS go unused). With accumulate_dq, dS·K (without the
-// scale) is added to dq_accum (float32, per query head, zeroed).
-// Compiled for sm_90a only.
+// grid (pairs per section, ceil(Sk / 128), sections) (key_block_place), block 384 threads (a
+// producer warpgroup and two consumers), dynamic shared memory as laid out in dkdv_wgmma_block
+// (HopperBackwardTile.shared_bytes). q_map, k_map, v_map, do_map: TMA maps of q, k, v and dout
+// (head dims, rows, heads, batch) with 128-byte swizzle and boxes of 64 head dims x kBlockM query
+// rows (q, dout) or 128 keys (k, v); dk_map, dv_map: of dK, dV per query head (head dims, keys,
+// heads, batch), float32 or, with dkdv_in_input_type (no GQA group to sum), T; 128-byte swizzle,
+// boxes of one 128-byte line (32 or 64 dims) x 64 keys. Those six are read and written through them
+// only (the pointers and strides of q, k, v and dout in ATTN_PARAMS go unused). With accumulate_dq,
+// dS·K (without the scale) is added to dq_accum (float32, per query head, zeroed). Compiled for
+// sm_90a only.
 template <class T, int kHeadDim, int kBlockM>
 __global__ void __launch_bounds__(attn::kBwdThreads, 1)
 attention_bwd_dkdv_wgmma(const float* lse, const float* delta, float* dq_accum, int accumulate_dq, int dkdv_in_input_type,

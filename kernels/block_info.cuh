@@ -105,34 +105,42 @@ struct Band {
     __device__ __forceinline__ bool contains(int x) const { return begin <= x && x < end; }
 };
 
-// Where a block of a tensor-core kernel that tiles the queries (the mma.sync and wgmma forwards,
-// the tensor-core deterministic dQ kernel) works: its query tile, head and batch entry. A GPU
-// starts a grid's blocks in the order of their linear index (x fastest), and the launcher shapes
-// the grid so that that order serves two ends (cupy_attn/_schedule.py):
-// - the tail: under a causal mask a later query tile visits more key tiles, and a heavy block
-//   started last keeps its SM busy while the others idle; so the last tiles start first (longest
-//   processing time first, as FlashAttention-3 orders its query tiles);
-// - the L2: the blocks of one (batch entry, head) pair all read its K and V; so the pairs go in
-//   sections, sized so that a section's K and V fit the L2 together, and a section's blocks start
-//   before the next section's.
-// The grid is (pairs per section, query tiles, sections): x the pair within its section, y the
-// tile's rank (the last tile first), z the section. The place comes from blockIdx and parameters
-// through a multiply-high and a shift (the division by the head count, its magic number worked
-// out by the launcher), short enough for ptxas to recompute where it needs the values rather than
-// hold them across the hot loop: with a division, or a decode from the linear index, ptxas held
-// them and spilled at D = 256 (4-52 bytes in the wgmma forward with features, NVRTC 13.5). (The
-// CUDA-core kernels keep the grid (query tiles, heads, batch entries): at their 128 registers
-// even this made the fp32 forward spill; the dK/dV kernels keep (key tiles, heads, batch
-// entries), whose heaviest tiles, the first, start first within a pair.)
+// Where a block of a tensor-core kernel works: its tile (of query rows or of keys), head and batch
+// entry. A GPU starts a grid's blocks in the order of their linear index (x fastest), and the
+// launcher shapes the grid so that that order serves two ends (cupy_attn/_schedule.py):
+// - the tail: under a causal mask a later query tile visits more key tiles and an earlier key tile
+//   more query tiles, and a heavy block started last keeps its SM busy while the others idle; so
+//   the heaviest tiles start first (longest processing time first, as FlashAttention-3 orders its
+//   query tiles): query tiles from the last, key tiles from the first;
+// - the L2: the blocks of one (batch entry, head) pair all read its K and V (query tiles) or its
+//   Q, dO, lse and delta (key tiles); so the pairs go in sections, sized so that a section's
+//   shared rows fit the L2 together, and a section's blocks start before the next section's.
+// The grid is (pairs per section, tiles, sections): x the pair within its section, y the tile's
+// rank, z the section. The place comes from blockIdx and parameters through a multiply-high and a
+// shift (the division by the head count, its magic number worked out by the launcher), short
+// enough for ptxas to recompute where it needs the values rather than hold them across the hot
+// loop: with a division, or a decode from the linear index, ptxas held them and spilled at D = 256
+// (4-52 bytes in the wgmma forward with features, NVRTC 13.5). Kernels where even this spilled keep
+// the grid (tiles, heads, batch entries), grid_place: the CUDA-core ones (the fp32 forward at its
+// 128 registers) and the mma.sync dK/dV above D = 128 (36 bytes at D = 256 on sm_90).
 struct BlockPlace {
     int tile, head, batch;
 };
 
-__device__ __forceinline__ BlockPlace query_block_place(const Params& p) {
+template <bool kLastTileFirst>
+__device__ __forceinline__ BlockPlace sectioned_place(const Params& p) {
     const unsigned pair = blockIdx.z * gridDim.x + blockIdx.x;  // batch entry · heads + head, < 2^31
     const unsigned batch = __umulhi(2 * pair, p.heads_magic) >> p.heads_shift;  // pair / heads
-    return BlockPlace{static_cast<int>(gridDim.y - 1 - blockIdx.y), static_cast<int>(pair - batch * p.heads),
-                      static_cast<int>(batch)};
+    return BlockPlace{static_cast<int>(kLastTileFirst ? gridDim.y - 1 - blockIdx.y : blockIdx.y),
+                      static_cast<int>(pair - batch * p.heads), static_cast<int>(batch)};
+}
+// The tensor-core forwards and dQ kernel: query tiles, the last first.
+__device__ __forceinline__ BlockPlace query_block_place(const Params& p) { return sectioned_place<true>(p); }
+// The tensor-core dK/dV kernels up to D = 128: key tiles, the first first.
+__device__ __forceinline__ BlockPlace key_block_place(const Params& p) { return sectioned_place<false>(p); }
+// The grid (tiles, heads, batch entries).
+__device__ __forceinline__ BlockPlace grid_place() {
+    return BlockPlace{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
 }
 
 // A range [begin, end) of tile indices (empty when end <= begin).

@@ -1,7 +1,7 @@
-"""The order in which the query-tiled kernels' blocks start (kernels/block_info.cuh,
-query_block_place; cupy_attn/_schedule.py): the grid and order by hand, the device's mapping
-against its Python twin, the sections' sizes, the division it relies on, and the kernels'
-results when sections split the (batch entry, head) pairs."""
+"""The order in which the tensor-core kernels' blocks start (kernels/block_info.cuh,
+query_block_place and key_block_place; cupy_attn/_schedule.py): the grid and order by hand, the
+device's mapping against its Python twin, the sections' sizes, the division it relies on, and
+the kernels' results when sections split the (batch entry, head) pairs."""
 import sys
 from pathlib import Path
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import cupy_attn
-from cupy_attn import _compile, _kernel_backend, _paths, _problem, _schedule
+from cupy_attn import _compile, _config, _kernel_backend, _paths, _problem, _schedule
 from cupy_attn.emulator import RawModule
 from helpers import BF16, check_forward_and_backward, random_qkv
 
@@ -19,34 +19,39 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 def test_launch_order_by_hand():
     # 3 query tiles of 2 heads (one batch entry), one pair per section: each pair's tiles in turn,
     # the last tile first
-    assert _schedule.query_grid(3, 2, 1) == (1, 3, 2)
-    assert _schedule.launch_order((1, 3, 2), 2) == [(2, 0, 0), (1, 0, 0), (0, 0, 0), (2, 1, 0), (1, 1, 0), (0, 1, 0)]
+    assert _schedule.sectioned_grid(3, 2, 1) == (1, 3, 2)
+    assert _schedule.launch_order((1, 3, 2), 2, True) == [(2, 0, 0), (1, 0, 0), (0, 0, 0), (2, 1, 0), (1, 1, 0),
+                                                          (0, 1, 0)]
+    # key tiles: the first first
+    assert _schedule.launch_order((1, 3, 2), 2, False) == [(0, 0, 0), (1, 0, 0), (2, 0, 0), (0, 1, 0), (1, 1, 0),
+                                                           (2, 1, 0)]
     # both pairs in one section: rank by rank
-    assert _schedule.launch_order(_schedule.query_grid(3, 2, 2), 2) == [(2, 0, 0), (2, 1, 0), (1, 0, 0), (1, 1, 0),
-                                                                        (0, 0, 0), (0, 1, 0)]
+    assert _schedule.launch_order(_schedule.sectioned_grid(3, 2, 2), 2, True) == [(2, 0, 0), (2, 1, 0), (1, 0, 0),
+                                                                                  (1, 1, 0), (0, 0, 0), (0, 1, 0)]
     # 2 heads of 2 entries, pairs (head, entry) (0, 0), (1, 0), (0, 1), (1, 1), in sections of 2 and of 4
-    assert _schedule.launch_order((2, 2, 2), 2) == [(1, 0, 0), (1, 1, 0), (0, 0, 0), (0, 1, 0),
-                                                    (1, 0, 1), (1, 1, 1), (0, 0, 1), (0, 1, 1)]
-    assert _schedule.launch_order((4, 1, 1), 2) == [(0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1)]
+    assert _schedule.launch_order((2, 2, 2), 2, True) == [(1, 0, 0), (1, 1, 0), (0, 0, 0), (0, 1, 0),
+                                                          (1, 0, 1), (1, 1, 1), (0, 0, 1), (0, 1, 1)]
+    assert _schedule.launch_order((4, 1, 1), 2, False) == [(0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1)]
 
 
 @pytest.mark.parametrize("tiles,heads,entries", [(1, 1, 1), (5, 3, 2), (4, 7, 1), (3, 1, 5), (2, 6, 2)])
-def test_launch_order_starts_every_tile_once_heaviest_first_within_a_section(tiles, heads, entries):
+@pytest.mark.parametrize("last_tile_first", [True, False], ids=["queries", "keys"])
+def test_launch_order_starts_every_tile_once_heaviest_first_within_a_section(tiles, heads, entries, last_tile_first):
     pairs = heads * entries
     for section in (s for s in range(1, pairs + 1) if pairs % s == 0):
-        order = _schedule.launch_order(_schedule.query_grid(tiles, pairs, section), heads)
+        order = _schedule.launch_order(_schedule.sectioned_grid(tiles, pairs, section), heads, last_tile_first)
         assert sorted(order) == sorted((t, h, e) for t in range(tiles) for h in range(heads) for e in range(entries))
         for first in range(0, pairs, section):
             part = order[first * tiles:(first + section) * tiles]
             assert {h + heads * e for _, h, e in part} == set(range(first, first + section))  # the section's pairs only
-            assert [t for t, _, _ in part] == sorted((t for t, _, _ in part), reverse=True)
+            assert [t for t, _, _ in part] == sorted((t for t, _, _ in part), reverse=last_tile_first)
 
 
 def test_query_grid_refuses_what_it_cannot_lay_out():
     with pytest.raises(ValueError, match="divisor of the 6 pairs, got 4"):
-        _schedule.query_grid(2, 6, 4)
-    with pytest.raises(ValueError, match="at most 65535 query tiles"):
-        _schedule.query_grid(65536, 2, 1)
+        _schedule.sectioned_grid(2, 6, 4)
+    with pytest.raises(ValueError, match="at most 65535 tiles"):
+        _schedule.sectioned_grid(65536, 2, 1)
 
 
 def test_heads_per_section_by_hand(monkeypatch):
@@ -139,30 +144,36 @@ def places():
 
 
 @pytest.mark.parametrize("tiles,heads,entries", [(1, 1, 1), (5, 3, 2), (4, 7, 1), (3, 2, 3), (2, 6, 2)])
-def test_the_kernels_order_is_its_twins(places, tiles, heads, entries):
-    """query_block_place, compiled from kernels/block_info.cuh and run on the emulator, gives every
-    block of every section size the tile, head and entry launch_order gives its linear index."""
+@pytest.mark.parametrize("keys", [False, True], ids=["query_block_place", "key_block_place"])
+def test_the_kernels_order_is_its_twins(places, tiles, heads, entries, keys):
+    """query_block_place and key_block_place, compiled from kernels/block_info.cuh and run on the
+    emulator, give every block of every section size the tile, head and entry launch_order gives
+    its linear index."""
     pairs = heads * entries
     magic, shift = _schedule.division_magic(heads)
     for section in (s for s in range(1, pairs + 1) if pairs % s == 0):
-        grid = _schedule.query_grid(tiles, pairs, section)
+        grid = _schedule.sectioned_grid(tiles, pairs, section)
         out = np.full((tiles * pairs, 3), -1, np.int32)
-        places.get_function("places")(grid, (32,), (out, np.int32(heads), np.uint32(magic), np.int32(shift)))
-        assert [tuple(row) for row in out] == _schedule.launch_order(grid, heads), section
+        places.get_function("places")(grid, (32,), (out, np.int32(heads), np.uint32(magic), np.int32(shift),
+                                                    np.int32(keys)))
+        assert [tuple(row) for row in out] == _schedule.launch_order(grid, heads, not keys), section
 
 
 @pytest.mark.parametrize("dtype,capability", [(np.float32, 80), (np.float16, 80), (np.float16, 90)],
                          ids=["cuda_cores", "mma_sync", "wgmma"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_kernels_in_sections(monkeypatch, dtype, capability, deterministic):
-    """Forward and backward with the 12 (batch entry, head) pairs in sections of 2 (one kv head's
-    GQA group), outputs poisoned: every block of the tensor-core forwards and dQ finds its tile,
-    head and entry (a decode one off fails here, as checked); the CUDA-core kernels keep the grid
-    (query tiles, heads, batch entries)."""
+    """Forward and backward with the 12 (batch entry, head) pairs split into sections, outputs
+    poisoned: every block of the tensor-core kernels finds its tile, head and entry (a decode one
+    off fails here, as checked); the CUDA-core kernels keep the grid (tiles, heads, batch
+    entries)."""
     monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", capability)
     monkeypatch.setattr(_kernel_backend, "POISON_OUTPUTS", True)
     monkeypatch.setattr(_schedule, "L2_SHARE", 1.0)
-    monkeypatch.setattr(_kernel_backend, "EMULATOR_L2_BYTES", 170 * 64 * 2 * np.dtype(dtype).itemsize)  # one kv head
+    # fp16: a kv head's K and V take 170 x 128 x 2 = 43,520 bytes, 3 fit (3 GQA groups of 2 heads:
+    # 2 sections of 6 pairs); a head's Q, dO, lse and delta 200 x (128 x 2 + 8) = 52,800, 3 fit (4
+    # sections of 3 pairs)
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_L2_BYTES", 160_000)
     grids, launched = [], []
     real_launch, real_function = _kernel_backend._launch, _compile.function
     monkeypatch.setattr(_kernel_backend, "_launch", lambda target, f, name, grid, *a, **kw:
@@ -175,14 +186,31 @@ def test_kernels_in_sections(monkeypatch, dtype, capability, deterministic):
     q, k, v = random_qkv(rng, b=2, h=6, hkv=3, sq=200, sk=170, d=64, dtype=dtype, layout="bshd")
     kw = dict(causal=True, layout="bshd", q_lengths=np.array([200, 151]), kv_lengths=np.array([170, 97]))
     check_forward_and_backward("emulator", rng, q, k, v, kw, np.dtype(dtype), deterministic=deterministic)
-    query_tiled = [grid for name, grid in grids if name.startswith(("attention_fwd", "attention_bwd_dq"))]
-    assert len(query_tiled) == 1 + deterministic, grids
+    query_tiled = [g for name, g in grids if name.startswith(("attention_fwd", "attention_bwd_dq"))]
+    key_tiled = [g for name, g in grids if name.startswith("attention_bwd_dkdv")]
+    assert len(query_tiled) == 1 + deterministic and len(key_tiled) == 1, grids
     if dtype == np.float32:
-        assert all(g[1:] == (6, 2) for g in query_tiled), grids
+        assert all(g[1:] == (6, 2) for g in query_tiled + key_tiled), grids
     else:
-        assert all(g[0] == 2 and g[2] == 6 for g in query_tiled), grids
+        assert all(g[0] == 6 and g[2] == 2 for g in query_tiled) and key_tiled[0][0] == 3 and key_tiled[0][2] == 4, grids
     if capability == 90:
         assert any("_wgmma<" in name for name in launched)
+
+
+def test_the_wide_mma_sync_dkdv_keeps_the_grid(monkeypatch):
+    """The mma.sync dK/dV above D = 128 decodes its place from (key tiles, heads, batch entries)
+    (grid_place: key_block_place made it spill at D = 256); the launcher agrees."""
+    assert [t.sectioned for t in _config.TENSOR_CORE_BACKWARD_TILES] == [t.head_dim <= 128
+                                                                          for t in _config.TENSOR_CORE_BACKWARD_TILES]
+    monkeypatch.setattr(_kernel_backend, "POISON_OUTPUTS", True)
+    grids = []
+    real_launch = _kernel_backend._launch
+    monkeypatch.setattr(_kernel_backend, "_launch", lambda target, f, name, grid, *a, **kw:
+                        grids.append((name, grid)) or real_launch(target, f, name, grid, *a, **kw))
+    rng = np.random.default_rng(5)
+    q, k, v = random_qkv(rng, b=2, h=3, sq=40, sk=70, d=256, dtype=np.float16, layout="bshd")
+    check_forward_and_backward("emulator", rng, q, k, v, dict(causal=True, layout="bshd"), np.dtype(np.float16))
+    assert [g for name, g in grids if name.startswith("attention_bwd_dkdv_tc<")] == [(3, 3, 2)], grids
 
 
 def test_a_large_grid_in_one_section_on_the_emulator(monkeypatch):
@@ -205,17 +233,18 @@ def schedule_model():
     return schedule_model
 
 
-def test_the_modelled_tail_of_the_benchmarks_causal_forwards_is_shorter():
+def test_the_modelled_tail_of_the_benchmarks_causal_calls_is_shorter():
     """bench/schedule_model.py on an H200 (132 SMs, 50 MiB of L2), one and two blocks per SM: no
-    forward of the benchmark models a longer tail than the grid's former order gave, the causal
-    ones a shorter one on average, and the K and V the running blocks share stay within the L2.
-    (A model's budget, as the SASS audit's: what a GPU measures decides.)"""
+    forward or dK/dV launch of the benchmark models a longer tail than the grid's former order
+    gave, the causal ones a shorter one on average, and the rows the running blocks share stay
+    within the L2. (A model's budget, as the SASS audit's: what a GPU measures decides.)"""
     rows = schedule_model().model_rows(132, 50 * 2**20, (1, 2))
-    assert len(rows) == 2 * 2 * 5 * 2 * 2  # D, kernel families, S, causal, blocks per SM
+    assert len(rows) == 2 * 4 * 5 * 2 * 2  # D, kernels (two families' forward and dK/dV), S, causal, blocks per SM
     assert [r for r in rows if r["tail_now"] > r["tail_before"] + 5e-4] == []
-    for per_sm in (1, 2):
-        causal = [r for r in rows if r["causal"] and r["blocks_per_sm"] == per_sm]
-        assert sum(r["tail_before"] - r["tail_now"] for r in causal) / len(causal) > 0.02
+    for kernel in ("forward", "dK/dV"):
+        for per_sm in (1, 2):
+            causal = [r for r in rows if r["kernel"].startswith(kernel) and r["causal"] and r["blocks_per_sm"] == per_sm]
+            assert sum(r["tail_before"] - r["tail_now"] for r in causal) / len(causal) > 0.02, (kernel, per_sm)
     assert max(r["shared_now"] for r in rows) <= 50 * 2**20
 
 
@@ -227,19 +256,23 @@ def test_the_model_by_hand():
     light_first = [(0, 0, 0), (1, 0, 0), (2, 0, 0)]
     assert model.simulate(light_first, work, 2, 7) == (4 / 3 - 1, 7)
     assert model.simulate(light_first[::-1], work, 2, 7) == (0.0, 7)
-    # two pairs running at once share twice a pair's K and V
+    # two pairs running at once share twice a pair's rows
     assert model.simulate([(0, 0, 0), (0, 1, 0)], [1], 2, 7) == (0.0, 14)
-    # causal work at Sq = Sk = 300 of query tiles of 128 rows over key tiles of 64
-    assert [model.tile_work(t, 300, 128, 64, True) for t in range(3)] == [2, 4, 5]
-    assert model.tile_work(0, 300, 128, 64, False) == 5
+    # causal work at Sq = Sk = 300: query tiles of 128 rows over key tiles of 64, key tiles of 128 over 64 rows
+    assert [model.tile_work("queries", t, 300, 128, 64, True) for t in range(3)] == [2, 4, 5]
+    assert [model.tile_work("keys", t, 300, 128, 64, True) for t in range(3)] == [5, 3, 1]
+    assert model.tile_work("keys", 2, 300, 128, 64, False) == 5
 
 
-@pytest.mark.parametrize("b,h,what", [(2, 65536, "at most 65535 heads and batch entries per call, got H = 65536, B = 2"),
-                                      (32769, 65535, r"fewer than 2\^31 \(batch entry, head\) pairs per call, got H = 65535, "
-                                                     "B = 32769")])
-def test_grids_past_the_limits_are_refused(b, h, what):
-    """Empty (no query rows), so only the sizes are at stake: the kernels' grids and
-    query_block_place's pair index bound them."""
-    q = np.empty((b, h, 0, 1), np.float16)
+def test_too_many_key_tiles_are_refused_before_any_kernel_runs(monkeypatch):
+    """fp16/bf16 backward up to D = 128: at most 65535 key tiles of 64 keys, the dK/dV kernels'
+    grid (wider heads take the mma.sync dK/dV on the grid (key tiles, heads, batch entries))."""
+    launched = []
+    monkeypatch.setattr(_kernel_backend, "_launch", lambda target, f, name, *a, **kw: launched.append(name))
+    q, k, v = random_qkv(np.random.default_rng(0), b=1, h=1, sq=2, sk=65535 * 64 + 1, d=1, dtype=np.float16)
+    out, lse = np.zeros(q.shape, np.float16), np.zeros((1, 1, 2), np.float32)
+    what = (r"the float16/bfloat16 backward up to D = 128 takes at most 65535 key tiles of 64 keys "
+            r"\(seq_k up to 4194240\), got seq_k = 4194241")
     with pytest.raises(ValueError, match=what):
-        cupy_attn.attention(q, q, q, backend="emulator")
+        cupy_attn.attention_backward(out, q, k, v, out, lse, backend="emulator")
+    assert launched == []

@@ -117,11 +117,12 @@ def test_tile_counts_and_blocks_without_work(tensor_core_kernels, sq, sk, causal
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_query_tiles_in_sections_of_pairs(monkeypatch, tensor_core_kernels, dtype, deterministic):
-    """The tensor-core forwards' and dQ's grid (pairs per section, query tiles, sections;
-    kernels/block_info.cuh query_block_place) with the L2 taken as one kv head's K and V: 6
-    sections of 2 of the 12 (batch entry, head) pairs, in (batch, seq, head) rows with lengths per
-    entry, so that a block given another pair reads other rows."""
+def test_tiles_in_sections_of_pairs(monkeypatch, tensor_core_kernels, dtype, deterministic):
+    """The tensor-core kernels' grid (pairs per section, tiles, sections; kernels/block_info.cuh
+    query_block_place, key_block_place) with the L2 taken as one kv head's K and V: the forward's
+    and dQ's 6 sections of 2 of the 12 (batch entry, head) pairs, dK/dV's 12 of 1 (a head's Q and
+    dO, 700 x 264 bytes, fit once), in (batch, seq, head) rows with lengths per entry, so that a
+    block given another pair reads other rows."""
     from cupy_attn import _schedule
 
     monkeypatch.setattr(_schedule, "L2_SHARE", 1.0)
@@ -134,8 +135,10 @@ def test_query_tiles_in_sections_of_pairs(monkeypatch, tensor_core_kernels, dtyp
     q, k, v = random_qkv(rng, b=2, h=6, hkv=3, sq=700, sk=1031, d=64, dtype=dtype, layout="bshd")
     check_with_gradients(q, k, v, dtype, rng, deterministic=deterministic, causal=True, layout="bshd",
                          q_lengths=np.array([700, 433]), kv_lengths=np.array([1031, 612]))
-    sectioned = [grid for name, grid in grids if name.startswith(("attention_fwd", "attention_bwd_dq"))]
-    assert len(sectioned) == 1 + deterministic and all(g[0] == 2 and g[2] == 6 for g in sectioned), grids
+    query_tiled = [grid for name, grid in grids if name.startswith(("attention_fwd", "attention_bwd_dq"))]
+    key_tiled = [grid for name, grid in grids if name.startswith("attention_bwd_dkdv")]
+    assert len(query_tiled) == 1 + deterministic and all(g[0] == 2 and g[2] == 6 for g in query_tiled), grids
+    assert len(key_tiled) == 1 and key_tiled[0][0] == 1 and key_tiled[0][2] == 12, grids
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16), BF16], ids=str)

@@ -1,14 +1,14 @@
-// query_block_place (kernels/block_info.cuh) as the kernels call it: each block writes the query
-// tile, head and batch entry it is given at its linear index (x fastest), the order in which a GPU
-// starts blocks.
+// query_block_place and key_block_place (kernels/block_info.cuh) as the kernels call them: each
+// block writes the tile, head and batch entry it is given at its linear index (x fastest), the
+// order in which a GPU starts blocks.
 #include "block_info.cuh"
 
-extern "C" __global__ void places(int* out, int heads, unsigned heads_magic, int heads_shift) {
+extern "C" __global__ void places(int* out, int heads, unsigned heads_magic, int heads_shift, int key_tiles) {
     attn::Params p{};
     p.heads = heads;
     p.heads_magic = heads_magic;
     p.heads_shift = heads_shift;
-    const attn::BlockPlace place = attn::query_block_place(p);
+    const attn::BlockPlace place = key_tiles ? attn::key_block_place(p) : attn::query_block_place(p);
     const int linear = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
     if (threadIdx.x == 0) {
         out[3 * linear] = place.tile;
