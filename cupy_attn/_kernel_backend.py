@@ -35,7 +35,7 @@ EMULATOR_COMPUTE_CAPABILITY = None
 CUDA_COMPUTE_CAPABILITY = None
 # Users choose the same through the environment, e.g. 90 for the wgmma kernels on an H100.
 CAPABILITY_VARIABLE = "CUPY_ATTN_COMPUTE_CAPABILITY"
-# The L2 the emulator sizes the query-tiled kernels' sections of (batch entry, head) pairs for
+# The L2 the emulator sizes the tensor-core kernels' sections of (batch entry, head) pairs for
 # (_schedule.heads_per_section): an H100's. Tests shrink it to split small problems into sections.
 EMULATOR_L2_BYTES = 50 * 2**20
 
@@ -60,7 +60,7 @@ def check_supported(problem: Problem, target: str) -> None:
     if problem.heads > _schedule.GRID_YZ_LIMIT or problem.batch > _schedule.GRID_YZ_LIMIT:
         raise ValueError(f"at most {_schedule.GRID_YZ_LIMIT} heads and batch entries per call, got H = {problem.heads}, "
                          f"B = {problem.batch}")
-    if problem.heads * problem.batch >= 2**31:  # query_block_place's pair index (kernels/block_info.cuh)
+    if problem.heads * problem.batch >= 2**31:  # the sectioned grids' pair index (kernels/block_info.cuh)
         raise ValueError(f"fewer than 2^31 (batch entry, head) pairs per call, got H = {problem.heads}, B = {problem.batch}")
     if problem.dtype in _config.TENSOR_CORE_DTYPES and _blocks(problem.seq_q, _QUERY_TILE_ROWS) > _schedule.GRID_YZ_LIMIT:
         # the tensor-core forwards' and dQ's grid (_query_grid), checked before any kernel runs
@@ -194,7 +194,8 @@ def _empty(xp, shape, dtype):
 
 
 def _heads_magic(heads: int) -> tuple:
-    """heads_magic and heads_shift of ATTN_PARAMS: query_block_place's division by the head count."""
+    """heads_magic and heads_shift of ATTN_PARAMS: query_block_place's and key_block_place's
+    division by the head count."""
     magic, shift = _schedule.division_magic(max(heads, 1))
     return np.uint32(magic), I32(shift)
 

@@ -208,9 +208,10 @@ def test_the_wide_mma_sync_dkdv_keeps_the_grid(monkeypatch):
     monkeypatch.setattr(_kernel_backend, "_launch", lambda target, f, name, grid, *a, **kw:
                         grids.append((name, grid)) or real_launch(target, f, name, grid, *a, **kw))
     rng = np.random.default_rng(5)
-    q, k, v = random_qkv(rng, b=2, h=3, sq=40, sk=70, d=256, dtype=np.float16, layout="bshd")
+    q, k, v = random_qkv(rng, b=2, h=2, sq=40, sk=70, d=256, dtype=np.float16, layout="bshd")
     check_forward_and_backward("emulator", rng, q, k, v, dict(causal=True, layout="bshd"), np.dtype(np.float16))
-    assert [g for name, g in grids if name.startswith("attention_bwd_dkdv_tc<")] == [(3, 3, 2)], grids
+    # 3 key tiles of 32 keys, 2 heads, 2 entries (a sectioned grid would be (4, 3, 1))
+    assert [g for name, g in grids if name.startswith("attention_bwd_dkdv_tc<")] == [(3, 2, 2)], grids
 
 
 def test_a_large_grid_in_one_section_on_the_emulator(monkeypatch):
@@ -276,3 +277,14 @@ def test_too_many_key_tiles_are_refused_before_any_kernel_runs(monkeypatch):
     with pytest.raises(ValueError, match=what):
         cupy_attn.attention_backward(out, q, k, v, out, lse, backend="emulator")
     assert launched == []
+
+
+@pytest.mark.parametrize("b,h,what", [(2, 65536, "at most 65535 heads and batch entries per call, got H = 65536, B = 2"),
+                                      (32769, 65535, r"fewer than 2\^31 \(batch entry, head\) pairs per call, got H = 65535, "
+                                                     "B = 32769")])
+def test_grids_past_the_limits_are_refused(b, h, what):
+    """Empty (no query rows), so only the sizes are at stake: the kernels' grids and the
+    sectioned grids' pair index bound them."""
+    q = np.empty((b, h, 0, 1), np.float16)
+    with pytest.raises(ValueError, match=what):
+        cupy_attn.attention(q, q, q, backend="emulator")
