@@ -52,14 +52,14 @@ def tile_work(axis: str, index: int, seq: int, block: int, other: int, causal: b
 def simulate(order, work, slots: int, shared_bytes: int) -> tuple[float, float]:
     """(tail, the most bytes the blocks running at once share) of blocks started in `order` (each
     a (tile, head, entry)) on `slots` slots, `work[tile]` each, `shared_bytes` per (head, entry)."""
-    free = [(0.0, slot, None) for slot in range(slots)]
+    free = [(0.0, slot) for slot in range(slots)]  # (when the slot frees, slot)
     running, most, end = {}, 0, 0.0
     for tile, head, entry in order:
-        start, slot, _ = heapq.heappop(free)
+        start, slot = heapq.heappop(free)
         running[slot] = (head, entry)
         most = max(most, len(set(running.values())))
         finish = start + work[tile]
-        heapq.heappush(free, (finish, slot, (head, entry)))
+        heapq.heappush(free, (finish, slot))
         end = max(end, finish)
     bound = max(sum(work[t] for t, _, _ in order) / slots, max(work))
     return end / bound - 1, most * shared_bytes

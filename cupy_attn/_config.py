@@ -25,6 +25,7 @@ class ForwardTile:
     """A forward configuration for head dims (D and Dv) up to ``head_dim``."""
 
     filename: ClassVar[str] = "attention_fwd.cu"
+    sectioned: ClassVar[bool] = False  # the grid (query tiles, heads, batch entries): _schedule.py
 
     head_dim: int       # D and Dv are zero-padded up to this
     block_m: int        # query rows per thread block (= 4 warps · 32 / lanes_per_row)
@@ -72,6 +73,7 @@ class BackwardTile:
     """
 
     filename: ClassVar[str] = "attention_bwd.cu"
+    sectioned: ClassVar[bool] = False  # the grids (tiles, heads, batch entries): _schedule.py
 
     head_dim: int
     block_m: int

@@ -403,8 +403,7 @@ def forward(problem: Problem, q, k, v, *, target: str):
             out, maps = _output(p, False), ()
     # The tensor-core forwards start their blocks in the order _query_grid shapes; the CUDA-core
     # one keeps the grid (query tiles, heads, batch entries) (kernels/block_info.cuh).
-    sectioned = getattr(tile, "sectioned", False)
-    grid = _query_grid(p, target, tile.block_m) if sectioned else (_blocks(p.seq_q, tile.block_m), p.heads, p.batch)
+    grid = _query_grid(p, target, tile.block_m) if tile.sectioned else (_blocks(p.seq_q, tile.block_m), p.heads, p.batch)
     # A tile computing fewer value dims per launch than Dv runs once per slice of v and out (views:
     # same strides, shifted base), each launch writing the same lse.
     width = getattr(tile, "value_dim", p.head_dim_v)
@@ -469,7 +468,7 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     check_supported(p, target)
     b, h, sq, sk = p.batch, p.heads, p.seq_q, p.seq_k
     tile = _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, compute_capability(target))
-    if getattr(_config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, 80), "sectioned", False) \
+    if _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, 80).sectioned \
             and _blocks(sk, _KEY_TILE_KEYS) > _schedule.GRID_YZ_LIMIT:
         # _key_grid's limit, checked before any kernel runs (the wgmma tile may fall back to this one)
         raise ValueError(f"the float16/bfloat16 backward up to D = 128 takes at most {_schedule.GRID_YZ_LIMIT} key "
@@ -524,7 +523,7 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     common = _common_args(p, q, k, v, dout, (tile.block_m, tile.block_n))
     # The tensor-core dK/dV kernels up to D = 128 start their blocks in the order _key_grid shapes;
     # the others keep the grid (key tiles, heads, batch entries) (kernels/block_info.cuh).
-    dkdv_grid = _key_grid(p, target, tile.block_n) if getattr(tile, "sectioned", False) else (_blocks(sk, tile.block_n), h, b)
+    dkdv_grid = _key_grid(p, target, tile.block_n) if tile.sectioned else (_blocks(sk, tile.block_n), h, b)
     if isinstance(tile, _config.BackwardTile):  # fp32: CUDA cores
         _launch(target, "attention_bwd.cu", tile.dkdv_name(p.dtype), dkdv_grid,
                 (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), *common), tile.dkdv_shared_bytes,
