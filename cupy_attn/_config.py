@@ -172,6 +172,14 @@ TENSOR_CORE_TILES = (
 TENSOR_CORE_DTYPES = (np.dtype(np.float16), BFLOAT16)
 
 
+# The warp-specialised wgmma kernels' threads (attn::kWsThreads: a producer warpgroup and two
+# consumers) and the registers each thread must start with: __launch_bounds__(384, 1) caps them at
+# 65536 / 384 rounded down to 8, and setmaxnreg hands them on (24 to the producer, 240 to each
+# consumer: 64512 in all), so a build with fewer would leave setmaxnreg.inc waiting forever.
+WS_THREADS = 384
+WS_LAUNCH_REGISTERS = 65536 // WS_THREADS // 8 * 8
+
+
 @dataclass(frozen=True)
 class HopperTile:
     """The fp16/bf16 forward on wgmma and TMA (sm_90a), chosen for compute capability 9.0 (which
@@ -189,7 +197,7 @@ class HopperTile:
     reason: str
     plain_only: bool = False  # for calls without score features or mods (whose build overlaps tiles)
     block_m: ClassVar[int] = 128  # attn::kConsumerGroups x 64, every tile
-    threads: ClassVar[int] = 384  # attn::kWsThreads, every tile
+    threads: ClassVar[int] = WS_THREADS  # every tile
 
     @property
     def shared_bytes(self) -> int:
@@ -304,7 +312,7 @@ class HopperBackwardTile:
     filename: ClassVar[str] = "attention_bwd_wgmma.cu"
     block_n: ClassVar[int] = 128  # the kernel's keys per block: two consumer warpgroups of 64
     sectioned: ClassVar[bool] = True  # key_block_place, as TensorCoreBackwardTile up to D = 128
-    threads: ClassVar[int] = 384
+    threads: ClassVar[int] = WS_THREADS
 
     head_dim: int
     block_m: int

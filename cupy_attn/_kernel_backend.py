@@ -148,11 +148,26 @@ def _launch(target: str, filename: str, name: str, grid, args, shared_bytes: int
         return
     if shared_bytes > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_bytes:
         fn.max_dynamic_shared_size_bytes = shared_bytes
+    if target == "cuda" and threads == _config.WS_THREADS:
+        check_register_split(fn.num_regs, name)
     block = (threads,)
     if target == "emulator":
         fn(grid, block, args, shared_mem=shared_bytes, schedule=EMULATOR_SCHEDULE)
     else:
         fn(grid, block, args, shared_mem=shared_bytes)
+
+
+def check_register_split(registers: int, name: str) -> None:
+    """A warp-specialised kernel hangs unless it starts with exactly the registers its setmaxnreg
+    split hands on (_config.WS_LAUNCH_REGISTERS): refuse it before the launch. NVRTC 13.5 builds
+    every one so (tests/test_compile_report.py); this guards against the NVRTC CuPy loads on a
+    GPU doing otherwise."""
+    if registers != _config.WS_LAUNCH_REGISTERS:
+        raise RuntimeError(
+            f"{name} was built with {registers} registers per thread, but its setmaxnreg split needs exactly "
+            f"{_config.WS_LAUNCH_REGISTERS} (its consumers would wait forever for the rest): this NVRTC builds the "
+            "wgmma kernels differently from the one cupy_attn is tested with; CUPY_ATTN_COMPUTE_CAPABILITY=80 runs "
+            "the mma.sync kernels instead")
 
 
 @contextlib.contextmanager
@@ -395,10 +410,12 @@ def forward(problem: Problem, q, k, v, *, target: str):
     lse = _empty(xp, p.lse_shape, np.float32)
     maps = ()
     if hopper and 0 not in (p.seq_q, p.heads, p.batch):  # else nothing is launched
-        maps, why_not = tensor_maps(p, tile, target, q=q, k=k, v=v, out=out)
+        # No keys: TMA refuses an axis of no entries, and the mma.sync forward writes the dead rows.
+        maps, why_not = tensor_maps(p, tile, target, q=q, k=k, v=v, out=out) if p.seq_k else (None, "")
         if maps is None:  # the cp.async kernels read and write any strides
-            _say_once(f"the wgmma forward needs TMA, which cannot address this call's operands ({why_not}): the "
-                      "mma.sync forward runs instead")
+            if why_not:
+                _say_once(f"the wgmma forward needs TMA, which cannot address this call's operands ({why_not}): "
+                          "the mma.sync forward runs instead")
             tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype, 80, module["features"])
             out, maps = _output(p, False), ()
     # The tensor-core forwards start their blocks in the order _query_grid shapes; the CUDA-core

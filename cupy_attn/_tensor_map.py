@@ -10,6 +10,7 @@ driver takes them.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 from dataclasses import dataclass
 
@@ -124,27 +125,54 @@ class TensorMapSpec:
         return _encode(self).copy()
 
 
-@functools.lru_cache(maxsize=4096)
-def _encode(spec: TensorMapSpec) -> np.void:
-    """cuTensorMapEncodeTiled of spec (TensorMapSpec.encoded), remembered per spec."""
+# cuTensorMapEncodeTiled as cuda.h declares it (CUDA 12.0 on); the enums are passed as their values.
+_ENCODE_TILED = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
+    ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32), ctypes.c_int,
+    ctypes.c_int, ctypes.c_int, ctypes.c_int)
+# Where the driver writes a map: "tensorMap address must be aligned to 64 bytes" (the driver API's
+# cuTensorMapEncodeTiled); CUDA 13's cuda.h declares CUtensorMap alignas(128).
+MAP_ALIGNMENT = 128
+
+
+@functools.lru_cache(maxsize=1)
+def _driver_encode_tiled():
+    """The driver's cuTensorMapEncodeTiled, found through cuda-bindings' cuGetProcAddress and called
+    with ctypes. Not cuda-bindings' own wrapper: that one has the driver write into a CUtensorMap
+    Python object, which CPython's allocator places 48 bytes past a 64-byte boundary (cuda-bindings
+    12.9 and 13.2, every object), against the rule above."""
     from cuda.bindings import driver
 
-    def check(result):
-        status, *value = result
-        if status != driver.CUresult.CUDA_SUCCESS:
-            raise TensorMapError(f"cuTensorMapEncodeTiled refused {spec}: {status.name}")
-        return value[0]
+    status, *_ = driver.cuInit(0)
+    if status != driver.CUresult.CUDA_SUCCESS:
+        raise TensorMapError(f"cuInit failed: {status.name}")
+    status, function, *_ = driver.cuGetProcAddress(b"cuTensorMapEncodeTiled", 12000,
+                                                   driver.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT)
+    if status != driver.CUresult.CUDA_SUCCESS or not function:
+        raise TensorMapError(f"the driver has no cuTensorMapEncodeTiled: {status.name}")
+    return _ENCODE_TILED(int(function))
+
+
+@functools.lru_cache(maxsize=4096)
+def _encode(spec: TensorMapSpec) -> np.void:
+    """cuTensorMapEncodeTiled of spec (TensorMapSpec.encoded), remembered per spec, written into
+    MAP_ALIGNMENT-aligned memory and returned as a kernel argument."""
+    from cuda.bindings import driver
 
     rank = len(spec.dims)
     swizzle = {0: "NONE", 32: "32B", 64: "64B", 128: "128B"}[spec.swizzle]
-    tensor_map = check(driver.cuTensorMapEncodeTiled(
-        getattr(driver.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{_DTYPES[spec.dtype]}"), rank, spec.address,
-        [driver.cuuint64_t(d) for d in spec.dims], [driver.cuuint64_t(s) for s in spec.strides],
-        [driver.cuuint32_t(b) for b in spec.box], [driver.cuuint32_t(1)] * rank,
-        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        getattr(driver.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swizzle}"),
-        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA if spec.oob_nan
-        else driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
-    words = np.array([int(w) for w in tensor_map.opaque], np.uint64)
-    return np.frombuffer(words.tobytes(), ARGUMENT)[0]
+    fill = "NAN_REQUEST_ZERO_FMA" if spec.oob_nan else "NONE"
+    storage = np.zeros(TENSOR_MAP_BYTES + MAP_ALIGNMENT, np.uint8)
+    offset = -storage.ctypes.data % MAP_ALIGNMENT
+    status = _driver_encode_tiled()(
+        storage.ctypes.data + offset,
+        int(getattr(driver.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{_DTYPES[spec.dtype]}")), rank, spec.address,
+        (ctypes.c_uint64 * rank)(*spec.dims), (ctypes.c_uint64 * (rank - 1))(*spec.strides),
+        (ctypes.c_uint32 * rank)(*spec.box), (ctypes.c_uint32 * rank)(*[1] * rank),
+        int(driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE),
+        int(getattr(driver.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swizzle}")),
+        int(driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B),
+        int(getattr(driver.CUtensorMapFloatOOBfill, f"CU_TENSOR_MAP_FLOAT_OOB_FILL_{fill}")))
+    if status != int(driver.CUresult.CUDA_SUCCESS):
+        raise TensorMapError(f"cuTensorMapEncodeTiled refused {spec}: {driver.CUresult(status).name}")
+    return np.frombuffer(storage[offset:offset + TENSOR_MAP_BYTES].tobytes(), ARGUMENT)[0]

@@ -72,7 +72,9 @@ __device__ __forceinline__ void consumer_wait(StageRing<kStages>& ring, const St
     ptx::mbarrier_wait(&ring.full[at.stage], at.phase);
 }
 
-// Consumer: this thread is done reading the stage (its reads, generic or by wgmma, completed).
+// Consumer: this thread is done reading the stage (its reads completed: wgmma's waited for; generic
+// loads followed by ptx::fence_proxy_async, since TMA's next write of the stage goes through the
+// async proxy, as CUTLASS's and FlashAttention-3's epilogues fence).
 template <int kStages>
 __device__ __forceinline__ void consumer_release(StageRing<kStages>& ring, const StageCursor<kStages>& at) {
     ptx::mbarrier_arrive(&ring.empty[at.stage]);

@@ -371,7 +371,7 @@ __device__ __forceinline__ float ex2_approx(float x) {
 // The results are defined only after wgmma_wait covers their group; the emulator writes them
 // then, reading the operands as the async proxy sees them (poison where no fence_proxy_async
 // published the generic writes), and checking that the thread left the instruction's registers
-// alone until then (WgmmaOperand). Not modelled: wgmma_fence's register ordering.
+// alone until then (WgmmaOperand), and that a wgmma_fence preceded it (emu_async.h).
 
 // The shared-window address of a pointer into shared memory.
 __device__ __forceinline__ u32 shared_address(const void* p) {
@@ -420,6 +420,8 @@ __device__ __forceinline__ unsigned long long opaque(unsigned long long x) {
 __device__ __forceinline__ void wgmma_fence() {
 #ifdef __CUDA_ARCH__
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#else
+    ::emu::wgmma_fence();
 #endif
 }
 
@@ -463,6 +465,7 @@ __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(Pending) : "memory");
 #else
     ::emu::deferred_wait(Pending, "wgmma.wait_group");
+    ::emu::wgmma_waited();
 #endif
 }
 
@@ -743,6 +746,7 @@ __device__ __forceinline__ void wgmma_m64k16_ss(float (&d)[N / 2], unsigned long
     *op = emulated::WgmmaOperand{{}, nullptr, a_desc, b_desc, false, kTransA != 0, kTransB != 0, scale_d,
                                  static_cast<int>(::emu::tl_fiber->linear / 32 % 4), d};
     emulated::take_issue_snapshot(*op, N / 2);
+    ::emu::require_wgmma_fence("wgmma.mma_async (SS)");
     ::emu::defer_warp_op(emulated::wgmma_fn<T, N>, op, "wgmma.mma_async (SS)");
 #endif
 }
@@ -773,6 +777,7 @@ __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const u32 (&a
     *op = emulated::WgmmaOperand{{a[0], a[1], a[2], a[3]}, a, 0, b_desc, true, false, kTransB != 0, scale_d,
                                  static_cast<int>(::emu::tl_fiber->linear / 32 % 4), d};
     emulated::take_issue_snapshot(*op, N / 2);
+    ::emu::require_wgmma_fence("wgmma.mma_async (RS)");
     ::emu::defer_warp_op(emulated::wgmma_fn<T, N>, op, "wgmma.mma_async (RS)");
 #endif
 }

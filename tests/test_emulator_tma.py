@@ -2,6 +2,7 @@
 driver's rules, box loads and stores with each swizzle and out-of-bounds elements against a NumPy
 model of the layout, wgmma reading the swizzled boxes, deliberately wrong uses, and the real
 instructions through NVRTC and SASS."""
+import ctypes
 import sys
 import types
 from pathlib import Path
@@ -10,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cupy_attn import _nvrtc, _paths, _sass
+from cupy_attn import _nvrtc, _paths, _sass, _tensor_map
 from cupy_attn._tensor_map import TensorMapError, TensorMapSpec
 from cupy_attn.emulator import EmulatorError, RawModule
 
@@ -18,7 +19,8 @@ HERE = Path(__file__).parent / "emulator_kernels"
 SOURCE = (HERE / "tma.cu").read_text()
 SCHEDULES = ["forward", "reverse", "random", "warps", "warps_reverse"]
 NAMES = ["tma_box<2>", "tma_box<3>", "tma_store_box<2>", "tma_store_box<3>",
-         *(f"tma_wgmma<{a}, {b}>" for a in ("false", "true") for b in ("false", "true"))]
+         *(f"tma_wgmma<{a}, {b}>" for a in ("false", "true") for b in ("false", "true")),
+         "tma_wgmma_wide<false>", "tma_wgmma_wide<true>"]
 BOX_AT = 1024  # where the kernels put the box in shared memory
 I32 = np.int32
 
@@ -68,6 +70,9 @@ BOX_CASES = {
     "bf16-sw32": ((37, 104), ml_dtypes.bfloat16, (16, 16), (30, -8), 32),
     "f16-none": ((37, 104), np.float16, (8, 24), (5, 90), 0),
     "f32-3d-sw128": ((5, 9, 32), np.float32, (2, 4, 32), (4, -2, 0), 128),
+    # wholly past the last column, as the boxes of head dims past Dv are at D = 64, Dv = 128: the
+    # box's bytes complete its barrier all the same
+    "f16-sw128-outside": ((37, 104), np.float16, (8, 64), (3, 104), 128),
 }
 
 
@@ -187,6 +192,12 @@ def test_wgmma_told_the_wrong_major_ness_of_a_is_wrong(a_mn_major):
     assert not np.allclose(d, want, rtol=1e-4, atol=1e-4)
 
 
+def test_wgmma_without_its_fence_fails():
+    with pytest.raises(EmulatorError, match=r"wgmma.mma_async \(SS\) issued without a wgmma.fence since the thread's "
+                                            "start or its last wgmma.wait_group"):
+        run_wgmma(module("-DNO_WGMMA_FENCE"), True)
+
+
 @pytest.mark.parametrize("a_mn_major", [False, True], ids=["a_k_major", "a_mn_major"])
 def test_wgmma_operand_starting_past_its_atoms_first_line_fails(a_mn_major):
     # The hardware takes the swizzle's phase from the descriptor's base offset (0), not from the
@@ -194,6 +205,33 @@ def test_wgmma_operand_starting_past_its_atoms_first_line_fails(a_mn_major):
     # swizzle would: reported rather than emulated.
     with pytest.raises(EmulatorError, match="wgmma: A's 128-byte swizzled operand starts 128 bytes into its 1024-byte atom"):
         run_wgmma(module("-DMID_ATOM_START"), True, a_mn_major=a_mn_major)
+
+
+def run_wide_wgmma(mod, register_a, schedule="forward"):
+    """tma_wgmma_wide: A (64 x 64) · B (64 x 128), B MN-major in two boxes, A from its box or from
+    registers."""
+    rng = np.random.default_rng(8)
+    a = rng.standard_normal((64, 64)).astype(np.float16)
+    b = rng.standard_normal((64, 128)).astype(np.float16)
+    maps = [TensorMapSpec.of_array(x, (64, 64), swizzle=128).emulated() for x in (a, b)]
+    d = np.full((64, 128), np.nan, np.float32)
+    mod.get_function(f"tma_wgmma_wide<{str(register_a).lower()}>")(
+        1, 128, (*maps, a.astype(np.float32), d), shared_mem=1024 + 5 * 8192, schedule=schedule)
+    return d, a.astype(np.float64) @ b.astype(np.float64)
+
+
+@pytest.mark.parametrize("register_a", [False, True], ids=["a_shared", "a_registers"])
+@pytest.mark.parametrize("schedule", ["forward", "warps_reverse"])
+def test_wgmma_reads_an_mn_major_operand_of_two_boxes(tma, register_a, schedule):
+    d, want = run_wide_wgmma(tma, register_a, schedule)
+    np.testing.assert_allclose(d, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("register_a", [False, True], ids=["a_shared", "a_registers"])
+def test_wgmma_with_the_wrong_leading_byte_offset_is_wrong(register_a):
+    d, want = run_wide_wgmma(module("-DWRONG_LBO"), register_a)
+    assert np.allclose(d[:, :64], want[:, :64], rtol=1e-4, atol=1e-4)  # the first box needs no step
+    assert not np.allclose(d[:, 64:], want[:, 64:], rtol=1e-4, atol=1e-4)
 
 
 # ---- tensor maps ---------------------------------------------------------------------------------
@@ -234,6 +272,8 @@ SASS_OPCODES = {
     "tma_store_box<2>": ["UTMASTG.2D", "FENCE.VIEW.ASYNC.S"],
     "tma_wgmma<false, true>": ["UTMALDG.2D", "HGMMA.64x64x16.F32"],
     "tma_wgmma<true, true>": ["UTMALDG.2D", "HGMMA.64x64x16.F32"],
+    "tma_wgmma_wide<false>": ["UTMALDG.2D", "HGMMA.64x128x16.F32"],
+    "tma_wgmma_wide<true>": ["UTMALDG.2D", "HGMMA.64x128x16.F32"],
 }
 
 
@@ -292,37 +332,65 @@ def test_pipeline_compiles_for_sm90a_to_the_hopper_instructions():
         assert any(op.startswith(wanted) for op in opcodes), (wanted, sorted(opcodes))
 
 
-_OK = types.SimpleNamespace(name="CUDA_SUCCESS")
+class _Enum(types.SimpleNamespace):
+    """An enum of cuda.bindings.driver: members by name, each an int with a name."""
+
+    def __init__(self, *names, start=0):
+        super().__init__(**{name: _Member(start + i, name) for i, name in enumerate(names)})
+
+    def __call__(self, value):
+        return next(m for m in vars(self).values() if m == value)
+
+
+class _Member(int):
+    def __new__(cls, value, name):
+        member = super().__new__(cls, value)
+        member.name = name
+        return member
 
 
 class _FakeDriver(types.ModuleType):
-    """cuda.bindings.driver as _tensor_map uses it: every enum member a name, and an encoder that
-    counts its calls and returns a map whose words are the call's number."""
+    """cuda.bindings.driver as _tensor_map uses it: enums, cuInit, and cuGetProcAddress handing out
+    a C function (a ctypes callback) that records each encode's arguments, checks the map's
+    alignment and writes the call's number into every word of the map."""
 
     def __init__(self):
         super().__init__("cuda.bindings.driver")
-        self.calls = 0
-        self.CUresult = types.SimpleNamespace(CUDA_SUCCESS=_OK)
-        for enum in ("CUtensorMapDataType", "CUtensorMapInterleave", "CUtensorMapSwizzle", "CUtensorMapL2promotion",
-                     "CUtensorMapFloatOOBfill"):
-            setattr(self, enum, _Names())
-        self.cuuint64_t = self.cuuint32_t = int
+        self.calls, self.status = [], 0
+        self.CUresult = _Enum("CUDA_SUCCESS", "CUDA_ERROR_INVALID_VALUE")
+        self.CUdriverProcAddress_flags = _Enum("CU_GET_PROC_ADDRESS_DEFAULT")
+        self.CUtensorMapDataType = _Enum(*(f"CU_TENSOR_MAP_DATA_TYPE_{t}" for t in ("FLOAT16", "FLOAT32", "BFLOAT16")),
+                                         start=5)
+        self.CUtensorMapInterleave = _Enum("CU_TENSOR_MAP_INTERLEAVE_NONE", start=10)
+        self.CUtensorMapSwizzle = _Enum(*(f"CU_TENSOR_MAP_SWIZZLE_{s}" for s in ("NONE", "32B", "64B", "128B")),
+                                        start=20)
+        self.CUtensorMapL2promotion = _Enum("CU_TENSOR_MAP_L2_PROMOTION_L2_128B", start=30)
+        self.CUtensorMapFloatOOBfill = _Enum("CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE",
+                                             "CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA", start=40)
+        self.encode_tiled = _tensor_map._ENCODE_TILED(self._encode_tiled)  # kept alive with the driver
 
-    def cuTensorMapEncodeTiled(self, *args):
-        self.calls += 1
-        return _OK, types.SimpleNamespace(opaque=[self.calls] * 16)
+    def cuInit(self, flags):
+        return (self.CUresult.CUDA_SUCCESS,)
+
+    def cuGetProcAddress(self, symbol, version, flags):
+        assert symbol == b"cuTensorMapEncodeTiled" and version >= 12000
+        return self.CUresult.CUDA_SUCCESS, ctypes.cast(self.encode_tiled, ctypes.c_void_p).value, 0
+
+    def _encode_tiled(self, tensor_map, dtype, rank, address, dims, strides, box, element_strides, interleave,
+                      swizzle, l2_promotion, oob_fill):
+        self.calls.append(dict(
+            aligned=tensor_map % _tensor_map.MAP_ALIGNMENT == 0, dtype=self.CUtensorMapDataType(dtype).name,
+            address=address, dims=tuple(dims[:rank]), strides=tuple(strides[:rank - 1]), box=tuple(box[:rank]),
+            element_strides=tuple(element_strides[:rank]), interleave=self.CUtensorMapInterleave(interleave).name,
+            swizzle=self.CUtensorMapSwizzle(swizzle).name, l2=self.CUtensorMapL2promotion(l2_promotion).name,
+            fill=self.CUtensorMapFloatOOBfill(oob_fill).name))
+        words = (ctypes.c_uint64 * 16).from_address(tensor_map)
+        words[:] = [len(self.calls)] * 16
+        return self.status
 
 
-class _Names:
-    def __getattr__(self, name):
-        return name
-
-
-def test_encoded_maps_are_cached_per_map(monkeypatch):
-    """The driver encodes each distinct map once: the same array and box again reuse it (a copy),
-    another address or box is encoded anew, and a refusal is not remembered."""
-    from cupy_attn import _tensor_map
-
+@pytest.fixture
+def fake_driver(monkeypatch):
     driver = _FakeDriver()
     package = types.ModuleType("cuda.bindings")
     package.driver = driver
@@ -330,16 +398,51 @@ def test_encoded_maps_are_cached_per_map(monkeypatch):
     monkeypatch.setitem(sys.modules, "cuda.bindings", package)
     monkeypatch.setitem(sys.modules, "cuda.bindings.driver", driver)
     _tensor_map._encode.cache_clear()
+    _tensor_map._driver_encode_tiled.cache_clear()
+    yield driver
+    _tensor_map._encode.cache_clear()
+    _tensor_map._driver_encode_tiled.cache_clear()
+
+
+def test_the_driver_encodes_each_map_with_its_fields_into_aligned_memory(fake_driver):
+    """What reaches the driver's function: the spec's fields innermost first, element strides of 1,
+    the enums' values, and a map address aligned as cuTensorMapEncodeTiled requires; what comes
+    back is the 128 bytes it wrote there."""
+    spec = TensorMapSpec(np.dtype(ml_dtypes.bfloat16), 1 << 20, (64, 300, 3), (256, 76800), (64, 128, 1),
+                         swizzle=128, oob_nan=True)
+    encoded = spec.encoded()
+    assert fake_driver.calls == [dict(
+        aligned=True, dtype="CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", address=1 << 20, dims=(64, 300, 3),
+        strides=(256, 76800), box=(64, 128, 1), element_strides=(1, 1, 1), interleave="CU_TENSOR_MAP_INTERLEAVE_NONE",
+        swizzle="CU_TENSOR_MAP_SWIZZLE_128B", l2="CU_TENSOR_MAP_L2_PROMOTION_L2_128B",
+        fill="CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA")]
+    assert encoded.dtype == _tensor_map.ARGUMENT and list(encoded["opaque"]) == [1] * 16
+    TensorMapSpec(np.float32, 1 << 20, (300,), (), (4,)).encoded()
+    assert fake_driver.calls[1]["dims"] == (300,) and fake_driver.calls[1]["strides"] == ()
+    assert fake_driver.calls[1]["swizzle"] == "CU_TENSOR_MAP_SWIZZLE_NONE"
+    assert fake_driver.calls[1]["fill"] == "CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE"
+
+
+def test_encoded_maps_are_cached_per_map(fake_driver, monkeypatch):
+    """The driver encodes each distinct map once: the same array and box again reuse it (a copy),
+    another address or box is encoded anew, and a refusal is not remembered."""
     spec = dict(dtype=np.float16, address=1 << 20, dims=(64, 300), strides=(128,), box=(64, 128), swizzle=128)
     first = TensorMapSpec(**spec).encoded()
     again = TensorMapSpec(**spec).encoded()
-    assert driver.calls == 1 and bytes(first) == bytes(again) and first is not again
+    assert len(fake_driver.calls) == 1 and bytes(first) == bytes(again) and first is not again
     other = TensorMapSpec(**{**spec, "address": 2 << 20}).encoded()
     TensorMapSpec(**{**spec, "box": (64, 64)}).encoded()
-    assert driver.calls == 3 and bytes(other) != bytes(first)
-    monkeypatch.setattr(driver, "cuTensorMapEncodeTiled", lambda *args: (types.SimpleNamespace(name="INVALID"), None))
+    assert len(fake_driver.calls) == 3 and bytes(other) != bytes(first)
+    fake_driver.status = int(fake_driver.CUresult.CUDA_ERROR_INVALID_VALUE)
     wrong = TensorMapSpec(**{**spec, "address": 3 << 20})
     for _ in range(2):
-        with pytest.raises(TensorMapError, match="refused"):
+        with pytest.raises(TensorMapError, match="refused .* CUDA_ERROR_INVALID_VALUE"):
             wrong.encoded()
-    _tensor_map._encode.cache_clear()
+    assert len(fake_driver.calls) == 5
+
+
+def test_a_driver_without_the_encoder_is_refused(fake_driver, monkeypatch):
+    monkeypatch.setattr(fake_driver, "cuGetProcAddress",
+                        lambda *args: (fake_driver.CUresult.CUDA_ERROR_INVALID_VALUE, 0, 0))
+    with pytest.raises(TensorMapError, match="no cuTensorMapEncodeTiled: CUDA_ERROR_INVALID_VALUE"):
+        TensorMapSpec(np.float16, 1 << 20, (64,), (), (64,)).encoded()

@@ -218,3 +218,16 @@ def test_cuda_status_reports_nvrtc_and_headers_when_found(monkeypatch):
     assert why == "1 CUDA device(s) visible to CuPy; NVRTC 13.0, CUDA headers in /site/nvidia/cu13/include"
     fake_cupy(monkeypatch, devices=0)
     assert _backends.cuda_status() == (False, "CuPy found no CUDA device")
+
+
+def test_a_warp_specialised_kernel_built_with_other_registers_is_refused():
+    """With fewer registers at launch than its setmaxnreg split hands on, a wgmma kernel's consumers
+    would wait forever: the launcher refuses it, naming the kernel and both counts."""
+    from cupy_attn import _config
+    from cupy_attn._kernel_backend import check_register_split
+
+    check_register_split(_config.WS_LAUNCH_REGISTERS, "attention_fwd_wgmma<__half, 64, 128>")
+    for registers in (128, _config.WS_LAUNCH_REGISTERS - 8, 255):
+        with pytest.raises(RuntimeError, match=rf"attention_fwd_wgmma<__half, 64, 128> was built with {registers} "
+                                               rf"registers .* needs exactly {_config.WS_LAUNCH_REGISTERS}"):
+            check_register_split(registers, "attention_fwd_wgmma<__half, 64, 128>")

@@ -80,6 +80,21 @@ def test_wgmma_reads_boxes_tma_swizzled(tma, mn_major, a_mn_major):
     np.testing.assert_allclose(d.get(), want, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("register_a", [False, True], ids=["a_shared", "a_registers"])
+def test_wgmma_reads_an_mn_major_operand_of_two_boxes(tma, register_a):
+    """m64n128k16 with B MN-major across two boxes (the leading byte offset, as V's at D = 128), A
+    from shared memory or from registers packed as P is (the RS form of P·V)."""
+    rng = np.random.default_rng(8)
+    a = rng.standard_normal((64, 64)).astype(np.float16)
+    b = rng.standard_normal((64, 128)).astype(np.float16)
+    on_gpu = [cupy.asarray(x) for x in (a, b)]
+    maps = [TensorMapSpec.of_array(x, (64, 64), swizzle=128).encoded() for x in on_gpu]
+    d = cupy.full((64, 128), np.nan, np.float32)
+    tma.get_function(f"tma_wgmma_wide<{str(register_a).lower()}>")(
+        (1,), (128,), (*maps, cupy.asarray(a.astype(np.float32)), d), shared_mem=1024 + 3 * 8192)
+    np.testing.assert_allclose(d.get(), a.astype(np.float64) @ b.astype(np.float64), rtol=1e-3, atol=1e-3)
+
+
 def test_pipeline():
     mod = gpu_module("pipeline.cu")
     array = np.random.default_rng(7).standard_normal((52, 64)).astype(np.float16)

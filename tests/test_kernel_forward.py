@@ -54,16 +54,18 @@ def test_head_dims(schedule, dtype, d, dv):
     check(q, k, v, dtype, causal=True)
 
 
-@pytest.mark.parametrize("shape", [dict(b=0), dict(sq=0)])
+@pytest.mark.parametrize("shape", [dict(b=0), dict(sq=0), dict(sk=0)])
 def test_wgmma_forward_of_nothing_builds_no_map_and_says_nothing(monkeypatch, caplog, shape):
-    """An empty batch or query axis launches nothing: no tensor map is built (TMA refuses an axis
-    of no entries), so no fallback is announced."""
+    """An empty batch or query axis launches nothing, and no keys leave every row dead (out 0, lse
+    -inf, from the mma.sync forward): no tensor map is built (TMA refuses an axis of no entries),
+    so no fallback is announced."""
     monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
     monkeypatch.setattr(_kernel_backend, "_SAID", set())
     caplog.set_level(logging.WARNING, logger="cupy_attn")
     q, k, v = random_qkv(np.random.default_rng(3), **dict(dict(b=2, h=2, sq=5, sk=9, d=64, dtype=np.float16), **shape))
-    out = cupy_attn.attention(q, k, v, backend="emulator")
+    out, lse = cupy_attn.attention(q, k, v, backend="emulator", return_lse=True)
     assert out.shape == q.shape and caplog.text == ""
+    assert (out == 0).all() and (lse == -np.inf).all()
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)

@@ -118,17 +118,20 @@ extern "C" __global__ void elect_outside_mask(int* out) {
 }
 
 // setmaxnreg by warpgroup, as a producer/consumer kernel does (mode 0, 384 threads: the producer
-// warpgroup lowers to 24, the two consumer warpgroups raise to 240; mode 4: then the producer
-// raises to 32 again, which a warp may do before the others lowered), and misuses: 1 warps of one
-// warpgroup disagree; 2 every warpgroup raises to 256 (98304 registers); 3 a consumer "raises"
-// from 240 to 232. out[thread] = 1 once it passed.
+// warpgroup lowers to 24, the two consumer warpgroups raise to 240, 64512 registers, all the launch
+// gives; mode 4: the consumers raise to 232 and the producer then to 32 again, which a warp may do
+// before the others lowered), and misuses: 1 warps of one warpgroup disagree; 2 every warpgroup
+// raises to 256 (98304 registers); 3 a consumer "raises" from 240 to 232; 5 the producer raises to
+// 32 again once the consumers hold 240 (65536: more than the launch's 64512, so the .inc would wait
+// forever). out[thread] = 1 once it passed.
 extern "C" __global__ void __launch_bounds__(384, 1) max_registers(int mode, int* out) {
     const int warpgroup = threadIdx.x / 128, warp = threadIdx.x / 32;
-    if (mode == 0 || mode == 3 || mode == 4) {
+    if (mode == 0 || mode == 3 || mode == 4 || mode == 5) {
         if (warpgroup == 0) ptx::set_max_registers<24, false>();
+        else if (mode == 4) ptx::set_max_registers<232, true>();
         else ptx::set_max_registers<240, true>();
         if (mode == 3 && warpgroup == 1) ptx::set_max_registers<232, true>();
-        if (mode == 4 && warpgroup == 0) ptx::set_max_registers<32, true>();
+        if ((mode == 4 || mode == 5) && warpgroup == 0) ptx::set_max_registers<32, true>();
     } else if (mode == 1) {
         if (warp == 0) ptx::set_max_registers<24, false>();
         else ptx::set_max_registers<32, false>();

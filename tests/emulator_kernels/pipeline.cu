@@ -38,6 +38,7 @@ pipelined_copy(const __grid_constant__ ptx::TensorMap map, int tiles, unsigned c
 #endif
             for (int i = threadIdx.x - 128; i < kTileBytes; i += kConsumers)
                 out[tile * kTileBytes + i] = stages[at.stage * kTileBytes + i];
+            ptx::fence_proxy_async();  // these generic reads, before TMA's next write of the stage
             consumer_release(ring, at);
         }
     }

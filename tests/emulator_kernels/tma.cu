@@ -1,4 +1,5 @@
 #include "ptx.cuh"
+#include "tc_tile.cuh"
 // TMA copies (ptx.cuh) between a tensor map's boxes and shared memory, and wgmma reading boxes
 // that TMA swizzled. The same file compiles with NVRTC for sm_90a (test_emulator_tma.py checks the
 // SASS). Deliberately wrong uses, each of which a test expects to fail: -DNO_WAIT reads the box
@@ -6,7 +7,8 @@
 // -DMISALIGNED puts the box 128 bytes past its swizzle atom, -DNO_FENCE stores shared memory
 // through TMA without the proxy fence, -DNO_STORE_WAIT exits before the store read shared memory,
 // -DWRONG_SWIZZLE gives wgmma a 64-byte swizzle for 128-byte swizzled boxes, -DWRONG_MAJOR_A the
-// wrong major-ness of A.
+// wrong major-ness of A, -DWRONG_LBO a wrong leading byte offset to an MN-major B of two boxes,
+// -DNO_WGMMA_FENCE issues wgmma without the wgmma.fence before it.
 
 #ifdef MISALIGNED
 constexpr int kBoxAt = 1024 + 128;
@@ -107,7 +109,9 @@ __global__ void tma_wgmma(const __grid_constant__ ptx::TensorMap a_map, const __
     const unsigned long long a_desc = ptx::wgmma_descriptor(sA + kAStart, kMnMajorA ? 8192 : 16, 1024, kSwizzle);
     const unsigned long long b_desc = ptx::wgmma_descriptor(sB, kMnMajorB ? 8192 : 16, 1024, kSwizzle);
     float d[32];
+#ifndef NO_WGMMA_FENCE
     ptx::wgmma_fence();
+#endif
     for (int kk = 0; kk < 4; ++kk)
         ptx::wgmma_m64k16_ss<__half, 64, kMnMajorB ? ptx::Major::MN : ptx::Major::K,
                              kToldMnMajorA ? ptx::Major::MN : ptx::Major::K>(
@@ -118,4 +122,62 @@ __global__ void tma_wgmma(const __grid_constant__ ptx::TensorMap a_map, const __
     const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     for (int j = 0; j < 8; ++j)
         for (int e = 0; e < 4; ++e) D[(16 * warp + g + 8 * (e / 2)) * 64 + 8 * j + 2 * t + (e & 1)] = d[4 * j + e];
+}
+
+// D (64 x 128, float) = A (64 x 64) · B (64 x 128), one m64n128k16 per k-step. B is MN-major in two
+// TMA boxes of 64 n (rows k, 64 n per line), which the descriptor's leading byte offset (8192 bytes)
+// steps between, as V's does at D = 128 and dO's and Q's in the backward at D = 128. A is K-major
+// from its box (SS) or, with kRegisterA, in registers: read from a_values (64 x 64, float) in the
+// accumulator layout and packed as P is for P·V (accumulators_as_a, RS). -DWRONG_LBO gives B's
+// descriptor the leading byte offset of a K-major operand (16 bytes).
+template <bool kRegisterA>
+__global__ void tma_wgmma_wide(const __grid_constant__ ptx::TensorMap a_map, const __grid_constant__ ptx::TensorMap b_map,
+                               const float* a_values, float* D) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    unsigned long long* bar = reinterpret_cast<unsigned long long*>(smem);
+    unsigned char* sA = smem + 1024;
+    unsigned char* sB = sA + 8192;
+    if (threadIdx.x == 0) {
+        ptx::mbarrier_init(bar, 1);
+        ptx::fence_mbarrier_init();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        ptx::mbarrier_arrive_expect_tx(bar, 3 * 8192);
+        ptx::tma_load<2>(sA, a_map, {0, 0}, bar);
+        ptx::tma_load<2>(sB, b_map, {0, 0}, bar);
+        ptx::tma_load<2>(sB + 8192, b_map, {64, 0}, bar);
+    }
+    const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    unsigned a[4][4];  // this warp's 16 rows of A, 16 k per step
+    unsigned(&a_flat)[16] = reinterpret_cast<unsigned(&)[16]>(a);
+    if constexpr (kRegisterA) {
+        float acc[8][4];
+        for (int j = 0; j < 8; ++j)
+            for (int e = 0; e < 4; ++e) acc[j][e] = a_values[(16 * warp + g + 8 * (e / 2)) * 64 + 8 * j + 2 * t + (e & 1)];
+        for (int kk = 0; kk < 4; ++kk) attn::accumulators_as_a<__half>(a[kk], acc[2 * kk], acc[2 * kk + 1]);
+    }
+    ptx::mbarrier_wait(bar, 0);
+#ifdef WRONG_LBO
+    constexpr unsigned kBLbo = 16;
+#else
+    constexpr unsigned kBLbo = 8192;
+#endif
+    const unsigned long long a_desc = ptx::wgmma_descriptor(sA, 16, 1024, ptx::Swizzle::B128);
+    const unsigned long long b_desc = ptx::wgmma_descriptor(sB, kBLbo, 1024, ptx::Swizzle::B128);
+    float d[64];
+    ptx::fence_operands(a_flat);
+    ptx::wgmma_fence();
+    for (int kk = 0; kk < 4; ++kk) {
+        const unsigned long long b_step = ptx::descriptor_plus(b_desc, 2048 * kk);
+        if constexpr (kRegisterA)
+            ptx::wgmma_m64k16_rs<__half, 128, ptx::Major::MN>(d, a[kk], b_step, kk > 0);
+        else
+            ptx::wgmma_m64k16_ss<__half, 128, ptx::Major::MN>(d, ptx::descriptor_plus(a_desc, 32 * kk), b_step, kk > 0);
+    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    ptx::fence_operands(a_flat);
+    for (int j = 0; j < 16; ++j)
+        for (int e = 0; e < 4; ++e) D[(16 * warp + g + 8 * (e / 2)) * 128 + 8 * j + 2 * t + (e & 1)] = d[4 * j + e];
 }

@@ -26,6 +26,18 @@ inline void fence_proxy_async() {
     std::memcpy(view.data(), tl_block->dynamic_shared, tl_block->launch->shared_bytes);
 }
 
+// wgmma.fence: PTX requires one before a warpgroup's first wgmma.mma_async and between a thread's
+// access to registers a wgmma reads or writes (its accumulators, A's fragment) and that wgmma. The
+// emulator takes a thread's wgmma.wait_group as such an access (the thread reads the results
+// next), so each batch of wgmma issued after a wait needs a fence of its own.
+inline void wgmma_fence() { tl_fiber->wgmma_fenced = true; }
+inline void wgmma_waited() { tl_fiber->wgmma_fenced = false; }
+inline void require_wgmma_fence(const char* what) {
+    if (!tl_fiber->wgmma_fenced)
+        fail(format("%s issued without a wgmma.fence since the thread's start or its last wgmma.wait_group: the "
+                    "fence orders the thread's accesses to the instruction's registers before it", what));
+}
+
 // `bytes` of shared memory at `offset` as the async proxy reads them.
 inline const unsigned char* async_shared_pointer(size_t offset, size_t bytes, const char* what) {
     Block* b = tl_block;
@@ -370,10 +382,17 @@ inline bool elect(unsigned mask) {
 
 // ---- setmaxnreg -------------------------------------------------------------------------------
 // All four warps of a warpgroup execute the same setmaxnreg (.inc raises the per-thread register
-// count to `count`, .dec lowers it); the counts of the block's warps must fit the 65536 registers
-// of an SM once every warp has set one. The legal counts (24..256, multiples of 8) are checked at
-// compile time by ptx.cuh.
+// count to `count`, .dec lowers it). .inc takes only registers that the block's other warps gave
+// up, so once every warp has set a count they must fit what the launch gave the block: under
+// __launch_bounds__(threads, 1), at most 65536 / threads per thread rounded down to 8 (ptxas may
+// give less, which the emulator cannot see: the compile report checks the kernels' counts, and the
+// launcher again on the GPU). The legal counts (24..256, multiples of 8) are checked at compile
+// time by ptx.cuh.
 constexpr unsigned kRegisterFile = 65536;
+
+inline unsigned launch_registers_per_thread(size_t threads) {
+    return static_cast<unsigned>(std::min<size_t>(256, kRegisterFile / threads / 8 * 8));
+}
 
 struct SetMaxRegistersOperand {
     unsigned count;
@@ -409,9 +428,11 @@ inline void set_max_registers_fn(void* const* lanes, unsigned mask) {
         if (!registers) return;  // a warp keeps its compiled count, which the emulator does not know
         total += 32ull * registers;
     }
-    if (total > kRegisterFile)
-        fail(format("setmaxnreg: the block's warps would hold %llu registers, more than the %u of an SM", total,
-                    kRegisterFile));
+    const size_t threads = b->fibers.size();
+    const unsigned per_thread = launch_registers_per_thread(threads);
+    if (total > threads * per_thread)
+        fail(format("setmaxnreg: the block's warps would hold %llu registers, more than the %zu its launch gives it "
+                    "(%zu threads x %u)", total, threads * per_thread, threads, per_thread));
     (void)mask;
 }
 

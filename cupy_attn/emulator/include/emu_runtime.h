@@ -98,6 +98,7 @@ struct Fiber {
     std::map<unsigned, long long> phase_seen;
     std::vector<TmaCopy> bulk_stores;  // TMA stores not yet waited for, by bulk group
     unsigned bulk_groups_committed = 0;
+    bool wgmma_fenced = false;  // a wgmma.fence since the thread's start or its last wgmma.wait_group
 };
 
 // An mbarrier object's state (PTX ISA, "mbarrier"): the arrivals each phase expects, those still
