@@ -6,7 +6,9 @@
 #
 # Every run first compiles all kernel variants in parallel into CuPy's disk cache (precompile.py),
 # so no timed step compiles. Steps:
-#   tests     pytest -m gpu (both kernel families), per-test timeout, one line per module in the summary
+#   tests     pytest -m gpu (both kernel families): first a canary of the Hopper primitives and one wgmma
+#             forward and backward, then the rest (without the wgmma cases if the canary failed);
+#             per-test timeout, one line per module in the summary
 #   sanitize  compute-sanitizer memcheck, racecheck and synccheck over bench/sanitize_cases.py
 #   bench     bench/bench_attention.py against SDPA's flash/cuDNN/efficient and JAX (stops starting
 #             cases after --bench-budget seconds), then ncu on one forward and one dK/dV launch per
@@ -72,20 +74,45 @@ if run tests; then
     # CUDA call, where the default signal method cannot interrupt it: the thread method ends that
     # worker after 90 s (pytest-xdist reports the test as crashed and starts a new worker), so a hang
     # costs one test rather than the step's whole time limit.
-    $py -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout 90 --timeout-method thread)
+    timeout_args=()
+    $py -c "import pytest_timeout" 2>/dev/null && timeout_args=(--timeout 90 --timeout-method thread)
+    # The canary goes first, alone: the Hopper primitives (TMA, mbarriers, wgmma) and one wgmma
+    # forward and backward. Should they fail or hang, the rest runs without the wgmma cases, so a
+    # broken wgmma path costs the canary's 60 s rather than a hang per wgmma test.
+    first="test_gpu_hopper or test_hopper_gpus_run_mma_sync_unless_wgmma_is_asked_for"
+    canary=(tests/test_gpu_hopper.py tests/test_gpu.py -k "$first")
+    others="not ($first)"
     if [ -n "$dry" ]; then
         # Collection only: where CuPy is missing the GPU modules skip themselves (exit 5, nothing
-        # collected); what this checks is the command line and that every test module imports.
-        $py -m pytest tests -m gpu --collect-only -q -p no:cacheprovider "${extra[@]}" > "$out/gpu_tests.log" 2>&1
-        rc=$?
-        [ $rc -eq 0 ] || [ $rc -eq 5 ] || status=1
-        tail -n 1 "$out/gpu_tests.log" | tee -a "$out/summary.txt"
+        # collected); what this checks is the command lines and that every test module imports.
+        collect() {  # a name for the log, then the pytest selection
+            local name=$1 rc
+            shift
+            $py -m pytest "$@" --collect-only -q -p no:cacheprovider "${extra[@]}" "${timeout_args[@]}" \
+                > "$out/gpu_tests_$name.log" 2>&1
+            rc=$?
+            [ $rc -eq 0 ] || [ $rc -eq 5 ] || status=1
+            tail -n 1 "$out/gpu_tests_$name.log" | tee -a "$out/summary.txt"
+        }
+        collect canary "${canary[@]}"
+        collect rest tests -m gpu -k "$others"
     else
-        timeout 200 $py -m pytest tests -m gpu -v -rfE --tb=short -p no:cacheprovider "${extra[@]}" > "$out/gpu_tests.log" 2>&1 || status=1
+        timeout 60 $py -m pytest "${canary[@]}" -v -rfE --tb=short -p no:cacheprovider \
+            ${timeout_args:+--timeout 45 --timeout-method thread} > "$out/gpu_tests_canary.log" 2>&1
+        rc=$?
+        note "canary: exit $rc ($(tail -n 1 "$out/gpu_tests_canary.log"))"
+        if [ $rc -ne 0 ]; then
+            status=1
+            note "the wgmma canary failed or hung (see gpu_tests_canary.log): the other GPU tests run without the wgmma cases"
+            others="$others and not wgmma"
+        fi
+        timeout 180 $py -m pytest tests -m gpu -k "$others" -v -rfE --tb=short -p no:cacheprovider "${extra[@]}" "${timeout_args[@]}" \
+            > "$out/gpu_tests.log" 2>&1 || status=1
         # one line per module: passed / failed / errors / skipped
         # (pytest-xdist prints "[gw0] [ 1%] PASSED tests/m.py::t", plain pytest "tests/m.py::t PASSED")
-        grep -oE "\] (PASSED|FAILED|ERROR|SKIPPED) tests/[a-z_]+\.py|^tests/[a-z_]+\.py::[^ ]+ (PASSED|FAILED|ERROR|SKIPPED)" \
-            "$out/gpu_tests.log" | sed -E 's/^\] //; s/::[^ ]+//' | sort | uniq -c | tee -a "$out/summary.txt"
+        cat "$out/gpu_tests_canary.log" "$out/gpu_tests.log" \
+            | grep -oE "\] (PASSED|FAILED|ERROR|SKIPPED) tests/[a-z_]+\.py|^tests/[a-z_]+\.py::[^ ]+ (PASSED|FAILED|ERROR|SKIPPED)" \
+            | sed -E 's/^\] //; s/::[^ ]+//' | sort | uniq -c | tee -a "$out/summary.txt"
         tail -n 1 "$out/gpu_tests.log" | tee -a "$out/summary.txt"
     fi
 fi

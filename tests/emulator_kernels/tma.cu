@@ -72,24 +72,32 @@ __global__ void tma_store_box(const __grid_constant__ ptx::TensorMap map, const 
 // the MN-major ones 16 lines (2048 bytes). -DWRONG_MAJOR_A tells the instruction the other
 // major-ness of A than the one it was loaded in; -DMID_ATOM_START starts A's descriptor one line
 // into the box's first swizzle atom, which base offset 0 cannot express (the emulator must fail).
-template <bool kMnMajorA, bool kMnMajorB>
-__global__ void tma_wgmma(const __grid_constant__ ptx::TensorMap a_map, const __grid_constant__ ptx::TensorMap b_map,
-                          float* D) {
-    extern __shared__ __align__(1024) unsigned char smem[];
+// The wgmma kernels' operands: thread 0 loads A's 64 x 64 box (to smem + 1024) and kBBoxes boxes of
+// B, 64 columns apart (after it, 8 KB each), completing on the mbarrier at smem, which the caller
+// waits for (phase 0).
+template <int kBBoxes>
+__device__ void load_operands(unsigned char* smem, const ptx::TensorMap& a_map, const ptx::TensorMap& b_map) {
     unsigned long long* bar = reinterpret_cast<unsigned long long*>(smem);
-    unsigned char* sA = smem + 1024;
-    unsigned char* sB = sA + 8192;
     if (threadIdx.x == 0) {
         ptx::mbarrier_init(bar, 1);
         ptx::fence_mbarrier_init();
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        ptx::mbarrier_arrive_expect_tx(bar, 2 * 8192);
-        ptx::tma_load<2>(sA, a_map, {0, 0}, bar);
-        ptx::tma_load<2>(sB, b_map, {0, 0}, bar);
+        ptx::mbarrier_arrive_expect_tx(bar, (1 + kBBoxes) * 8192);
+        ptx::tma_load<2>(smem + 1024, a_map, {0, 0}, bar);
+        for (int box = 0; box < kBBoxes; ++box) ptx::tma_load<2>(smem + 1024 + 8192 * (1 + box), b_map, {64 * box, 0}, bar);
     }
-    ptx::mbarrier_wait(bar, 0);
+}
+
+template <bool kMnMajorA, bool kMnMajorB>
+__global__ void tma_wgmma(const __grid_constant__ ptx::TensorMap a_map, const __grid_constant__ ptx::TensorMap b_map,
+                          float* D) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    unsigned char* sA = smem + 1024;
+    unsigned char* sB = sA + 8192;
+    load_operands<1>(smem, a_map, b_map);
+    ptx::mbarrier_wait(reinterpret_cast<unsigned long long*>(smem), 0);
 #ifdef WRONG_SWIZZLE
     constexpr ptx::Swizzle kSwizzle = ptx::Swizzle::B64;
 #else
@@ -134,20 +142,9 @@ template <bool kRegisterA>
 __global__ void tma_wgmma_wide(const __grid_constant__ ptx::TensorMap a_map, const __grid_constant__ ptx::TensorMap b_map,
                                const float* a_values, float* D) {
     extern __shared__ __align__(1024) unsigned char smem[];
-    unsigned long long* bar = reinterpret_cast<unsigned long long*>(smem);
     unsigned char* sA = smem + 1024;
     unsigned char* sB = sA + 8192;
-    if (threadIdx.x == 0) {
-        ptx::mbarrier_init(bar, 1);
-        ptx::fence_mbarrier_init();
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        ptx::mbarrier_arrive_expect_tx(bar, 3 * 8192);
-        ptx::tma_load<2>(sA, a_map, {0, 0}, bar);
-        ptx::tma_load<2>(sB, b_map, {0, 0}, bar);
-        ptx::tma_load<2>(sB + 8192, b_map, {64, 0}, bar);
-    }
+    load_operands<2>(smem, a_map, b_map);
     const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     unsigned a[4][4];  // this warp's 16 rows of A, 16 k per step
     unsigned(&a_flat)[16] = reinterpret_cast<unsigned(&)[16]>(a);
@@ -157,7 +154,7 @@ __global__ void tma_wgmma_wide(const __grid_constant__ ptx::TensorMap a_map, con
             for (int e = 0; e < 4; ++e) acc[j][e] = a_values[(16 * warp + g + 8 * (e / 2)) * 64 + 8 * j + 2 * t + (e & 1)];
         for (int kk = 0; kk < 4; ++kk) attn::accumulators_as_a<__half>(a[kk], acc[2 * kk], acc[2 * kk + 1]);
     }
-    ptx::mbarrier_wait(bar, 0);
+    ptx::mbarrier_wait(reinterpret_cast<unsigned long long*>(smem), 0);
 #ifdef WRONG_LBO
     constexpr unsigned kBLbo = 16;
 #else
