@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "emu_async.h"
+#include "emu_entry.h"
 #include "emu_runtime.h"
 
 #define __CUDA_EMULATOR__ 1

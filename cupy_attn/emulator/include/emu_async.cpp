@@ -1,0 +1,466 @@
+// The emulator's Hopper synchronisation and proxies (emu_async.h): compiled into the emulator's
+// runtime library with emu_runtime.cpp.
+#include "emu_async.h"
+
+#include <cstring>
+
+namespace emu {
+
+// ---- the async proxy's view of shared memory --------------------------------------------------
+// wgmma and TMA read shared memory through the async proxy, which sees generic-proxy writes
+// (plain stores, cp.async) only after a fence.proxy.async. The emulator keeps a second copy of the
+// block's dynamic shared memory for it: poison (0xff) until the first fence, and at each fence a
+// copy of the generic view. A thread's fence publishes every generic write made so far, also other
+// threads' not yet fenced ones; so a missing fence shows as poison only if no later fence covers
+// it, which the schedules vary (an under-approximation of the PTX memory model, never an excess).
+
+static std::vector<unsigned char>& async_view() {
+    Block* b = tl_block;
+    if (b->async_shared.empty()) b->async_shared.assign(std::max<size_t>(b->launch->shared_bytes, 1), 0xff);
+    return b->async_shared;
+}
+
+void fence_proxy_async() {
+    std::vector<unsigned char>& view = async_view();
+    std::memcpy(view.data(), tl_block->dynamic_shared, tl_block->launch->shared_bytes);
+}
+
+// wgmma.fence: PTX requires one before a warpgroup's first wgmma.mma_async and between a thread's
+// access to registers a wgmma reads or writes (its accumulators, A's fragment) and that wgmma. The
+// emulator takes a thread's wgmma.wait_group as such an access (the thread reads the results
+// next), so each batch of wgmma issued after a wait needs a fence of its own.
+void require_wgmma_fence(const char* what) {
+    if (!tl_fiber->wgmma_fenced)
+        fail(format("%s issued without a wgmma.fence since the thread's start or its last wgmma.wait_group: the "
+                    "fence orders the thread's accesses to the instruction's registers before it", what));
+}
+
+// `bytes` of shared memory at `offset` as the async proxy reads them.
+const unsigned char* async_shared_pointer(size_t offset, size_t bytes, const char* what) {
+    Block* b = tl_block;
+    if (offset + bytes > b->launch->shared_bytes)
+        fail(format("%s reads shared bytes [%zu, %zu) beyond the block's %zu", what, offset, offset + bytes,
+                    b->launch->shared_bytes));
+    return async_view().data() + offset;
+}
+
+// ---- mbarrier ---------------------------------------------------------------------------------
+// The state lives in Block::mbarriers, keyed by the object's shared offset; the object's 8 bytes
+// hold a canary, so a store that overwrites a live mbarrier is reported at its next use.
+static constexpr unsigned long long kMbarrierCanary = 0x4d42415252494552ull;  // "MBARRIER"
+
+static unsigned mbarrier_offset(const void* bar, const char* what) {
+    const unsigned offset = shared_offset(bar, what);
+    if (offset % 8) fail(format("%s: the mbarrier at shared offset %u is not 8-byte aligned", what, offset));
+    if (offset + 8 > tl_block->launch->shared_bytes)
+        fail(format("%s: the mbarrier at shared offset %u does not fit in shared memory", what, offset));
+    return offset;
+}
+
+static Mbarrier& mbarrier_at(unsigned offset, const char* what) {
+    Block* b = tl_block;
+    auto it = b->mbarriers.find(offset);
+    if (it == b->mbarriers.end())
+        fail(format("%s: no mbarrier is initialised at shared offset %u (mbarrier.init, then a barrier, must come "
+                    "first)", what, offset));
+    unsigned long long canary;
+    std::memcpy(&canary, b->dynamic_shared + offset, 8);
+    if (canary != kMbarrierCanary)
+        fail(format("%s: the mbarrier at shared offset %u was overwritten by a store to its 8 bytes", what, offset));
+    return it->second;
+}
+
+void mbarrier_init(void* bar, unsigned count) {
+    Block* b = tl_block;
+    const unsigned offset = mbarrier_offset(bar, "mbarrier.init");
+    if (count < 1 || count >= (1u << 20))
+        fail(format("mbarrier.init: the arrival count %u is outside [1, 2^20 - 1]", count));
+    for (const Fiber& f : b->fibers)
+        if (f.state == State::AtMbarrier && f.waits_on == offset)
+            fail(format("mbarrier.init: threads still wait on the mbarrier at shared offset %u", offset));
+    b->mbarriers[offset] = Mbarrier{count, count, 0, 0};
+    for (Fiber& f : b->fibers) f.phase_seen.erase(offset);
+    std::memcpy(b->dynamic_shared + offset, &kMbarrierCanary, 8);
+}
+
+// The phase completes when every expected arrival came and every announced byte landed: the
+// phase number advances (flipping the phase bit) and the waiters on the completed phase go on.
+static void mbarrier_try_complete(unsigned offset, Mbarrier& m) {
+    if (m.pending || m.tx) return;
+    m.phase++;
+    m.pending = m.expected;
+    for (Fiber& f : tl_block->fibers)
+        if (f.state == State::AtMbarrier && f.waits_on == offset && f.waits_for_phase < m.phase) f.state = State::Ready;
+}
+
+// expect_tx adds `bytes` to the transaction count; arrive also counts one arrival.
+void mbarrier_arrive(void* bar, unsigned expect_tx_bytes, bool arrive, const char* what) {
+    const unsigned offset = mbarrier_offset(bar, what);
+    Mbarrier& m = mbarrier_at(offset, what);
+    if (expect_tx_bytes >= (1u << 20)) fail(format("%s: %u bytes exceed the transaction count's range", what, expect_tx_bytes));
+    m.tx += expect_tx_bytes;
+    if (arrive && m.pending == 0)
+        fail(format("%s: an arrival beyond the %u the phase expects (the mbarrier at shared offset %u waits only for "
+                    "%lld transaction bytes)", what, m.expected, offset, m.tx));
+    if (arrive) m.pending--;
+    mbarrier_try_complete(offset, m);
+}
+
+// What a TMA copy (or mbarrier.complete_tx) does when `bytes` of it landed.
+void mbarrier_complete_tx(void* bar, unsigned bytes, const char* what) {
+    const unsigned offset = mbarrier_offset(bar, what);
+    Mbarrier& m = mbarrier_at(offset, what);
+    m.tx -= bytes;
+    mbarrier_try_complete(offset, m);
+}
+
+// The phase a wait with `parity` means to this thread: the one it last saw completed if the
+// parity is that one's, else the next. The hardware compares the parity with the phase in
+// progress only, so a wait is invalid once the barrier has completed the meant phase and the one
+// after it: the same parity then names a later phase (the wait would block for it) or the
+// thread skipped a phase. Both are reported. This asks more than the PTX ISA does (a thread that
+// deliberately skips phases and waits with the parity of the current one is legal there): it is
+// the discipline of a pipeline, where every waiting thread sees every phase of its barriers.
+static long long mbarrier_meant_phase(unsigned offset, const Mbarrier& m, unsigned parity, const char* what) {
+    auto& seen = tl_fiber->phase_seen;
+    const auto it = seen.find(offset);
+    const long long last = it == seen.end() ? -1 : it->second;
+    const long long meant = (last & 1) == static_cast<long long>(parity & 1) ? last : last + 1;
+    if (meant < m.phase - 1)
+        fail(format("%s: invalid phase use: parity %u means phase %lld to this thread, but the mbarrier at shared "
+                    "offset %u has completed phases up to %lld, so its parity names another phase", what, parity & 1,
+                    meant, offset, m.phase - 1));
+    return meant;
+}
+
+static void tma_land_for(unsigned bar);
+
+// mbarrier.test_wait.parity: whether the meant phase completed, without blocking.
+bool mbarrier_test_wait(const void* bar, unsigned parity) {
+    const char* what = "mbarrier.test_wait.parity";
+    const unsigned offset = mbarrier_offset(bar, what);
+    const Mbarrier& m = mbarrier_at(offset, what);
+    const long long meant = mbarrier_meant_phase(offset, m, parity, what);
+    if (meant >= m.phase) tma_land_for(offset);  // copies still in flight land before a wait that would fail
+    if (meant >= m.phase) return false;
+    tl_fiber->phase_seen[offset] = meant;
+    return true;
+}
+
+// A loop on mbarrier.try_wait.parity: the thread sleeps until the meant phase completed.
+void mbarrier_wait(const void* bar, unsigned parity) {
+    const char* what = "mbarrier.try_wait.parity";
+    const unsigned offset = mbarrier_offset(bar, what);
+    const long long meant = mbarrier_meant_phase(offset, mbarrier_at(offset, what), parity, what);
+    // Copies still in flight land before a wait that would block; one whose phase already
+    // completed (it announced too few bytes) keeps them in flight, and the reads find poison.
+    if (meant >= tl_block->mbarriers[offset].phase) tma_land_for(offset);
+    Fiber* f = tl_fiber;
+    if (meant >= tl_block->mbarriers[offset].phase) {
+        f->waits_on = offset;
+        f->waits_for_phase = meant;
+        f->state = State::AtMbarrier;
+        yield_to_scheduler();
+        // Woken once the meant phase completed; if the next one has completed too before this
+        // thread ran again, a try_wait polling now would see the later phase's parity: a race.
+        if (mbarrier_at(offset, what).phase > meant + 1)
+            fail(format("%s: invalid phase use: the mbarrier at shared offset %u completed phase %lld and the next one "
+                        "before this thread, waiting for the first, ran again", what, offset, meant));
+    }
+    f->phase_seen[offset] = meant;
+}
+
+// ---- TMA (cp.async.bulk.tensor) ------------------------------------------------------------------
+// A load copies a box of the tensor into shared memory (elements outside the tensor read as 0, or
+// as NaN) and completes its bytes on an mbarrier; a store writes the box from shared
+// memory (read through the async proxy) to the elements inside the tensor; swizzled boxes land as
+// swizzled_offset (emu_async.h) places them. When a copy happens varies by schedule, as the hardware's timing does: at issue in the forward
+// and warp schedules, at the first wait on its mbarrier (or the bulk group's wait) in the reverse
+// ones, either in the random one; so reading before the wait, or overwriting a stage still read,
+// shows on some schedule.
+
+static const EmulatedTensorMap& tensor_map(const void* map, const char* what) {
+    const EmulatedTensorMap* m = static_cast<const EmulatedTensorMap*>(map);
+    if (reinterpret_cast<uintptr_t>(map) % 64) fail(format("%s: the tensor map is not 64-byte aligned", what));
+    if (m->magic != kTensorMapMagic)
+        fail(format("%s: the tensor map was not encoded for the emulator (cupy_attn._tensor_map)", what));
+    return *m;
+}
+
+static bool tma_now() {
+    Block* b = tl_block;
+    const int schedule = b->launch->schedule;
+    if (schedule == kForward || schedule == kWarps) return true;
+    if (schedule == kReverse || schedule == kWarpsReverse) return false;
+    unsigned long long h = (b->launch->seed + 7) * 0x9e3779b97f4a7c15ull + ++b->tma_issued;
+    h ^= h >> 31;
+    return h & 1;
+}
+
+// Visit every element of a copy's box: fn(shared byte offset, global address or null when outside).
+template <class Fn>
+static void for_each_box_element(const TmaCopy& c, Fn fn) {
+    const EmulatedTensorMap& m = c.map;
+    unsigned box[5] = {1, 1, 1, 1, 1};
+    for (unsigned d = 0; d < m.rank; ++d) box[d] = m.box[d];
+    const unsigned row_bytes = box[0] * m.element_bytes;
+    unsigned row = 0;
+    for (unsigned i4 = 0; i4 < box[4]; ++i4)
+        for (unsigned i3 = 0; i3 < box[3]; ++i3)
+            for (unsigned i2 = 0; i2 < box[2]; ++i2)
+                for (unsigned i1 = 0; i1 < box[1]; ++i1, ++row)
+                    for (unsigned i0 = 0; i0 < box[0]; ++i0) {
+                        const unsigned index[5] = {i0, i1, i2, i3, i4};
+                        bool inside = true;
+                        unsigned long long address = m.address;
+                        for (unsigned d = 0; d < m.rank; ++d) {
+                            const long long g = static_cast<long long>(c.coords[d]) + index[d];
+                            inside = inside && g >= 0 && g < static_cast<long long>(m.dims[d]);
+                            address += static_cast<unsigned long long>(g) * (d ? m.strides[d - 1] : m.element_bytes);
+                        }
+                        const unsigned at = swizzled_offset(c.smem + row * row_bytes + i0 * m.element_bytes, m.swizzle);
+                        fn(at, inside ? reinterpret_cast<unsigned char*>(address) : nullptr);
+                    }
+}
+
+static unsigned box_bytes(const EmulatedTensorMap& m) {
+    unsigned bytes = m.element_bytes;
+    for (unsigned d = 0; d < m.rank; ++d) bytes *= m.box[d];
+    return bytes;
+}
+
+static void tma_land(const TmaCopy& c) {
+    Block* b = tl_block;
+    std::vector<unsigned char>& view = async_view();
+    const unsigned bytes = c.map.element_bytes;
+    for_each_box_element(c, [&](unsigned at, const unsigned char* src) {
+        if (src) std::memcpy(b->dynamic_shared + at, src, bytes);
+        else std::memcpy(b->dynamic_shared + at, &c.map.oob_fill, bytes);  // little-endian: its low bytes
+        std::memcpy(view.data() + at, b->dynamic_shared + at, bytes);  // written by the async proxy: both views
+    });
+    mbarrier_complete_tx(b->dynamic_shared + c.bar, box_bytes(c.map), "cp.async.bulk.tensor (landing)");
+}
+
+// Land the pending loads that signal the mbarrier at `bar`.
+static void tma_land_for(unsigned bar) {
+    std::vector<TmaCopy>& pending = tl_block->tma_loads;
+    for (size_t i = 0; i < pending.size();) {
+        if (pending[i].bar != bar) { ++i; continue; }
+        const TmaCopy c = pending[i];
+        pending.erase(pending.begin() + static_cast<long>(i));
+        tma_land(c);
+    }
+}
+
+static TmaCopy tma_copy(const void* map, const int* coords, void* smem, const char* what) {
+    const EmulatedTensorMap& m = tensor_map(map, what);
+    TmaCopy c{m, {}, shared_offset(smem, what), 0, tl_fiber->bulk_groups_committed, false};
+    for (unsigned d = 0; d < m.rank; ++d) c.coords[d] = coords[d];
+    if (c.smem % 128) fail(format("%s: the shared address %u is not 128-byte aligned", what, c.smem));
+    if (m.swizzle && c.smem % (8 * m.swizzle))
+        fail(format("%s: a %u-byte swizzled box must start at a multiple of %u bytes, not at %u", what, m.swizzle,
+                    8 * m.swizzle, c.smem));
+    if (c.smem + box_bytes(m) > tl_block->launch->shared_bytes)
+        fail(format("%s: the box's %u bytes at shared offset %u exceed the block's %zu", what, box_bytes(m), c.smem,
+                    tl_block->launch->shared_bytes));
+    return c;
+}
+
+void tma_load(void* smem, const void* map, const int* coords, void* bar) {
+    const char* what = "cp.async.bulk.tensor (load)";
+    TmaCopy c = tma_copy(map, coords, smem, what);
+    c.bar = mbarrier_offset(bar, what);
+    mbarrier_at(c.bar, what);
+    bool waited_on = false;
+    for (const Fiber& f : tl_block->fibers) waited_on |= f.state == State::AtMbarrier && f.waits_on == c.bar;
+    if (waited_on || tma_now()) tma_land(c);
+    else tl_block->tma_loads.push_back(c);
+}
+
+static void tma_store_now(const TmaCopy& c) {
+    const std::vector<unsigned char>& view = async_view();
+    for_each_box_element(c, [&](unsigned at, unsigned char* dst) {
+        if (dst) std::memcpy(dst, view.data() + at, c.map.element_bytes);
+    });
+}
+
+void tma_store(const void* map, const int* coords, const void* smem) {
+    TmaCopy c = tma_copy(map, coords, const_cast<void*>(smem), "cp.async.bulk.tensor (store)");
+    if (tma_now()) {
+        tma_store_now(c);
+        c.done = true;
+    }
+    tl_fiber->bulk_stores.push_back(c);
+}
+
+// cp.async.bulk.wait_group(.read) pending: the stores of all but the `pending` most recent groups
+// have read shared memory (and, here, written global memory too).
+void bulk_wait(unsigned pending) {
+    Fiber* f = tl_fiber;
+    std::vector<TmaCopy> keep;
+    for (const TmaCopy& c : f->bulk_stores) {
+        if (!(c.group < f->bulk_groups_committed && f->bulk_groups_committed - c.group > pending)) keep.push_back(c);
+        else if (!c.done) tma_store_now(c);
+    }
+    f->bulk_stores.swap(keep);
+}
+
+// ---- named barriers ---------------------------------------------------------------------------
+// bar.sync / bar.arrive id, count: `count` threads (a multiple of 32) complete a generation;
+// bar.sync waits for it, bar.arrive does not. Id 0 is __syncthreads' barrier, which the emulator
+// keeps apart, so kernels use 1..15.
+void named_barrier(unsigned id, unsigned count, bool wait) {
+    Block* b = tl_block;
+    Fiber* f = tl_fiber;
+    const char* what = wait ? "bar.sync" : "bar.arrive";
+    if (id < 1 || id > 15) fail(format("%s: barrier id %u is not in 1..15 (0 is __syncthreads')", what, id));
+    if (count < 32 || count % 32 || count > b->fibers.size())
+        fail(format("%s %u: the thread count %u is not a multiple of 32 in [32, %zu]", what, id, count, b->fibers.size()));
+    NamedBarrier& nb = b->named[id];
+    if (nb.arrived == 0) {
+        nb.count = count;
+        nb.arrivals.assign(b->fibers.size(), false);
+    } else if (nb.count != count) {
+        fail(format("%s %u: this thread arrives with count %u while %u thread(s) arrived with count %u", what, id, count,
+                    nb.arrived, nb.count));
+    }
+    if (nb.arrivals[f->linear])
+        fail(format("%s %u: this thread arrives a second time before the barrier completed (%u of %u arrived)", what,
+                    id, nb.arrived, nb.count));
+    nb.arrivals[f->linear] = true;
+    if (++nb.arrived == nb.count) {
+        nb.arrived = 0;
+        for (Fiber& other : b->fibers)
+            if (other.state == State::AtNamedBarrier && other.waits_on == id) other.state = State::Ready;
+        return;
+    }
+    if (!wait) return;
+    f->waits_on = id;
+    f->state = State::AtNamedBarrier;
+    yield_to_scheduler();
+}
+
+// ---- elect.sync -------------------------------------------------------------------------------
+// The PTX ISA promises one leader among the mask's lanes, the same for the same mask, but not
+// which: the emulator picks it from the mask and the launch's seed, so code that assumes lane 0
+// fails on some seed.
+struct ElectOperand {
+    unsigned leader;
+};
+
+static void elect_fn(void* const* lanes, unsigned mask) {
+    const int members = __builtin_popcount(mask);
+    unsigned long long h = (tl_block->launch->seed + 1) * 0x9e3779b97f4a7c15ull ^ mask;
+    h ^= h >> 29;
+    int pick = static_cast<int>(h % static_cast<unsigned long long>(members));
+    unsigned leader = 0;
+    for (int l = 0; l < 32; ++l)
+        if (mask >> l & 1u && pick-- == 0) { leader = static_cast<unsigned>(l); break; }
+    for (int l = 0; l < 32; ++l)
+        if (mask >> l & 1u) static_cast<ElectOperand*>(lanes[l])->leader = leader;
+}
+
+bool elect(unsigned mask) {
+    ElectOperand op{0};
+    warp_collective(mask, &op, elect_fn, "elect.sync");
+    return op.leader == lane_id();
+}
+
+// ---- setmaxnreg -------------------------------------------------------------------------------
+// All four warps of a warpgroup execute the same setmaxnreg (.inc raises the per-thread register
+// count to `count`, .dec lowers it). .inc takes only registers that the block's other warps gave
+// up, so once every warp has set a count they must fit what the launch gave the block: under
+// __launch_bounds__(threads, 1), at most 65536 / threads per thread rounded down to 8 (ptxas may
+// give less, which the emulator cannot see: the compile report checks the kernels' counts, and the
+// launcher again on the GPU). The legal counts (24..256, multiples of 8) are checked at compile
+// time by ptx.cuh.
+constexpr unsigned kRegisterFile = 65536;
+
+static unsigned launch_registers_per_thread(size_t threads) {
+    return static_cast<unsigned>(std::min<size_t>(256, kRegisterFile / threads / 8 * 8));
+}
+
+struct SetMaxRegistersOperand {
+    unsigned count;
+    bool increase;
+};
+
+static void set_max_registers_fn(void* const* lanes, unsigned mask) {
+    Block* b = tl_block;
+    const SetMaxRegistersOperand& op = *static_cast<const SetMaxRegistersOperand*>(lanes[0]);
+    for (int l = 1; l < 32; ++l) {
+        const auto* other = static_cast<const SetMaxRegistersOperand*>(lanes[l]);
+        if (other->count != op.count || other->increase != op.increase)
+            fail("setmaxnreg: the lanes of a warp execute different setmaxnreg instructions");
+    }
+    const unsigned warp = tl_fiber->linear / 32, group = warp / 4;
+    // A warp's i-th setmaxnreg must be its warpgroup's i-th, whichever warp gets there first.
+    std::vector<Block::WarpgroupRequest>& requests = b->register_requests[group];
+    const unsigned call = b->warp_register_calls[warp]++;
+    if (call == requests.size()) {
+        requests.push_back({op.count, op.increase});
+    } else if (requests[call].count != op.count || requests[call].increase != op.increase) {
+        fail(format("setmaxnreg: warps of warpgroup %u execute setmaxnreg.%s %u and setmaxnreg.%s %u", group,
+                    requests[call].increase ? "inc" : "dec", requests[call].count, op.increase ? "inc" : "dec",
+                    op.count));
+    }
+    unsigned& current = b->warp_registers[warp];
+    if (current && (op.increase ? op.count < current : op.count > current))
+        fail(format("setmaxnreg.%s %u: warp %u holds %u registers per thread already", op.increase ? "inc" : "dec",
+                    op.count, warp, current));
+    current = op.count;
+    unsigned long long total = 0;
+    for (unsigned registers : b->warp_registers) {
+        if (!registers) return;  // a warp keeps its compiled count, which the emulator does not know
+        total += 32ull * registers;
+    }
+    const size_t threads = b->fibers.size();
+    const unsigned per_thread = launch_registers_per_thread(threads);
+    if (total > threads * per_thread)
+        fail(format("setmaxnreg: the block's warps would hold %llu registers, more than the %zu its launch gives it "
+                    "(%zu threads x %u)", total, threads * per_thread, threads, per_thread));
+    (void)mask;
+}
+
+void set_max_registers(unsigned count, bool increase) {
+    Block* b = tl_block;
+    if (b->fibers.size() % 128)
+        fail(format("setmaxnreg: the block's %zu threads are not whole warpgroups of 128", b->fibers.size()));
+    if (b->warp_registers.empty()) {
+        b->warp_registers.assign(b->fibers.size() / 32, 0);
+        b->warp_register_calls.assign(b->fibers.size() / 32, 0);
+        b->register_requests.assign(b->fibers.size() / 128, {});
+    }
+    SetMaxRegistersOperand op{count, increase};
+    warp_collective(0xffffffffu, &op, set_max_registers_fn, "setmaxnreg");
+}
+
+// ---- deadlock report ----------------------------------------------------------------------------
+std::string async_waits_report(const Block& b) {
+    std::string report;
+    for (const auto& [offset, m] : b.mbarriers) {
+        std::string threads;
+        long long phase = 0;
+        for (const Fiber& f : b.fibers)
+            if (f.state == State::AtMbarrier && f.waits_on == offset) {
+                threads += (threads.empty() ? "" : ", ") + std::to_string(f.linear);
+                phase = f.waits_for_phase;
+            }
+        if (!threads.empty())
+            report += format(" thread(s) [%s] wait for phase %lld of the mbarrier at shared offset %u (%u of %u "
+                             "arrivals pending, transaction count %lld);", threads.c_str(), phase, offset, m.pending,
+                             m.expected, m.tx);
+    }
+    for (unsigned id = 1; id < 16; ++id) {
+        std::string threads;
+        for (const Fiber& f : b.fibers)
+            if (f.state == State::AtNamedBarrier && f.waits_on == id)
+                threads += (threads.empty() ? "" : ", ") + std::to_string(f.linear);
+        if (!threads.empty())
+            report += format(" thread(s) [%s] wait at named barrier %u (%u of %u arrived);", threads.c_str(), id,
+                             b.named[id].arrived, b.named[id].count);
+    }
+    return report;
+}
+
+}  // namespace emu
