@@ -156,7 +156,8 @@ def kernels(args) -> int:
     levels = _config.FEATURE_NAMES
     for requested in args.arch:
         for (filename, name, dtype), features in itertools.product(_config.kernel_variants(requested), args.features):
-            if str(dtype) not in args.dtypes or not _config.selectable(filename, name, levels[features]):
+            if (str(dtype) not in args.dtypes or (args.kernels and name.split("<")[0] not in args.kernels)
+                    or not _config.selectable(filename, name, levels[features])):
                 continue  # not asked for, or no call runs it (_config.HopperTile.plain_only)
             arch = _config.FILE_ARCH.get(filename, requested)
             c, attempts = _nvrtc.compile_kernel_least_spills(_compile.kernel_source(filename), name, arch,
@@ -225,6 +226,9 @@ def main(argv=None) -> int:
                         "dropout alone)")
     k.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16", "float32"], choices=("float16", "bfloat16", "float32"),
                    help="input types of the variants to compile")
+    k.add_argument("--kernels", nargs="+", metavar="KERNEL",
+                   help="only these kernels (their names without template arguments, e.g. attention_fwd_tc "
+                        "attention_bwd_dkdv_wgmma); default: every kernel")
     k.add_argument("--memory", action="store_true",
                    help="run the tensor-core kernels (fp16, D = 64 and 128, both families) and the decoding kernel on the "
                         "emulator and report shared-memory wavefronts and global sectors against their minimum, per kernel "

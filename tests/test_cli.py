@@ -1,4 +1,5 @@
 """The command line and the installed package layout."""
+import json
 import subprocess
 import sys
 
@@ -29,6 +30,15 @@ def test_boundary_model_needs_the_sass_report():
     result = run("kernels", "--boundary", "--dtypes", "float16")
     assert result.returncode != 0
     assert "--boundary models the hot loop of --sass" in result.stderr
+
+
+def test_kernels_selects_by_name():
+    result = run("kernels", "--json", "--arch", "sm_80", "--features", "plain", "--dtypes", "float32",
+                 "--kernels", "attention_combine", "attention_bwd_preprocess")
+    assert result.returncode == 0, result.stderr
+    names = sorted(r["name"].split("<")[0] for r in json.loads(result.stdout))
+    # the combine kernel of float32 partials (one), and the preprocess kernel
+    assert names == ["attention_bwd_preprocess", "attention_combine"], names
 
 
 def test_import_does_not_import_cupy_or_frameworks():

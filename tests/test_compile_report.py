@@ -10,23 +10,32 @@ from helpers import BF16
 
 
 BUDGETS = Path(__file__).with_name("sass_budgets.json")
-# The builds CI compiles: every variant's plain build, and the fp16 and fp32 variants' two others.
-# A bf16 variant's code differs from its fp16 twin's only in conversions and the MMA's input
-# type, which the plain build shows; `python -m cupy_attn kernels` lists every build of every type.
+# The builds CI compiles: every variant's plain build on sm_80 and sm_90, the fp16 and fp32 variants'
+# two others on sm_80, and on sm_90 those of the kernels only sm_90 runs (the wgmma kernels, sm_90a).
+# A bf16 variant's code differs from its fp16 twin's only in conversions and the MMA's input type,
+# which the plain build shows; the sm_90 builds of the other kernels are the sm_80 ones' source for
+# another ptxas target, which their plain builds show. `python -m cupy_attn kernels` lists every
+# build of every type on both.
 PLAIN_ONLY = ("bfloat16",)
+HOPPER_KERNELS = ("attention_fwd_wgmma", "attention_bwd_dkdv_wgmma")
+
+
+def ci_builds(arch, filename, name, dtype, words):
+    return words == "plain" or (str(dtype) not in PLAIN_ONLY and (arch == "sm_80" or name.split("<")[0] in HOPPER_KERNELS))
 
 
 def test_every_variant_compiles_without_spills(tmp_path, capsys):
     rows = []
-    for features, dtypes in ((["plain"], ["float16", "bfloat16", "float32"]), (["all", "dropout"], ["float16", "float32"])):
-        status = cli.main(["kernels", "--arch", "sm_80", "sm_90", "--json", "--sass", "--ptx-dir", str(tmp_path),
-                           "--features", *features, "--dtypes", *dtypes])
+    featured = ["--features", "all", "dropout", "--dtypes", "float16", "float32"]
+    for selection in (["--arch", "sm_80", "sm_90", "--features", "plain", "--dtypes", "float16", "bfloat16", "float32"],
+                      ["--arch", "sm_80", *featured], ["--arch", "sm_90", *featured, "--kernels", *HOPPER_KERNELS]):
+        status = cli.main(["kernels", "--json", "--sass", "--ptx-dir", str(tmp_path), *selection])
         rows += json.loads(capsys.readouterr().out)
         assert status == 0
     check_sass_budgets(rows)
     expected = sorted((name, words) for arch in ("sm_80", "sm_90") for filename, name, dtype in _config.kernel_variants(arch)
                       for words, features in _config.FEATURE_NAMES.items()
-                      if (words == "plain" or str(dtype) not in PLAIN_ONLY) and _config.selectable(filename, name, features))
+                      if ci_builds(arch, filename, name, dtype, words) and _config.selectable(filename, name, features))
     assert sorted((r["name"], r["features"]) for r in rows) == expected
     # unselectable, so not listed: the dropout builds of the wgmma forward's tiles for plain calls
     # only; the plain builds of the tiles for calls with features
@@ -83,7 +92,8 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
             for kernel, count in expected.items():
                 files = [f for f in tmp_path.glob(f"{kernel}_*_{dtype}_{arch}_plain.ptx")
                          if not f.name.startswith((kernel + "_tc_", kernel + "_wgmma_"))]
-                assert all(f.with_name(f.name.replace("_plain.ptx", "_all.ptx")).exists() for f in files if dtype not in PLAIN_ONLY)
+                assert all(f.with_name(f.name.replace("_plain.ptx", "_all.ptx")).exists() == ci_builds(arch, "", kernel, dtype, "all")
+                           for f in files)
                 assert len(files) == count, (kernel, dtype, arch)
                 assert all(".entry" in f.read_text() for f in files)
                 # Every fp16/bf16 kernel with a matrix product runs it on tensor cores (the
@@ -184,7 +194,7 @@ def check_sass_budgets(rows):
             assert r["path_instructions"] < featured[r["name"], r["arch"]]["path_instructions"], r["name"]
             assert r["loop_instructions"] < featured[r["name"], r["arch"]]["loop_instructions"], r["name"]
             compared += 1
-    assert compared > 20
+    assert compared > 15  # sm_80's tensor-core builds with features and the wgmma ones
 
 
 # The hot loops issue 14 sets targets for with causal: the fp16 forwards and dK/dV kernels of
@@ -233,15 +243,16 @@ def test_packed_builds_compile_without_spills():
     """The attention kernels' packed (attention_varlen) builds, -DATTN_PACKED=1, for every tile
     and report build attention_varlen can select (it takes no dropout; the wgmma forward and dK/dV,
     whose TMA boxes would reach into the next sequence, never run a packed batch): they compile under NVRTC
-    and hold no spills either."""
+    and hold no spills either. On sm_80: sm_90 builds the same source for another target (the
+    report's reasoning above)."""
     from concurrent.futures import ThreadPoolExecutor
 
     variants = [(filename, name, _config.FILE_ARCH.get(filename, arch), features)
-                for arch in ("sm_80", "sm_90") for filename, name, _ in _config.kernel_variants(arch)
+                for arch in ("sm_80",) for filename, name, _ in _config.kernel_variants(arch)
                 if filename.startswith(("attention_fwd", "attention_bwd")) and "preprocess" not in name
                 and filename not in (_config.HopperTile.filename, _config.HopperBackwardTile.filename)
                 for features in _config.FEATURE_LEVELS if features != _config.DROPOUT_FEATURES]  # no varlen dropout
-    assert len(variants) > 100
+    assert len(variants) > 80
     # Threads: NVRTC runs outside the GIL, and a forked process would inherit JAX's threads (the
     # test files share a process under pytest-xdist).
     with ThreadPoolExecutor(2) as pool:

@@ -4,6 +4,8 @@ kernel must make some emulated case fail in some schedule (a barrier that is onl
 say so in a comment and be listed here as such; there are none).
 
 Not covered, because the emulator does not model it: wgmma.fence (register ordering around wgmma)."""
+import functools
+
 import numpy as np
 import pytest
 
@@ -66,6 +68,11 @@ def results(filename):
     return grads
 
 
+@functools.lru_cache(maxsize=None)
+def unmutated_results(filename):
+    return results(filename)
+
+
 def decode_results(rng):
     """attention_with_kvcache over a paged cache of several key tiles, 8 query heads on one kv head
     and 2 queries (every row of a block): fp16 in two K/V stages, with one split and with three;
@@ -89,7 +96,7 @@ def test_every_kernel_has_barriers():
 def test_removing_a_barrier_breaks_a_kernel(monkeypatch, filename, at, barrier):
     if "wgmma" in filename:  # the emulator stands in for an sm_90 device
         monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
-    want = results(filename)
+    want = unmutated_results(filename)
     source = _compile.kernel_source(filename)
     mutated = source[:at] + source[at + len(barrier):]
     real_function = _compile.function
@@ -102,11 +109,13 @@ def test_removing_a_barrier_breaks_a_kernel(monkeypatch, filename, at, barrier):
 
     monkeypatch.setattr(_compile, "function", function)
     monkeypatch.setattr(_kernel_backend, "POISON_OUTPUTS", True)
-    broken = 0
-    for schedule in ("forward", "reverse", "random", "warps", "warps_reverse"):
+    def breaks(schedule):
         monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", schedule)
         try:
-            broken += any(not np.allclose(g, w, atol=1e-3) for g, w in zip(results(filename), want))
+            return any(not np.allclose(g, w, atol=1e-3) for g, w in zip(results(filename), want))
         except EmulatorError:  # the emulator caught the misuse itself (e.g. an mbarrier used before its init)
-            broken += 1
-    assert broken, f"removing {barrier} at offset {at} of {filename} changed nothing in any schedule"
+            return True
+
+    # the first schedule that shows the missing barrier is enough
+    assert any(breaks(s) for s in ("forward", "reverse", "random", "warps", "warps_reverse")), \
+        f"removing {barrier} at offset {at} of {filename} changed nothing in any schedule"
