@@ -270,6 +270,22 @@ def test_cache_covers_local_headers(tmp_path, monkeypatch):
     assert sorted((tmp_path / "cache").glob("*.so")) == built  # a cache hit, no new build
 
 
+def test_kernel_builds_read_the_precompiled_header(tmp_path):
+    """g++ silently parses cuda_emu.h itself when its precompiled header does not fit a build's
+    options: -H lists the header files a build reads, "! " marking a precompiled one it used."""
+    from cupy_attn.emulator import _build
+
+    src = tmp_path / "k.cu"
+    src.write_text('extern "C" __global__ void k(int* o) { o[0] = VALUE; }')
+    flags, includes = _build.translate_options(("-DVALUE=3", "-arch=sm_90", f"-I{tmp_path}"))
+    used = _build.precompiled_header() / f"{_build.SHIM}.gch"
+    for extra in ([], ["-O0"]):  # the build's options, and ones the header was not precompiled with
+        result = subprocess.run([_build.compiler(), *_build.BASE_FLAGS, *_build.kernel_flags(flags, includes), *extra,
+                                 "-H", "-fsyntax-only", "-x", "c++", str(src)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        assert (f"! {used}" in result.stderr) == (not extra), result.stderr[:2000]
+
+
 # ---- numerics ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -107,35 +107,59 @@ def _mode(sanitize: bool) -> list[str]:
     return ["-fsanitize=address", "-fno-omit-frame-pointer", "-O1", "-g"] if sanitize else ["-O2"]
 
 
-def _compile_shared_library(target: Path, arguments: list[str], what: str) -> None:
-    """g++ ``arguments`` (flags and inputs) into the shared library ``target``, unless it exists:
-    built in a temporary directory beside it and renamed (atomic, so concurrent builders of one
-    target are harmless)."""
+# Every g++ run of the emulator: the runtime library, the precompiled header and the kernels must
+# agree on these (a precompiled header is used only with the options it was built with).
+BASE_FLAGS = ("-std=c++17", "-fPIC", "-fno-strict-aliasing", "-pthread", "-w")
+
+
+def _compile(target: Path, arguments: list[str], what: str) -> None:
+    """g++ ``arguments`` (flags and inputs) into ``target``, unless it exists: built in a temporary
+    directory beside it and renamed (atomic, so concurrent builders of one target are harmless)."""
     if target.exists():
         return
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        command = [compiler(), "-std=c++17", "-fPIC", "-shared", "-fno-strict-aliasing", "-pthread", "-w",
-                   "-I", str(INCLUDE_DIR), *arguments, "-o", str(out)]
+        command = [compiler(), *BASE_FLAGS, *arguments, "-o", str(out)]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode:
             raise EmulatorCompileError(f"g++ could not compile {what}:\n{result.stderr[-6000:]}\ncommand: {shlex.join(command)}")
         os.replace(out, target)
 
 
+def _shared_key(sanitize: bool) -> str:
+    if compiler() is None:
+        raise EmulatorError("the emulator needs a C++ compiler: none found (install g++ or set $CXX)")
+    return hashlib.sha256("\0".join([_toolchain_fingerprint(), *_mode(sanitize)]).encode()).hexdigest()[:32]
+
+
 def runtime_library(sanitize: bool = False) -> Path:
     """The emulator's runtime (emu_runtime.cpp, emu_async.cpp: the launch, fibers, barriers, warp
     collectives, mbarriers, TMA), compiled once per toolchain and mode into the cache: every kernel
-    module links it, so a kernel's build compiles only the kernel (a third of the time it took with
-    the runtime inline in each)."""
-    if compiler() is None:
-        raise EmulatorError("the emulator needs a C++ compiler: none found (install g++ or set $CXX)")
-    key = hashlib.sha256("\0".join([_toolchain_fingerprint(), *_mode(sanitize)]).encode()).hexdigest()
-    target = cache_dir() / f"libemu_runtime_{key[:32]}.so"
-    _compile_shared_library(target, [*_mode(sanitize), f"-Wl,-soname,{target.name}", *map(str, RUNTIME_SOURCES)],
-                            "the emulator's runtime")
+    module links it, so a kernel's build compiles only the kernel."""
+    target = cache_dir() / f"libemu_runtime_{_shared_key(sanitize)}.so"
+    _compile(target, [*_mode(sanitize), "-shared", f"-Wl,-soname,{target.name}", "-I", str(INCLUDE_DIR),
+                      *map(str, RUNTIME_SOURCES)], "the emulator's runtime")
     return target
+
+
+def precompiled_header(sanitize: bool = False) -> Path:
+    """cuda_emu.h and the standard headers it includes, parsed once per toolchain and mode (g++
+    -x c++-header): the directory holding cuda_emu.h.gch, which kernel builds search before the
+    header's own (kernel_flags), so they skip that parse; g++ ignores a precompiled header that
+    does not fit a build and reads the header itself."""
+    directory = cache_dir() / f"pch_{_shared_key(sanitize)}"
+    _compile(directory / f"{SHIM}.gch", [*_mode(sanitize), "-I", str(INCLUDE_DIR), "-x", "c++-header",
+                                         str(INCLUDE_DIR / SHIM)], "the emulator's header")
+    return directory
+
+
+def kernel_flags(flags: list[str], includes: list[Path], sanitize: bool = False) -> list[str]:
+    """What a kernel's g++ run adds to BASE_FLAGS before its source: the precompiled header's
+    directory first, then the emulator's headers, the kernel's include directories and its
+    translated options, and cuda_emu.h force-included."""
+    return [*_mode(sanitize), "-I", str(precompiled_header(sanitize)), "-I", str(INCLUDE_DIR),
+            *[f"-I{d}" for d in includes], *flags, "-include", SHIM]
 
 
 def build(code: str, options, names, *, sanitize: bool = False) -> Path:
@@ -155,7 +179,6 @@ def build(code: str, options, names, *, sanitize: bool = False) -> Path:
             src.write_text(source)
             # the kernel as C++ (-x c++), then the runtime library (-x none), which the module
             # finds beside it when loaded ($ORIGIN: both live in the cache)
-            _compile_shared_library(target, [*_mode(sanitize), *[f"-I{d}" for d in includes], *flags, "-include", SHIM,
-                                             "-x", "c++", str(src), "-x", "none", str(runtime), "-Wl,-rpath,$ORIGIN"],
-                                    "the kernel source")
+            _compile(target, [*kernel_flags(flags, includes, sanitize), "-shared", "-x", "c++", str(src), "-x", "none",
+                              str(runtime), "-Wl,-rpath,$ORIGIN"], "the kernel source")
     return target
