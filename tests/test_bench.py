@@ -54,3 +54,12 @@ def test_mods_benchmark_cpu_mode(tmp_path):
     assert [r["case"] for r in records if r["impl"] == "cupy_attn+block_mask"] == ["document"]
     if importlib.util.find_spec("torch"):
         assert {r["case"] for r in records if r["impl"] == "sdpa-math"} == {"document", "bias"}
+
+
+def test_emulator_build_timing_reports_every_asked_case():
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "emulator_build.py"), "--cases", "fwd_fp32"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("runtime library ") and "precompiled header" in lines[0]
+    assert lines[1].startswith("fwd_fp32   first call") and "(build and run)" in lines[1]
