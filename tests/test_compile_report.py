@@ -14,10 +14,12 @@ BUDGETS = Path(__file__).with_name("sass_budgets.json")
 # two others on sm_80, and on sm_90 those of the kernels only sm_90 runs (the wgmma kernels, sm_90a).
 # A bf16 variant's code differs from its fp16 twin's only in conversions and the MMA's input type,
 # which the plain build shows; the sm_90 builds of the other kernels are the sm_80 ones' source for
-# another ptxas target, which their plain builds show. `python -m cupy_attn kernels` lists every
-# build of every type on both.
+# another ptxas target, which their plain builds show. The SASS audit (--sass) runs on the
+# tensor-core kernels, whose hot loops have budgets; the CUDA-core ones are checked for spills.
+# `python -m cupy_attn kernels --sass` lists every build of every type on both.
 PLAIN_ONLY = ("bfloat16",)
 HOPPER_KERNELS = ("attention_fwd_wgmma", "attention_bwd_dkdv_wgmma")
+TENSOR_CORE_KERNELS = ("attention_fwd_tc", "attention_bwd_dkdv_tc", "attention_bwd_dq_tc", *HOPPER_KERNELS)
 
 
 def ci_builds(arch, filename, name, dtype, words):
@@ -26,12 +28,21 @@ def ci_builds(arch, filename, name, dtype, words):
 
 def test_every_variant_compiles_without_spills(tmp_path, capsys):
     rows = []
+    cuda_core = sorted({name.split("<")[0] for arch in ("sm_80", "sm_90") for _, name, _ in _config.kernel_variants(arch)}
+                       - set(TENSOR_CORE_KERNELS))
     featured = ["--features", "all", "dropout", "--dtypes", "float16", "float32"]
-    for selection in (["--arch", "sm_80", "sm_90", "--features", "plain", "--dtypes", "float16", "bfloat16", "float32"],
-                      ["--arch", "sm_80", *featured], ["--arch", "sm_90", *featured, "--kernels", *HOPPER_KERNELS]):
-        status = cli.main(["kernels", "--json", "--sass", "--ptx-dir", str(tmp_path), *selection])
-        rows += json.loads(capsys.readouterr().out)
-        assert status == 0
+    for audit, kernels in ((["--sass"], TENSOR_CORE_KERNELS), ([], cuda_core)):
+        selections = [(["sm_80", "sm_90"], ["--features", "plain", "--dtypes", "float16", "bfloat16", "float32"], kernels),
+                      (["sm_80"], featured, kernels)]
+        if audit:  # the kernels only sm_90 runs are all tensor-core kernels
+            selections.append((["sm_90"], featured, HOPPER_KERNELS))
+        for archs, builds, names in selections:
+            status = cli.main(["kernels", "--json", *audit, "--ptx-dir", str(tmp_path), "--arch", *archs, *builds,
+                               "--kernels", *names])
+            rows += json.loads(capsys.readouterr().out)
+            assert status == 0
+    audited = {r["name"].split("<")[0] for r in rows if "issue_per_tensor" in r}
+    assert audited == set(TENSOR_CORE_KERNELS), audited
     check_sass_budgets(rows)
     expected = sorted((name, words) for arch in ("sm_80", "sm_90") for filename, name, dtype in _config.kernel_variants(arch)
                       for words, features in _config.FEATURE_NAMES.items()
@@ -171,14 +182,14 @@ def check_sass_budgets(rows):
     budgets = json.loads(BUDGETS.read_text())
     assert [(r["name"], r["arch"], r["advisories"]) for r in rows if r["advisories"]] == []
     key = lambda r: f"{r['name']} @ {r['arch']} [{r['features']}]"  # noqa: E731
-    measured = {key(r): r["issue_per_tensor"] for r in rows if r["issue_per_tensor"] is not None}
+    measured = {key(r): r["issue_per_tensor"] for r in rows if r.get("issue_per_tensor") is not None}
     tensor_core = {key(r) for r in rows if "_tc<" in r["name"] or "_wgmma<" in r["name"]}
     assert tensor_core <= measured.keys(), "a tensor-core kernel has no hot loop with tensor instructions"
     assert sorted(measured.keys() - budgets.keys()) == [], "new variants need a budget in tests/sass_budgets.json"
     over = {k: (v, budgets[k]) for k, v in measured.items() if v > budgets[k] + 5e-4}
     assert over == {}, "issue_per_tensor above its budget (measured, budget)"
     for r in rows:
-        if r["issue_per_tensor"] is not None:
+        if r.get("issue_per_tensor") is not None:
             assert r["path_instructions"] <= r["loop_instructions"]
             assert sum(r["tensor_instructions"].values()) > 0
             # every tile loads: in the loop itself, or (the warp-specialised wgmma kernels, whose hot
@@ -190,7 +201,7 @@ def check_sass_budgets(rows):
     featured = {(r["name"], r["arch"]): r for r in rows if r["features"] == "all"}
     compared = 0
     for r in rows:
-        if r["features"] == "plain" and r["issue_per_tensor"] is not None and (r["name"], r["arch"]) in featured:
+        if r["features"] == "plain" and r.get("issue_per_tensor") is not None and (r["name"], r["arch"]) in featured:
             assert r["path_instructions"] < featured[r["name"], r["arch"]]["path_instructions"], r["name"]
             assert r["loop_instructions"] < featured[r["name"], r["arch"]]["loop_instructions"], r["name"]
             compared += 1
@@ -230,34 +241,6 @@ def test_boundary_tiles_stay_within_their_budgets():
             not_longer.append(key)
     assert over == {}, "boundary issue_per_tensor above its budget (measured, budget)"
     assert not_longer == []
-
-
-def _packed_build(variant):
-    filename, name, arch, features = variant
-    c, _ = _nvrtc.compile_kernel_least_spills(_compile.kernel_source(filename), name, arch,
-                                              _compile.gpu_build_options(filename, features, packed=True))
-    return variant, c.registers, c.spill_stores + c.spill_loads
-
-
-def test_packed_builds_compile_without_spills():
-    """The attention kernels' packed (attention_varlen) builds, -DATTN_PACKED=1, for every tile
-    and report build attention_varlen can select (it takes no dropout; the wgmma forward and dK/dV,
-    whose TMA boxes would reach into the next sequence, never run a packed batch): they compile under NVRTC
-    and hold no spills either. On sm_80: sm_90 builds the same source for another target (the
-    report's reasoning above)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    variants = [(filename, name, _config.FILE_ARCH.get(filename, arch), features)
-                for arch in ("sm_80",) for filename, name, _ in _config.kernel_variants(arch)
-                if filename.startswith(("attention_fwd", "attention_bwd")) and "preprocess" not in name
-                and filename not in (_config.HopperTile.filename, _config.HopperBackwardTile.filename)
-                for features in _config.FEATURE_LEVELS if features != _config.DROPOUT_FEATURES]  # no varlen dropout
-    assert len(variants) > 80
-    # Threads: NVRTC runs outside the GIL, and a forked process would inherit JAX's threads (the
-    # test files share a process under pytest-xdist).
-    with ThreadPoolExecutor(2) as pool:
-        for variant, registers, spills in pool.map(_packed_build, variants):
-            assert 0 < registers <= 255 and spills == 0, variant
 
 
 def test_a_spilling_compile_is_retried_and_one_that_always_spills_is_reported(monkeypatch):

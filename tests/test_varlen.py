@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 import cupy_attn
-from cupy_attn import _kernel_backend, reference
+from cupy_attn import _compile, _config, _kernel_backend, _nvrtc, reference
 from helpers import BF16, DTYPES, assert_close
+from test_compile_report import PLAIN_ONLY
 from test_kernel_forward import poisoned_outputs, schedule  # noqa: F401 (fixtures)
 
 KERNEL_DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BF16]
@@ -215,3 +216,30 @@ def test_a_build_refuses_the_other_layout(rng, packed_call):
         with pytest.raises(emulator.EmulatorError, match="__trap"):
             _kernel_backend.forward(problem, q, k, v, target="emulator")
     assert built == [packed_call]  # what the launcher asked for
+
+
+def _packed_build(variant):
+    filename, name, arch, features = variant
+    c, _ = _nvrtc.compile_kernel_least_spills(_compile.kernel_source(filename), name, arch,
+                                              _compile.gpu_build_options(filename, features, packed=True))
+    return variant, c.registers, c.spill_stores + c.spill_loads
+
+
+def test_packed_builds_compile_without_spills():
+    """The attention kernels' packed (attention_varlen) builds, -DATTN_PACKED=1, for every tile
+    and report build attention_varlen can select (it takes no dropout; the wgmma forward and dK/dV,
+    whose TMA boxes would reach into the next sequence, never run a packed batch): they compile under NVRTC
+    and hold no spills either. The fp16 and fp32 ones on sm_80, by test_compile_report's reasoning."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    variants = [(filename, name, "sm_80", features) for filename, name, dtype in _config.kernel_variants("sm_80")
+                if filename.startswith(("attention_fwd", "attention_bwd")) and "preprocess" not in name
+                and str(dtype) not in PLAIN_ONLY
+                for features in _config.FEATURE_LEVELS if features != _config.DROPOUT_FEATURES]  # no varlen dropout
+    assert not any("wgmma" in filename for filename, *_ in variants)
+    assert len(variants) > 50
+    # Threads: NVRTC runs outside the GIL, and a forked process would inherit JAX's threads (the
+    # test files share a process under pytest-xdist).
+    with ThreadPoolExecutor(2) as pool:
+        for variant, registers, spills in pool.map(_packed_build, variants):
+            assert 0 < registers <= 255 and spills == 0, variant
