@@ -22,7 +22,7 @@ HOPPER_KERNELS = ("attention_fwd_wgmma", "attention_bwd_dkdv_wgmma")
 TENSOR_CORE_KERNELS = ("attention_fwd_tc", "attention_bwd_dkdv_tc", "attention_bwd_dq_tc", *HOPPER_KERNELS)
 
 
-def ci_builds(arch, filename, name, dtype, words):
+def ci_builds(arch, name, dtype, words):
     return words == "plain" or (str(dtype) not in PLAIN_ONLY and (arch == "sm_80" or name.split("<")[0] in HOPPER_KERNELS))
 
 
@@ -46,7 +46,7 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
     check_sass_budgets(rows)
     expected = sorted((name, words) for arch in ("sm_80", "sm_90") for filename, name, dtype in _config.kernel_variants(arch)
                       for words, features in _config.FEATURE_NAMES.items()
-                      if ci_builds(arch, filename, name, dtype, words) and _config.selectable(filename, name, features))
+                      if ci_builds(arch, name, dtype, words) and _config.selectable(filename, name, features))
     assert sorted((r["name"], r["features"]) for r in rows) == expected
     # unselectable, so not listed: the dropout builds of the wgmma forward's tiles for plain calls
     # only; the plain builds of the tiles for calls with features
@@ -103,7 +103,7 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
             for kernel, count in expected.items():
                 files = [f for f in tmp_path.glob(f"{kernel}_*_{dtype}_{arch}_plain.ptx")
                          if not f.name.startswith((kernel + "_tc_", kernel + "_wgmma_"))]
-                assert all(f.with_name(f.name.replace("_plain.ptx", "_all.ptx")).exists() == ci_builds(arch, "", kernel, dtype, "all")
+                assert all(f.with_name(f.name.replace("_plain.ptx", "_all.ptx")).exists() == ci_builds(arch, kernel, dtype, "all")
                            for f in files)
                 assert len(files) == count, (kernel, dtype, arch)
                 assert all(".entry" in f.read_text() for f in files)

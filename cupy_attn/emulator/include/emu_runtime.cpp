@@ -17,7 +17,6 @@ thread_local Block* tl_block = nullptr;
 thread_local Fiber* tl_fiber = nullptr;
 static thread_local std::vector<Stack>* tl_stacks = nullptr;
 
-
 std::string format(const char* fmt, ...) {
     char buf[1024];
     va_list ap;
