@@ -188,6 +188,15 @@ inline void wgmma_fn(void* const* lanes, unsigned) {
             (!first.a_in_registers && op(lane)->a_desc != first.a_desc) || op(lane)->scale_d != first.scale_d ||
             op(lane)->a_mn_major != first.a_mn_major || op(lane)->b_mn_major != first.b_mn_major)
             ::emu::fail("wgmma: the lanes of a warp passed different descriptors or scale-d");
+    // One instruction of the warpgroup: PTX requires the same descriptors in its four warps (each
+    // warp takes its 16 rows of A from the shared descriptor, not from one of its own).
+    const ::emu::WarpgroupInstruction mine{
+        {first.a_in_registers ? 0ull : first.a_desc, first.b_desc,
+         static_cast<unsigned long long>(N) | first.a_in_registers << 8 | first.a_mn_major << 9 | first.b_mn_major << 10}};
+    if (!(::emu::warpgroup_instruction(::emu::kWgmma, mine) == mine))
+        ::emu::fail(::emu::format("wgmma: the warps of warpgroup %u issued different wgmma.mma_async (matrix descriptors, "
+                                  "shape or form) where each warp issues the same instruction of the warpgroup",
+                                  ::emu::tl_fiber->linear / 128));
     check_descriptor(first.b_desc, "B");
     if (!first.a_in_registers) check_descriptor(first.a_desc, "A");
     for (int lane = 0; lane < 32; ++lane) {
@@ -477,6 +486,9 @@ __device__ __forceinline__ void wgmma_wait() {
 // wait names the phase by its parity: waiting for parity p returns once the phase in progress
 // has the other parity, so a thread must never fall two phases behind (the emulator reports it).
 // One thread initialises; a block barrier must follow before any other thread uses the object.
+// Each is initialised once per block and its 8 bytes left alone until the block ends: there is no
+// mbarrier.inval here, without which the PTX ISA leaves a second init, or any other use of the
+// memory, undefined (the emulator reports both).
 
 __device__ __forceinline__ void mbarrier_init(unsigned long long* bar, u32 count) {
 #ifdef __CUDA_ARCH__

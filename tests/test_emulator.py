@@ -454,14 +454,14 @@ def test_wgmma_without_the_proxy_fence_reads_poison(schedule):
     assert np.isnan(D).all()
 
 
-def run_wgmma_once(options, a_from="shared"):
+def run_wgmma_once(options, a_from="shared", schedule="forward"):
     mod = module("wgmma.cu", options, names=WGMMA_NAMES)
     rng = np.random.default_rng(9)
     A, B = (rng.standard_normal(shape).astype(np.float16) for shape in ((64, 16), (16, 64)))
     C = rng.standard_normal((64, 64)).astype(np.float32)
     D = np.full((64, 64), np.nan, np.float32)
     mod.get_function(f"wgmma<__half, {str(a_from == 'registers').lower()}, 64, false>")(
-        1, 128, (A, B, C, D, I32(1)), shared_mem=8192)
+        1, 128, (A, B, C, D, I32(1)), shared_mem=8192, schedule=schedule)
     return A.astype(np.float64) @ B.astype(np.float64), C, D
 
 
@@ -482,6 +482,14 @@ def test_wgmma_accumulating_over_two_waited_groups_is_not_reported(a_from):
     # check must follow them, not the values at the second issue.
     product, C, D = run_wgmma_once(["-DTWO_GROUPS"], a_from)
     np.testing.assert_allclose(D, 2 * product + C, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["forward", "reverse", "random"])
+def test_wgmma_descriptors_that_differ_between_the_warps_of_a_warpgroup_fail(schedule):
+    # Each warp points A's descriptor at its own 16 rows: the warps' shares of one instruction
+    # disagree, whichever warp's share runs first.
+    with pytest.raises(EmulatorError, match="wgmma: the warps of warpgroup 0 issued different wgmma.mma_async"):
+        run_wgmma_once(["-DPER_WARP_A"], schedule=schedule)
 
 
 def test_wgmma_operand_beyond_shared_memory_fails():

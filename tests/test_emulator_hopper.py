@@ -65,6 +65,16 @@ def test_mbarrier_transactions_may_complete_before_they_are_announced(sync):
     assert run_script(sync, steps) == [0, 1]
 
 
+TX_LIMIT = 2**20 - 1  # the transaction count's range is [-TX_LIMIT, TX_LIMIT]
+
+
+def test_mbarrier_transaction_count_reaches_both_ends_of_its_range(sync):
+    steps = [(INIT, 2), (ARRIVE_EXPECT_TX, TX_LIMIT - 16), (ARRIVE_EXPECT_TX, 16), (TEST_WAIT, 0),
+             (COMPLETE_TX, TX_LIMIT), (TEST_WAIT, 0),
+             (COMPLETE_TX, TX_LIMIT), (TEST_WAIT, 1), (ARRIVE_EXPECT_TX, TX_LIMIT), (ARRIVE, 0), (TEST_WAIT, 1)]
+    assert run_script(sync, steps) == [0, 1, 0, 1]
+
+
 @pytest.mark.parametrize("steps,message", [
     ([(ARRIVE, 0)], "mbarrier.arrive: no mbarrier is initialised at shared offset 0"),
     ([(INIT, 1), (ARRIVE_MISALIGNED, 0)], "not 8-byte aligned"),
@@ -78,6 +88,16 @@ def test_mbarrier_transactions_may_complete_before_they_are_announced(sync):
     ([(INIT, 1), (ARRIVE, 0), (WAIT, 0), (ARRIVE, 0), (ARRIVE, 0), (WAIT, 1)], "invalid phase use: parity 1 means phase 1"),
     # Two arrivals where the phase expects one (the first leaves 16 bytes outstanding).
     ([(INIT, 1), (ARRIVE_EXPECT_TX, 16), (ARRIVE, 0)], "an arrival beyond the 1 the phase expects"),
+    # A second init of a valid mbarrier (PTX: undefined without mbarrier.inval, which ptx.cuh lacks).
+    ([(INIT, 1), (ARRIVE, 0), (INIT, 1)], "mbarrier.init: shared offset 0 holds a valid mbarrier already"),
+    # The transaction count leaves [-(2^20 - 1), 2^20 - 1]: summed over two announcements, or two
+    # copies that landed before their announcements.
+    ([(INIT, 2), (ARRIVE_EXPECT_TX, TX_LIMIT), (ARRIVE_EXPECT_TX, 1)],
+     f"mbarrier.arrive.expect_tx: the transaction count of the mbarrier at shared offset 0 would be {TX_LIMIT + 1}"),
+    ([(INIT, 1), (COMPLETE_TX, TX_LIMIT), (COMPLETE_TX, 1)],
+     f"mbarrier.complete_tx: the transaction count of the mbarrier at shared offset 0 would be {-TX_LIMIT - 1}"),
+    # A store over a valid mbarrier that nothing uses afterwards: found at the block's end.
+    ([(INIT, 1), (OVERWRITE, 0)], "at the block's end, the mbarrier at shared offset 0 was overwritten"),
     # A wait that nothing completes.
     ([(INIT, 1), (WAIT, 0)], r"thread\(s\) \[0\] wait for phase 0 of the mbarrier at shared offset 0 \(1 of 1 "
                              r"arrivals pending, transaction count 0\)"),
@@ -121,17 +141,23 @@ def test_mbarrier_deadlock_names_the_waiters(sync):
         sync.get_function("mbarrier_deadlock")(1, 32, (np.zeros(32, np.int32),), shared_mem=8)
 
 
-def test_mbarrier_init_without_a_barrier_before_use_fails_on_some_schedule():
-    # mbarrier_rounds without its __syncthreads after init: a thread other than 0 that runs first
-    # finds no mbarrier. (The reverse schedule runs thread 31 first.)
+@pytest.mark.parametrize("schedule,message", [
+    # thread 31 runs first and finds no mbarrier
+    ("reverse", "no mbarrier is initialised at shared offset 0"),
+    # thread 0 initialises first, and thread 1 uses the mbarrier before a barrier published the init
+    ("forward", "mbarrier.arrive: the mbarrier at shared offset 0, initialised by thread 0, is used by thread 1 before "
+                "a barrier published its init"),
+])
+def test_mbarrier_init_without_a_barrier_before_use_fails(schedule, message):
+    # mbarrier_rounds without its __syncthreads after init.
     source = SOURCE.replace("    if (t == 0) ptx::mbarrier_init(bar, n);\n    __syncthreads();",
                             "    if (t == 0) ptx::mbarrier_init(bar, n);")
     assert source != SOURCE
     mod = RawModule(source, options=("-I" + str(_paths.kernel_dir()),))
     x = np.zeros((1, 32), np.float32)
-    with pytest.raises(EmulatorError, match="no mbarrier is initialised at shared offset 0"):
+    with pytest.raises(EmulatorError, match=message):
         mod.get_function("mbarrier_rounds")(1, 32, (x, np.zeros_like(x), I32(1)), shared_mem=16 + 8 * 32,
-                                            schedule="reverse")
+                                            schedule=schedule)
 
 
 # ---- named barriers -----------------------------------------------------------------------------
@@ -197,11 +223,12 @@ def test_elect_from_a_mask_without_the_calling_lane_fails(sync):
 
 
 # ---- setmaxnreg -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("schedule", ["forward", "warps"])
+@pytest.mark.parametrize("schedule", ["forward", "warps", "reverse", "warps_reverse"])
 @pytest.mark.parametrize("mode", [0, 4])
 def test_setmaxnreg_producer_and_consumers(sync, mode, schedule):
     # "warps": warp 0 lowers and raises again before warps 1-3 lowered; its second setmaxnreg is
-    # compared with the warpgroup's second, not with their first.
+    # compared with the warpgroup's second, not with their first. The reverse schedules run the
+    # consumers' .inc first, which waits until the producer's .dec returned the registers.
     out = np.zeros(384, np.int32)
     sync.get_function("max_registers")(1, 384, (I32(mode), out), schedule=schedule)
     assert (out == 1).all()
@@ -209,8 +236,11 @@ def test_setmaxnreg_producer_and_consumers(sync, mode, schedule):
 
 @pytest.mark.parametrize("mode,threads,message", [
     (1, 384, r"warps of warpgroup 0 execute setmaxnreg.dec (24|32) and setmaxnreg.dec (32|24)"),
-    (2, 384, r"the block's warps would hold 98304 registers, more than the 64512 its launch gives it \(384 threads x 168\)"),
-    (5, 384, r"the block's warps would hold 6[45]\d{3} registers, more than the 64512 its launch gives it"),
+    (2, 384, r"warp \d+ waits in setmaxnreg.inc 256: the block's warps hold \d+ of the launch's 64512 registers "
+             r"\(168 per thread of 384\)"),
+    (5, 384, r"warp [0-3] waits in setmaxnreg.inc 32: the block's warps hold 6[45]\d{3} of the launch's 64512"),
+    (6, 384, r"warp ([4-9]|1[01]) waits in setmaxnreg.inc 240: the block's warps hold 64512 of the launch's 64512"),
+    (7, 384, "setmaxnreg.dec 240: warp [0-3] holds at most the launch's 168 registers per thread"),
     (3, 384, "setmaxnreg.inc 232: warp [4-7] holds 240 registers per thread already"),
     (0, 96, "setmaxnreg: the block's 96 threads are not whole warpgroups of 128"),
 ])

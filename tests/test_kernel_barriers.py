@@ -1,9 +1,9 @@
 """Barrier mutations: removing any __syncthreads / __syncwarp (or cp.async / wgmma / mbarrier wait,
-or the fence.proxy.async that makes generic writes of shared memory visible to wgmma) from an attention
-kernel must make some emulated case fail in some schedule (a barrier that is only defensive would
-say so in a comment and be listed here as such; there are none).
-
-Not covered, because the emulator does not model it: wgmma.fence (register ordering around wgmma)."""
+the fence.proxy.async that makes generic writes of shared memory visible to wgmma, the wgmma.fence
+that orders a thread's register accesses before a wgmma, or the producer's setmaxnreg.dec that the
+consumers' setmaxnreg.inc waits for) from an attention kernel must make some emulated case fail in
+some schedule (a barrier that is only defensive would say so in a comment and be listed here as
+such; there are none)."""
 import functools
 
 import numpy as np
@@ -29,7 +29,12 @@ BARRIERS = ("__syncthreads();", "__syncwarp();", "ptx::cp_async_wait<0>();", "pt
             # before its warps read it for dQ (and its dK, dV staged before the TMA store); both
             # groups done with K, V and the stages before either stages dK, dV over them
             "ptx::mbarrier_wait(&bars.kv_landed, 0);", "ptx::named_barrier_sync(kDsBarrier + group, 128);",
-            "ptx::named_barrier_sync(kLoopDoneBarrier, 128 * kBwdConsumerGroups);")
+            "ptx::named_barrier_sync(kLoopDoneBarrier, 128 * kBwdConsumerGroups);",
+            # both warp-specialised kernels: the producer's registers, which the consumers take
+            "ptx::set_max_registers<kProducerRegisters, false>();",
+            "ptx::set_max_registers<kBwdProducerRegisters, false>();",
+            # every wgmma kernel: a wgmma needs a wgmma.fence since the thread's last wgmma wait
+            "ptx::wgmma_fence();")
 KERNEL_FILES = ("attention_fwd.cu", "attention_fwd_tc.cu", "attention_fwd_wgmma.cu", "attention_bwd.cu",
                 "attention_bwd_tc.cu", "attention_bwd_wgmma.cu", "attention_decode.cu")
 
@@ -56,8 +61,10 @@ def results(filename):
             outs.append(cupy_attn.attention(q, k, v, softcap=5.0, backend="emulator"))
         return outs
     # D = 256 too: its tensor-core dK/dV tile splits key groups over two warps, which exchange
-    # partial sums through shared memory.
-    cases = [dict(sq=150, sk=200, d=32)] + ([dict(sq=40, sk=70, d=256)] if filename == "attention_bwd_tc.cu" else [])
+    # partial sums through shared memory; the wgmma dK/dV at D = 128, whose dQ goes in two chunks
+    # of 64 head dims (the second's wgmma.fence orders the first's reads of the registers).
+    extra = {"attention_bwd_tc.cu": [dict(sq=40, sk=70, d=256)], "attention_bwd_wgmma.cu": [dict(sq=40, sk=70, d=128)]}
+    cases = [dict(sq=150, sk=200, d=32)] + extra.get(filename, [])
     grads = []
     for case in cases:
         q, k, v = random_qkv(rng, b=1, h=2, dtype=dtype, **case)

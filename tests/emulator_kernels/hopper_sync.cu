@@ -119,11 +119,13 @@ extern "C" __global__ void elect_outside_mask(int* out) {
 
 // setmaxnreg by warpgroup, as a producer/consumer kernel does (mode 0, 384 threads: the producer
 // warpgroup lowers to 24, the two consumer warpgroups raise to 240, 64512 registers, all the launch
-// gives; mode 4: the consumers raise to 232 and the producer then to 32 again, which a warp may do
-// before the others lowered), and misuses: 1 warps of one warpgroup disagree; 2 every warpgroup
-// raises to 256 (98304 registers); 3 a consumer "raises" from 240 to 232; 5 the producer raises to
-// 32 again once the consumers hold 240 (65536: more than the launch's 64512, so the .inc would wait
-// forever). out[thread] = 1 once it passed.
+// gives; a consumer warp that gets there first waits for the producer's registers; mode 4: the
+// consumers raise to 232 and the producer then to 32 again, which a warp may do before the others
+// lowered), and misuses: 1 warps of one warpgroup disagree; 2 every warpgroup raises to 256
+// (98304 registers); 3 a consumer "raises" from 240 to 232; 5 the producer raises to 32 again once
+// the consumers hold 240 (65536: more than the launch's 64512); 6 the consumers raise and the
+// producer warpgroup exits without lowering; 7 the producer "lowers" to 240 from the launch's 168.
+// In 2, 5 and 6 an .inc waits forever. out[thread] = 1 once it passed.
 extern "C" __global__ void __launch_bounds__(384, 1) max_registers(int mode, int* out) {
     const int warpgroup = threadIdx.x / 128, warp = threadIdx.x / 32;
     if (mode == 0 || mode == 3 || mode == 4 || mode == 5) {
@@ -137,6 +139,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) max_registers(int mode, int
         else ptx::set_max_registers<32, false>();
     } else if (mode == 2) {
         ptx::set_max_registers<256, true>();
+    } else if (mode == 6) {
+        if (warpgroup == 0) return;
+        ptx::set_max_registers<240, true>();
+    } else if (mode == 7) {
+        if (warpgroup == 0) ptx::set_max_registers<240, false>();
     }
 #ifdef ILLEGAL_COUNT
     ptx::set_max_registers<20, false>();

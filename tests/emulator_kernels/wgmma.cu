@@ -9,6 +9,8 @@
 // -DWRITE_A_BEFORE_WAIT write an accumulator or an A register (RS form) between the issue and the
 // wait, which the emulator must report; -DTWO_GROUPS issues the product twice in two groups
 // (D = 2·A·B + C), the second waited for after the first: legal, and must not be reported.
+// -DPER_WARP_A (SS form) gives each warp a descriptor of its own 16 rows of A, where PTX wants
+// the warpgroup's one descriptor in every warp: the emulator must report it.
 constexpr unsigned kLboA = 256, kSboA = 512, kSboB = 128;
 template <int N>
 constexpr unsigned kLboB = N <= 64 ? 1024 : 16 * N;
@@ -73,8 +75,13 @@ __global__ void wgmma(const T* A, const T* B, const float* C, float* D, int wait
         if (kRegisterA)
             ptx::wgmma_m64k16_rs<T, N, kInstructionMajor<kMnMajorB>>(d, a, descriptor(sB, kLboB<N>, kSboB), 1);
         else
+#ifdef PER_WARP_A
+            ptx::wgmma_m64k16_ss<T, N, kInstructionMajor<kMnMajorB>>(d, descriptor(sA + 2 * warp * kSboA, kLboA, kSboA),
+                                                                      descriptor(sB, kLboB<N>, kSboB), 1);
+#else
             ptx::wgmma_m64k16_ss<T, N, kInstructionMajor<kMnMajorB>>(d, descriptor(sA, kLboA, kSboA),
                                                                       descriptor(sB, kLboB<N>, kSboB), 1);
+#endif
         ptx::wgmma_commit();
 #ifdef TWO_GROUPS
     }

@@ -44,6 +44,20 @@ const unsigned char* async_shared_pointer(size_t offset, size_t bytes, const cha
     return async_view().data() + offset;
 }
 
+// ---- warpgroup-wide instructions ----------------------------------------------------------------
+WarpgroupInstruction warpgroup_instruction(WarpgroupKind kind, const WarpgroupInstruction& mine) {
+    const unsigned warp = tl_fiber->linear / 32;
+    WarpgroupSequence& seq = tl_block->warpgroup_sequences[{kind, warp / 4}];
+    const unsigned long long index = seq.executed[warp % 4]++;
+    if (index - seq.first == seq.recorded.size()) seq.recorded.push_back(mine);
+    const WarpgroupInstruction recorded = seq.recorded[index - seq.first];
+    while (!seq.recorded.empty() && *std::min_element(seq.executed, seq.executed + 4) > seq.first) {
+        seq.recorded.pop_front();  // every warp of the group passed it
+        seq.first++;
+    }
+    return recorded;
+}
+
 // ---- mbarrier ---------------------------------------------------------------------------------
 // The state lives in Block::mbarriers, keyed by the object's shared offset; the object's 8 bytes
 // hold a canary, so a store that overwrites a live mbarrier is reported at its next use.
@@ -57,7 +71,9 @@ static unsigned mbarrier_offset(const void* bar, const char* what) {
     return offset;
 }
 
-static Mbarrier& mbarrier_at(unsigned offset, const char* what) {
+// The mbarrier at `offset`, valid and intact; `by_thread`: used by the calling thread (not by a TMA
+// copy landing), which must be the initialising one or one its init was published to.
+static Mbarrier& mbarrier_at(unsigned offset, const char* what, bool by_thread = true) {
     Block* b = tl_block;
     auto it = b->mbarriers.find(offset);
     if (it == b->mbarriers.end())
@@ -67,20 +83,47 @@ static Mbarrier& mbarrier_at(unsigned offset, const char* what) {
     std::memcpy(&canary, b->dynamic_shared + offset, 8);
     if (canary != kMbarrierCanary)
         fail(format("%s: the mbarrier at shared offset %u was overwritten by a store to its 8 bytes", what, offset));
+    const Mbarrier& m = it->second;
+    if (by_thread && !m.published && tl_fiber->linear != m.init_thread)
+        fail(format("%s: the mbarrier at shared offset %u, initialised by thread %u, is used by thread %u before a "
+                    "barrier published its init (mbarrier.init, fence.mbarrier_init, then a barrier of both threads)",
+                    what, offset, m.init_thread, tl_fiber->linear));
     return it->second;
 }
 
+void publish_mbarriers(Block& b, const std::vector<bool>* arrived) {
+    for (auto& entry : b.mbarriers) {
+        Mbarrier& m = entry.second;
+        if (!arrived || (*arrived)[m.init_thread]) m.published = true;
+    }
+}
+
+// The PTX ISA leaves an init of memory that holds a valid mbarrier undefined, and any other use
+// of a valid mbarrier's memory: mbarrier.inval must come first. ptx.cuh has no inval: each kernel
+// initialises its mbarriers once and leaves their memory alone (the block's end releases it), which
+// mbarrier_at and, at the end, mbarrier_exit_error check.
 void mbarrier_init(void* bar, unsigned count) {
     Block* b = tl_block;
     const unsigned offset = mbarrier_offset(bar, "mbarrier.init");
     if (count < 1 || count >= (1u << 20))
         fail(format("mbarrier.init: the arrival count %u is outside [1, 2^20 - 1]", count));
-    for (const Fiber& f : b->fibers)
-        if (f.state == State::AtMbarrier && f.waits_on == offset)
-            fail(format("mbarrier.init: threads still wait on the mbarrier at shared offset %u", offset));
-    b->mbarriers[offset] = Mbarrier{count, count, 0, 0};
-    for (Fiber& f : b->fibers) f.phase_seen.erase(offset);
+    if (b->mbarriers.count(offset))
+        fail(format("mbarrier.init: shared offset %u holds a valid mbarrier already (an init of it is undefined: "
+                    "mbarrier.inval first)", offset));
+    b->mbarriers[offset] = Mbarrier{count, count, 0, 0, tl_fiber->linear, false};
     std::memcpy(b->dynamic_shared + offset, &kMbarrierCanary, 8);
+}
+
+std::string mbarrier_exit_error(const Block& b) {
+    for (const auto& entry : b.mbarriers) {
+        const unsigned offset = entry.first;
+        unsigned long long canary;
+        std::memcpy(&canary, b.dynamic_shared + offset, 8);
+        if (canary != kMbarrierCanary)
+            return format("the mbarrier at shared offset %u was overwritten by a store to its 8 bytes (its memory "
+                          "used for something else without mbarrier.inval)", offset);
+    }
+    return "";
 }
 
 // The phase completes when every expected arrival came and every announced byte landed: the
@@ -93,12 +136,22 @@ static void mbarrier_try_complete(unsigned offset, Mbarrier& m) {
         if (f.state == State::AtMbarrier && f.waits_on == offset && f.waits_for_phase < m.phase) f.state = State::Ready;
 }
 
+// The transaction count's range (PTX ISA, "Contents of the mbarrier object"): +-(2^20 - 1).
+constexpr long long kTxLimit = (1 << 20) - 1;
+
+static void check_tx_range(const Mbarrier& m, unsigned offset, const char* what) {
+    if (m.tx > kTxLimit || m.tx < -kTxLimit)
+        fail(format("%s: the transaction count of the mbarrier at shared offset %u would be %lld, outside "
+                    "[-(2^20 - 1), 2^20 - 1]", what, offset, m.tx));
+}
+
 // expect_tx adds `bytes` to the transaction count; arrive also counts one arrival.
 void mbarrier_arrive(void* bar, unsigned expect_tx_bytes, bool arrive, const char* what) {
     const unsigned offset = mbarrier_offset(bar, what);
     Mbarrier& m = mbarrier_at(offset, what);
-    if (expect_tx_bytes >= (1u << 20)) fail(format("%s: %u bytes exceed the transaction count's range", what, expect_tx_bytes));
+    if (expect_tx_bytes > kTxLimit) fail(format("%s: %u bytes exceed the transaction count's range", what, expect_tx_bytes));
     m.tx += expect_tx_bytes;
+    check_tx_range(m, offset, what);
     if (arrive && m.pending == 0)
         fail(format("%s: an arrival beyond the %u the phase expects (the mbarrier at shared offset %u waits only for "
                     "%lld transaction bytes)", what, m.expected, offset, m.tx));
@@ -106,12 +159,17 @@ void mbarrier_arrive(void* bar, unsigned expect_tx_bytes, bool arrive, const cha
     mbarrier_try_complete(offset, m);
 }
 
-// What a TMA copy (or mbarrier.complete_tx) does when `bytes` of it landed.
-void mbarrier_complete_tx(void* bar, unsigned bytes, const char* what) {
-    const unsigned offset = mbarrier_offset(bar, what);
-    Mbarrier& m = mbarrier_at(offset, what);
+// What a TMA copy (by_thread false: its issue checked the mbarrier) or mbarrier.complete_tx does
+// when `bytes` of it landed.
+static void complete_tx(unsigned offset, unsigned bytes, const char* what, bool by_thread) {
+    Mbarrier& m = mbarrier_at(offset, what, by_thread);
     m.tx -= bytes;
+    check_tx_range(m, offset, what);
     mbarrier_try_complete(offset, m);
+}
+
+void mbarrier_complete_tx(void* bar, unsigned bytes, const char* what) {
+    complete_tx(mbarrier_offset(bar, what), bytes, what, true);
 }
 
 // The phase a wait with `parity` means to this thread: the one it last saw completed if the
@@ -238,7 +296,7 @@ static void tma_land(const TmaCopy& c) {
         else std::memcpy(b->dynamic_shared + at, &c.map.oob_fill, bytes);  // little-endian: its low bytes
         std::memcpy(view.data() + at, b->dynamic_shared + at, bytes);  // written by the async proxy: both views
     });
-    mbarrier_complete_tx(b->dynamic_shared + c.bar, box_bytes(c.map), "cp.async.bulk.tensor (landing)");
+    complete_tx(c.bar, box_bytes(c.map), "cp.async.bulk.tensor (landing)", false);
 }
 
 // Land the pending loads that signal the mbarrier at `bar`.
@@ -330,6 +388,7 @@ void named_barrier(unsigned id, unsigned count, bool wait) {
     nb.arrivals[f->linear] = true;
     if (++nb.arrived == nb.count) {
         nb.arrived = 0;
+        publish_mbarriers(*b, &nb.arrivals);
         for (Fiber& other : b->fibers)
             if (other.state == State::AtNamedBarrier && other.waits_on == id) other.state = State::Ready;
         return;
@@ -367,17 +426,45 @@ bool elect(unsigned mask) {
 }
 
 // ---- setmaxnreg -------------------------------------------------------------------------------
-// All four warps of a warpgroup execute the same setmaxnreg (.inc raises the per-thread register
-// count to `count`, .dec lowers it). .inc takes only registers that the block's other warps gave
-// up, so once every warp has set a count they must fit what the launch gave the block: under
-// __launch_bounds__(threads, 1), at most 65536 / threads per thread rounded down to 8 (ptxas may
-// give less, which the emulator cannot see: the compile report checks the kernels' counts, and the
-// launcher again on the GPU). The legal counts (24..256, multiples of 8) are checked at compile
-// time by ptx.cuh.
+// All four warps of a warpgroup execute the same setmaxnreg: .dec lowers the warp's registers per
+// thread to `count` and returns them to the block's pool, .inc raises it to `count` with
+// registers from the pool, waiting until the pool has them. The pool is what the launch gave the
+// block: under __launch_bounds__(threads, 1), 65536 / threads per thread rounded down to 8, which
+// every warp holds until its first setmaxnreg (ptxas may allocate less, which the emulator cannot
+// see: the compile report checks the kernels' counts, and the launcher again on the GPU; nor does
+// it know a warp's count before its first setmaxnreg, but none holds more). A warp that exits
+// keeps its registers here: the PTX ISA does not say that they return to the pool. So a split
+// that does not fit, or an .inc whose .dec never comes, deadlocks, as it hangs on the GPU.
+// The legal counts (24..256, multiples of 8) are checked at compile time by ptx.cuh.
 constexpr unsigned kRegisterFile = 65536;
 
 static unsigned launch_registers_per_thread(size_t threads) {
     return static_cast<unsigned>(std::min<size_t>(256, kRegisterFile / threads / 8 * 8));
+}
+
+// A warp's registers per thread, counted at the launch's until its first setmaxnreg.
+static unsigned registers_per_thread(const Block& b, size_t warp) {
+    return b.warp_registers[warp] ? b.warp_registers[warp] : launch_registers_per_thread(b.fibers.size());
+}
+
+// Registers the block's warps hold, with `warp` at `count` per thread.
+static unsigned long long registers_held(const Block& b, size_t warp, unsigned count) {
+    unsigned long long total = 0;
+    for (size_t w = 0; w < b.warp_registers.size(); ++w) total += 32ull * (w == warp ? count : registers_per_thread(b, w));
+    return total;
+}
+
+// Give waiting .inc requests, in warp order, what the pool now has.
+static void grant_register_requests(Block& b) {
+    const unsigned long long pool = b.fibers.size() * launch_registers_per_thread(b.fibers.size());
+    for (size_t w = 0; w < b.warp_registers.size(); ++w) {
+        const unsigned count = b.warp_register_requests[w];
+        if (!count || registers_held(b, w, count) > pool) continue;
+        b.warp_registers[w] = count;
+        b.warp_register_requests[w] = 0;
+        for (size_t t = 32 * w; t < 32 * w + 32; ++t)
+            if (b.fibers[t].state == State::AtRegisters) b.fibers[t].state = State::Ready;
+    }
 }
 
 struct SetMaxRegistersOperand {
@@ -385,7 +472,7 @@ struct SetMaxRegistersOperand {
     bool increase;
 };
 
-static void set_max_registers_fn(void* const* lanes, unsigned mask) {
+static void set_max_registers_fn(void* const* lanes, unsigned) {
     Block* b = tl_block;
     const SetMaxRegistersOperand& op = *static_cast<const SetMaxRegistersOperand*>(lanes[0]);
     for (int l = 1; l < 32; ++l) {
@@ -393,33 +480,24 @@ static void set_max_registers_fn(void* const* lanes, unsigned mask) {
         if (other->count != op.count || other->increase != op.increase)
             fail("setmaxnreg: the lanes of a warp execute different setmaxnreg instructions");
     }
-    const unsigned warp = tl_fiber->linear / 32, group = warp / 4;
-    // A warp's i-th setmaxnreg must be its warpgroup's i-th, whichever warp gets there first.
-    std::vector<Block::WarpgroupRequest>& requests = b->register_requests[group];
-    const unsigned call = b->warp_register_calls[warp]++;
-    if (call == requests.size()) {
-        requests.push_back({op.count, op.increase});
-    } else if (requests[call].count != op.count || requests[call].increase != op.increase) {
-        fail(format("setmaxnreg: warps of warpgroup %u execute setmaxnreg.%s %u and setmaxnreg.%s %u", group,
-                    requests[call].increase ? "inc" : "dec", requests[call].count, op.increase ? "inc" : "dec",
-                    op.count));
-    }
-    unsigned& current = b->warp_registers[warp];
+    const unsigned warp = tl_fiber->linear / 32;
+    const WarpgroupInstruction first = warpgroup_instruction(kSetMaxRegisters, {{op.count, op.increase, 0}});
+    if (first.fields[0] != op.count || first.fields[1] != op.increase)
+        fail(format("setmaxnreg: warps of warpgroup %u execute setmaxnreg.%s %llu and setmaxnreg.%s %u", warp / 4,
+                    first.fields[1] ? "inc" : "dec", first.fields[0], op.increase ? "inc" : "dec", op.count));
+    const unsigned current = b->warp_registers[warp], launch = launch_registers_per_thread(b->fibers.size());
     if (current && (op.increase ? op.count < current : op.count > current))
         fail(format("setmaxnreg.%s %u: warp %u holds %u registers per thread already", op.increase ? "inc" : "dec",
                     op.count, warp, current));
-    current = op.count;
-    unsigned long long total = 0;
-    for (unsigned registers : b->warp_registers) {
-        if (!registers) return;  // a warp keeps its compiled count, which the emulator does not know
-        total += 32ull * registers;
+    if (!current && !op.increase && op.count > launch)
+        fail(format("setmaxnreg.dec %u: warp %u holds at most the launch's %u registers per thread", op.count, warp,
+                    launch));
+    if (op.increase) {
+        b->warp_register_requests[warp] = op.count;  // granted now if the pool has them
+    } else {
+        b->warp_registers[warp] = op.count;
     }
-    const size_t threads = b->fibers.size();
-    const unsigned per_thread = launch_registers_per_thread(threads);
-    if (total > threads * per_thread)
-        fail(format("setmaxnreg: the block's warps would hold %llu registers, more than the %zu its launch gives it "
-                    "(%zu threads x %u)", total, threads * per_thread, threads, per_thread));
-    (void)mask;
+    grant_register_requests(*b);
 }
 
 void set_max_registers(unsigned count, bool increase) {
@@ -428,11 +506,14 @@ void set_max_registers(unsigned count, bool increase) {
         fail(format("setmaxnreg: the block's %zu threads are not whole warpgroups of 128", b->fibers.size()));
     if (b->warp_registers.empty()) {
         b->warp_registers.assign(b->fibers.size() / 32, 0);
-        b->warp_register_calls.assign(b->fibers.size() / 32, 0);
-        b->register_requests.assign(b->fibers.size() / 128, {});
+        b->warp_register_requests.assign(b->fibers.size() / 32, 0);
     }
     SetMaxRegistersOperand op{count, increase};
     warp_collective(0xffffffffu, &op, set_max_registers_fn, "setmaxnreg");
+    while (b->warp_register_requests[tl_fiber->linear / 32]) {
+        tl_fiber->state = State::AtRegisters;
+        yield_to_scheduler();
+    }
 }
 
 // ---- deadlock report ----------------------------------------------------------------------------
@@ -451,6 +532,14 @@ std::string async_waits_report(const Block& b) {
                              "arrivals pending, transaction count %lld);", threads.c_str(), phase, offset, m.pending,
                              m.expected, m.tx);
     }
+    const unsigned long long pool =
+        b.warp_registers.empty() ? 0 : b.fibers.size() * launch_registers_per_thread(b.fibers.size());
+    for (size_t w = 0; w < b.warp_register_requests.size(); ++w)
+        if (b.warp_register_requests[w])
+            report += format(" warp %zu waits in setmaxnreg.inc %u: the block's warps hold %llu of the launch's %llu "
+                             "registers (%u per thread of %zu) and no setmaxnreg.dec will return them;", w,
+                             b.warp_register_requests[w], registers_held(b, w, registers_per_thread(b, w)), pool,
+                             launch_registers_per_thread(b.fibers.size()), b.fibers.size());
     for (unsigned id = 1; id < 16; ++id) {
         std::string threads;
         for (const Fiber& f : b.fibers)

@@ -23,11 +23,20 @@ inline void wgmma_fence() { tl_fiber->wgmma_fenced = true; }
 inline void wgmma_waited() { tl_fiber->wgmma_fenced = false; }
 void require_wgmma_fence(const char* what);
 
+// The calling warp's next warpgroup-wide instruction of `kind` (WarpgroupInstruction): the
+// warpgroup's record of it, which is `mine` if this warp got there first. The caller compares.
+enum WarpgroupKind { kSetMaxRegisters, kWgmma };
+WarpgroupInstruction warpgroup_instruction(WarpgroupKind kind, const WarpgroupInstruction& mine);
+
 // ---- mbarrier ---------------------------------------------------------------------------------
-// init (arrival count in [1, 2^20)), arrive with an optional expect-tx of `expect_tx_bytes`,
-// complete-tx (what a TMA copy does when it lands), and the parity waits: test_wait answers
-// without blocking, wait sleeps until the phase the parity means to this thread completed.
+// init (arrival count in [1, 2^20), once per block and mbarrier), arrive with an optional
+// expect-tx of `expect_tx_bytes`, complete-tx (what a TMA copy does when it lands; the
+// transaction count stays within +-(2^20 - 1)), and the parity waits: test_wait answers without
+// blocking, wait sleeps until the phase the parity means to this thread completed.
 void mbarrier_init(void* bar, unsigned count);
+// A barrier completed: the inits of the mbarriers whose initialising thread took part (`arrived`,
+// by thread; null: every thread) are visible to every thread now.
+void publish_mbarriers(Block& b, const std::vector<bool>* arrived);
 void mbarrier_arrive(void* bar, unsigned expect_tx_bytes, bool arrive, const char* what);
 void mbarrier_complete_tx(void* bar, unsigned bytes, const char* what);
 bool mbarrier_test_wait(const void* bar, unsigned parity);
@@ -63,5 +72,8 @@ void set_max_registers(unsigned count, bool increase);
 
 // The deadlock report's part on threads waiting at mbarriers and named barriers.
 std::string async_waits_report(const Block& b);
+// At the block's end: what went wrong with its mbarriers' memory ("" if nothing): one that was
+// overwritten, its memory used for something else while it was valid.
+std::string mbarrier_exit_error(const Block& b);
 
 }  // namespace emu

@@ -75,14 +75,15 @@ static std::string deadlock_report(const Block& b) {
                 if (t >= b.fibers.size()) { exited |= 1u << l; continue; }  // lane does not exist
                 State s = b.fibers[t].state;
                 (s == State::Done ? exited : s == State::AtBarrier ? barrier
-                 : s == State::AtMbarrier || s == State::AtNamedBarrier ? async_wait : other) |= 1u << l;
+                 : s == State::AtMbarrier || s == State::AtNamedBarrier || s == State::AtRegisters ? async_wait
+                                                                                                   : other) |= 1u << l;
             }
             report += format(" warp %zu waits in %s with mask 0x%08x; missing lanes [%s]", w, c.what, c.mask,
                              lane_list(missing).c_str());
             if (exited) report += " (exited or absent: [" + lane_list(exited) + "])";
             if (barrier) report += " (at __syncthreads: [" + lane_list(barrier) + "])";
             if (other) report += " (in another warp collective: [" + lane_list(other) + "])";
-            if (async_wait) report += " (at an mbarrier or named barrier: [" + lane_list(async_wait) + "])";
+            if (async_wait) report += " (at an mbarrier, a named barrier or setmaxnreg: [" + lane_list(async_wait) + "])";
             report += ";";
         }
     }
@@ -155,6 +156,7 @@ static void run_block(Launch& L, unsigned long long linear_block) {
         // __syncthreads releases when every thread that has not exited arrived (sm_70+).
         if (waiting == b.live) {
             b.barrier_result = votes;
+            publish_mbarriers(b, nullptr);
             for (Fiber& f : b.fibers)
                 if (f.state == State::AtBarrier) f.state = State::Ready;
         } else if (!ran) {
@@ -166,6 +168,13 @@ static void run_block(Launch& L, unsigned long long linear_block) {
         b.aborted = true;
         b.error = block_name(b) + format(": the block exits with %zu TMA load(s) no thread waited for (their "
                                          "mbarrier's phase was never awaited)", b.tma_loads.size());
+    }
+    if (!b.aborted) {
+        const std::string mbarrier_error = mbarrier_exit_error(b);
+        if (!mbarrier_error.empty()) {
+            b.aborted = true;
+            b.error = block_name(b) + ": at the block's end, " + mbarrier_error;
+        }
     }
     tl_block = nullptr;
     if (b.aborted) {

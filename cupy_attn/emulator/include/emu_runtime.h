@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -22,8 +23,9 @@
 
 namespace emu {
 
-// AtMbarrier and AtNamedBarrier: waiting for an mbarrier's phase or a named barrier (emu_async.h).
-enum class State : unsigned char { Ready, AtBarrier, AtWarp, AtMbarrier, AtNamedBarrier, Done };
+// AtMbarrier and AtNamedBarrier: waiting for an mbarrier's phase or a named barrier; AtRegisters:
+// in setmaxnreg.inc, until the block's register pool has what the warp asks for (emu_async.h).
+enum class State : unsigned char { Ready, AtBarrier, AtWarp, AtMbarrier, AtNamedBarrier, AtRegisters, Done };
 // Between synchronisation points threads run in thread order, in reverse, in a random order per
 // round, or warp by warp (each warp runs alone until it waits at a block barrier or exits,
 // lowest or highest warp first): the warp schedules let one warp race far ahead of the others,
@@ -106,6 +108,24 @@ struct Mbarrier {
     unsigned expected = 0, pending = 0;
     long long tx = 0;
     long long phase = 0;
+    // Until a barrier published the init (a __syncthreads, or a named barrier the initialising
+    // thread took part in), only the initialising thread may use it.
+    unsigned init_thread = 0;
+    bool published = false;
+};
+
+// A warpgroup-wide instruction (setmaxnreg, wgmma.mma_async) as one warp executed it: its kind's
+// operands, which every warp of the warpgroup must pass alike. The i-th instruction of a kind
+// that a warp executes is its warpgroup's i-th of that kind: the first warp to get there records
+// it, and the others compare with the record, which goes once all four passed it.
+struct WarpgroupInstruction {
+    unsigned long long fields[3];
+    bool operator==(const WarpgroupInstruction& o) const { return !std::memcmp(fields, o.fields, sizeof fields); }
+};
+struct WarpgroupSequence {
+    std::deque<WarpgroupInstruction> recorded;  // executed by some of the warpgroup's warps, not yet all
+    unsigned long long first = 0;               // the index of recorded.front() in the sequence
+    unsigned long long executed[4] = {};        // how many each warp of the warpgroup executed
 };
 
 // A named barrier (bar.sync / bar.arrive with an id and a thread count): the count of the
@@ -159,10 +179,11 @@ struct Block {
     NamedBarrier named[16];
     std::vector<TmaCopy> tma_loads;  // TMA loads issued and not yet landed
     unsigned long long tma_issued = 0;
-    std::vector<unsigned> warp_registers;  // setmaxnreg's per-thread count per warp; 0: as compiled
-    std::vector<unsigned> warp_register_calls;  // how many setmaxnreg each warp executed
-    struct WarpgroupRequest { unsigned count; bool increase; };
-    std::vector<std::vector<WarpgroupRequest>> register_requests;  // per warpgroup: its i-th setmaxnreg
+    // setmaxnreg: each warp's registers per thread (0 until its first setmaxnreg: what ptxas
+    // allocated, at most the launch's), and the count a warp waiting in setmaxnreg.inc asks for
+    // (0: none waits). Empty until one runs.
+    std::vector<unsigned> warp_registers, warp_register_requests;
+    std::map<std::pair<int, unsigned>, WarpgroupSequence> warpgroup_sequences;  // by (kind, warpgroup)
     Context scheduler;
     unsigned live = 0;
     int barrier_result = 0;
