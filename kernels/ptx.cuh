@@ -499,10 +499,12 @@ __device__ __forceinline__ void mbarrier_init(unsigned long long* bar, u32 count
 }
 
 // Make this thread's mbarrier_init visible to the async proxy (TMA's complete-tx), before the block
-// barrier that publishes the mbarriers. The emulator keeps mbarriers outside memory: nothing to do.
+// barrier that publishes the mbarriers: once, after the thread's last init.
 __device__ __forceinline__ void fence_mbarrier_init() {
 #ifdef __CUDA_ARCH__
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#else
+    ::emu::fence_mbarrier_init();
 #endif
 }
 

@@ -13,7 +13,10 @@ pipelined_copy(const __grid_constant__ ptx::TensorMap map, int tiles, unsigned c
     extern __shared__ __align__(1024) unsigned char smem[];
     StageRing<kStages>& ring = *reinterpret_cast<StageRing<kStages>*>(smem);
     unsigned char* stages = smem + 1024;  // kStages x 1 KB, each one swizzle atom
-    if (threadIdx.x == 0) ring.init(kConsumers);
+    if (threadIdx.x == 0) {
+        ring.init(kConsumers);
+        ptx::fence_mbarrier_init();
+    }
     __syncthreads();
     StageCursor<kStages> at;
     if (threadIdx.x < 128) {

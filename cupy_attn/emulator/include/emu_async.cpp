@@ -91,6 +91,11 @@ static Mbarrier& mbarrier_at(unsigned offset, const char* what, bool by_thread =
     return it->second;
 }
 
+void fence_mbarrier_init() {
+    for (auto& entry : tl_block->mbarriers)
+        if (entry.second.init_thread == tl_fiber->linear) entry.second.fenced = true;
+}
+
 void publish_mbarriers(Block& b, const std::vector<bool>* arrived) {
     for (auto& entry : b.mbarriers) {
         Mbarrier& m = entry.second;
@@ -110,7 +115,7 @@ void mbarrier_init(void* bar, unsigned count) {
     if (b->mbarriers.count(offset))
         fail(format("mbarrier.init: shared offset %u holds a valid mbarrier already (an init of it is undefined: "
                     "mbarrier.inval first)", offset));
-    b->mbarriers[offset] = Mbarrier{count, count, 0, 0, tl_fiber->linear, false};
+    b->mbarriers[offset] = Mbarrier{count, count, 0, 0, tl_fiber->linear, false, false};
     std::memcpy(b->dynamic_shared + offset, &kMbarrierCanary, 8);
 }
 
@@ -328,7 +333,9 @@ void tma_load(void* smem, const void* map, const int* coords, void* bar) {
     const char* what = "cp.async.bulk.tensor (load)";
     TmaCopy c = tma_copy(map, coords, smem, what);
     c.bar = mbarrier_offset(bar, what);
-    mbarrier_at(c.bar, what);
+    if (!mbarrier_at(c.bar, what).fenced)
+        fail(format("%s: the init of the mbarrier at shared offset %u it signals is not visible to TMA (no "
+                    "fence.mbarrier_init by the initialising thread after its mbarrier.init)", what, c.bar));
     bool waited_on = false;
     for (const Fiber& f : tl_block->fibers) waited_on |= f.state == State::AtMbarrier && f.waits_on == c.bar;
     if (waited_on || tma_now()) tma_land(c);

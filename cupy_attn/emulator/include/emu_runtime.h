@@ -112,6 +112,7 @@ struct Mbarrier {
     // thread took part in), only the initialising thread may use it.
     unsigned init_thread = 0;
     bool published = false;
+    bool fenced = false;  // a fence.mbarrier_init by the initialising thread made the init visible to TMA
 };
 
 // A warpgroup-wide instruction (setmaxnreg, wgmma.mma_async) as one warp executed it: its kind's
