@@ -24,8 +24,8 @@ struct StageRing {
     unsigned long long full[kStages];
     unsigned long long empty[kStages];
 
-    // One thread, then ptx::fence_mbarrier_init (once after all its inits: TMA completes the full
-    // barriers' bytes) and a block barrier: `consumers` threads release each stage, `producers`
+    // One thread, then ptx::fence_mbarrier_init (once after all its inits) and a block barrier:
+    // `consumers` threads release each stage, `producers`
     // threads arrive on its full barrier (one announcing the bytes, the others once their own
     // stores into the stage are done; in any order: the phase needs every arrival and byte).
     __device__ __forceinline__ void init(unsigned consumers, unsigned producers = 1) {

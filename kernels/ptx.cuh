@@ -498,13 +498,13 @@ __device__ __forceinline__ void mbarrier_init(unsigned long long* bar, u32 count
 #endif
 }
 
-// Make this thread's mbarrier_init visible to the async proxy (TMA's complete-tx), before the block
-// barrier that publishes the mbarriers: once, after the thread's last init.
+// Order this thread's mbarrier_init before other threads' and TMA's use of the mbarriers at cluster
+// scope, once after its last init and before the block barrier that publishes them. Within one
+// block the barrier alone would do (PTX); the kernels keep the fence, as CUTLASS and
+// FlashAttention-3 do, so that they stay correct in a cluster. Nothing to emulate.
 __device__ __forceinline__ void fence_mbarrier_init() {
 #ifdef __CUDA_ARCH__
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#else
-    ::emu::fence_mbarrier_init();
 #endif
 }
 

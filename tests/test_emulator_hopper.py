@@ -160,6 +160,19 @@ def test_mbarrier_init_without_a_barrier_before_use_fails(schedule, message):
                                             schedule=schedule)
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_mbarrier_init_ordered_by_syncwarp_serves_its_warp(sync, schedule):
+    out = np.zeros(64, np.int32)
+    sync.get_function("mbarrier_in_one_warp")(1, 64, (I32(0), out), shared_mem=16, schedule=schedule)
+    assert (out == 1).all()
+
+
+def test_mbarrier_init_ordered_by_syncwarp_does_not_serve_another_warp(sync):
+    with pytest.raises(EmulatorError,
+                       match=r"initialised by thread 0, is used by thread (3[2-9]|[45]\d|6[0-3]) before a barrier published"):
+        sync.get_function("mbarrier_in_one_warp")(1, 64, (I32(1), np.zeros(64, np.int32)), shared_mem=16)
+
+
 # ---- named barriers -----------------------------------------------------------------------------
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_named_barriers_alternate_two_warps(sync, schedule):
@@ -226,9 +239,9 @@ def test_elect_from_a_mask_without_the_calling_lane_fails(sync):
 @pytest.mark.parametrize("schedule", ["forward", "warps", "reverse", "warps_reverse"])
 @pytest.mark.parametrize("mode", [0, 4])
 def test_setmaxnreg_producer_and_consumers(sync, mode, schedule):
-    # "warps": warp 0 lowers and raises again before warps 1-3 lowered; its second setmaxnreg is
-    # compared with the warpgroup's second, not with their first. The reverse schedules run the
-    # consumers' .inc first, which waits until the producer's .dec returned the registers.
+    # "warps": warp 0 lowers and waits at the barrier before its second setmaxnreg until warps 1-3
+    # lowered. The reverse schedules run the consumers' .inc first, which waits until the
+    # producer's .dec returned the registers.
     out = np.zeros(384, np.int32)
     sync.get_function("max_registers")(1, 384, (I32(mode), out), schedule=schedule)
     assert (out == 1).all()
@@ -247,6 +260,16 @@ def test_setmaxnreg_producer_and_consumers(sync, mode, schedule):
 def test_setmaxnreg_misuse_is_reported(sync, mode, threads, message):
     with pytest.raises(EmulatorError, match=message):
         sync.get_function("max_registers")(1, threads, (I32(mode), np.zeros(threads, np.int32)))
+
+
+def test_setmaxnreg_without_the_warpgroup_synchronising_in_between_fails_on_some_schedule(sync):
+    # Mode 8: warp 0 runs ahead in the "warps" schedule; round-robin ones happen to keep the warps
+    # in step.
+    out = np.zeros(384, np.int32)
+    sync.get_function("max_registers")(1, 384, (I32(8), out), schedule="forward")
+    with pytest.raises(EmulatorError, match="setmaxnreg: warp 0 executes its warpgroup's setmaxnreg number 2 before "
+                                            "warp 1 executed number 1"):
+        sync.get_function("max_registers")(1, 384, (I32(8), out), schedule="warps")
 
 
 def test_setmaxnreg_refuses_an_illegal_count_at_compile_time():

@@ -109,13 +109,6 @@ def test_tma_load_read_before_it_landed_fails_on_some_schedule(option):
     assert any(wrong)
 
 
-def test_tma_load_on_an_mbarrier_whose_init_was_not_fenced_fails():
-    array = np.zeros((8, 64), np.float16)
-    with pytest.raises(EmulatorError, match=r"cp.async.bulk.tensor \(load\): the init of the mbarrier at shared offset 0 it "
-                                            r"signals is not visible to TMA \(no fence.mbarrier_init"):
-        load(module("-DNO_INIT_FENCE"), array, (0, 0), (8, 64), 128)
-
-
 def test_tma_load_to_a_misaligned_swizzled_box_fails():
     array = np.zeros((8, 64), np.float16)
     with pytest.raises(EmulatorError, match="a 128-byte swizzled box must start at a multiple of 1024 bytes, not at 1152"):

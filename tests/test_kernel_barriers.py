@@ -1,10 +1,9 @@
 """Barrier mutations: removing any __syncthreads / __syncwarp (or cp.async / wgmma / mbarrier wait,
 the fence.proxy.async that makes generic writes of shared memory visible to wgmma, the wgmma.fence
-that orders a thread's register accesses before a wgmma, the fence.mbarrier_init that makes
-mbarriers visible to TMA, or the producer's setmaxnreg.dec that the consumers' setmaxnreg.inc
-waits for) from an attention kernel must make some emulated case fail in
-some schedule (a barrier that is only defensive would say so in a comment and be listed here as
-such; there are none)."""
+that orders a thread's register accesses before a wgmma, or the producer's setmaxnreg.dec that the
+consumers' setmaxnreg.inc waits for) from an attention kernel must make some emulated case fail in
+some schedule. Not listed: fence.mbarrier_init, which the kernels of one block keep only so that
+they stay correct in a cluster (ptx.cuh)."""
 import functools
 
 import numpy as np
@@ -34,9 +33,8 @@ BARRIERS = ("__syncthreads();", "__syncwarp();", "ptx::cp_async_wait<0>();", "pt
             # both warp-specialised kernels: the producer's registers, which the consumers take
             "ptx::set_max_registers<kProducerRegisters, false>();",
             "ptx::set_max_registers<kBwdProducerRegisters, false>();",
-            # every wgmma kernel: a wgmma needs a wgmma.fence since the thread's last wgmma wait;
-            # the warp-specialised ones: TMA completes bytes on mbarriers whose inits are fenced
-            "ptx::wgmma_fence();", "ptx::fence_mbarrier_init();")
+            # every wgmma kernel: a wgmma needs a wgmma.fence since the thread's last wgmma wait
+            "ptx::wgmma_fence();")
 KERNEL_FILES = ("attention_fwd.cu", "attention_fwd_tc.cu", "attention_fwd_wgmma.cu", "attention_bwd.cu",
                 "attention_bwd_tc.cu", "attention_bwd_wgmma.cu", "attention_decode.cu")
 

@@ -52,6 +52,19 @@ extern "C" __global__ void mbarrier_rounds(const float* in, float* out, int roun
     }
 }
 
+// Lane 0 initialises for its warp, whose __syncwarp orders the init before the warp's arrivals;
+// with `both_warps`, warp 1 (whose own __syncwarp orders nothing for it) arrives too: a misuse.
+extern "C" __global__ void mbarrier_in_one_warp(int both_warps, int* out) {
+    extern __shared__ __align__(16) unsigned long long bars[];
+    if (threadIdx.x == 0) ptx::mbarrier_init(bars, both_warps ? 64 : 32);
+    __syncwarp();
+    if (threadIdx.x < 32 || both_warps) {
+        ptx::mbarrier_arrive(bars);
+        ptx::mbarrier_wait(bars, 0);
+    }
+    out[threadIdx.x] = 1;
+}
+
 // Two arrivals expected, one made: every thread waits forever.
 extern "C" __global__ void mbarrier_deadlock(int* out) {
     extern __shared__ __align__(16) unsigned long long bars[];
@@ -120,20 +133,24 @@ extern "C" __global__ void elect_outside_mask(int* out) {
 // setmaxnreg by warpgroup, as a producer/consumer kernel does (mode 0, 384 threads: the producer
 // warpgroup lowers to 24, the two consumer warpgroups raise to 240, 64512 registers, all the launch
 // gives; a consumer warp that gets there first waits for the producer's registers; mode 4: the
-// consumers raise to 232 and the producer then to 32 again, which a warp may do before the others
-// lowered), and misuses: 1 warps of one warpgroup disagree; 2 every warpgroup raises to 256
-// (98304 registers); 3 a consumer "raises" from 240 to 232; 5 the producer raises to 32 again once
-// the consumers hold 240 (65536: more than the launch's 64512); 6 the consumers raise and the
-// producer warpgroup exits without lowering; 7 the producer "lowers" to 240 from the launch's 168.
-// In 2, 5 and 6 an .inc waits forever. out[thread] = 1 once it passed.
+// consumers raise to 232 and the producer, after a barrier of its warpgroup, to 32 again), and
+// misuses: 1 warps of one warpgroup disagree; 2 every warpgroup raises to 256 (98304 registers);
+// 3 a consumer "raises" from 240 to 232; 5 the producer raises to 32 again once the consumers hold
+// 240 (65536: more than the launch's 64512); 6 the consumers raise and the producer warpgroup
+// exits without lowering; 7 the producer "lowers" to 240 from the launch's 168; 8 mode 4 without
+// the barrier between the producer's two setmaxnreg. In 2, 5 and 6 an .inc waits forever.
+// out[thread] = 1 once it passed.
 extern "C" __global__ void __launch_bounds__(384, 1) max_registers(int mode, int* out) {
     const int warpgroup = threadIdx.x / 128, warp = threadIdx.x / 32;
-    if (mode == 0 || mode == 3 || mode == 4 || mode == 5) {
+    if (mode == 0 || mode == 3 || mode == 4 || mode == 5 || mode == 8) {
         if (warpgroup == 0) ptx::set_max_registers<24, false>();
-        else if (mode == 4) ptx::set_max_registers<232, true>();
+        else if (mode == 4 || mode == 8) ptx::set_max_registers<232, true>();
         else ptx::set_max_registers<240, true>();
         if (mode == 3 && warpgroup == 1) ptx::set_max_registers<232, true>();
-        if ((mode == 4 || mode == 5) && warpgroup == 0) ptx::set_max_registers<32, true>();
+        if ((mode == 4 || mode == 5 || mode == 8) && warpgroup == 0) {
+            if (mode != 8) ptx::named_barrier_sync(1, 128);  // the warpgroup synchronises in between
+            ptx::set_max_registers<32, true>();
+        }
     } else if (mode == 1) {
         if (warp == 0) ptx::set_max_registers<24, false>();
         else ptx::set_max_registers<32, false>();

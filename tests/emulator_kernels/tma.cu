@@ -8,8 +8,7 @@
 // through TMA without the proxy fence, -DNO_STORE_WAIT exits before the store read shared memory,
 // -DWRONG_SWIZZLE gives wgmma a 64-byte swizzle for 128-byte swizzled boxes, -DWRONG_MAJOR_A the
 // wrong major-ness of A, -DWRONG_LBO a wrong leading byte offset to an MN-major B of two boxes,
-// -DNO_WGMMA_FENCE issues wgmma without the wgmma.fence before it, -DNO_INIT_FENCE loads the box
-// on an mbarrier whose init no fence.mbarrier_init made visible to TMA.
+// -DNO_WGMMA_FENCE issues wgmma without the wgmma.fence before it.
 
 #ifdef MISALIGNED
 constexpr int kBoxAt = 1024 + 128;
@@ -25,9 +24,7 @@ __global__ void tma_box(const __grid_constant__ ptx::TensorMap map, const int* c
     unsigned long long* bar = reinterpret_cast<unsigned long long*>(smem);
     if (threadIdx.x == 0) {
         ptx::mbarrier_init(bar, 1);
-#ifndef NO_INIT_FENCE
         ptx::fence_mbarrier_init();
-#endif
     }
     __syncthreads();
     if (threadIdx.x == 0) {

@@ -34,7 +34,7 @@ inline void __syncthreads() { ::emu::block_barrier(0); }
 inline int __syncthreads_count(int p) { return ::emu::block_barrier(p); }
 inline int __syncthreads_and(int p) { return ::emu::block_barrier(p) == static_cast<int>(::emu::tl_block->live); }
 inline int __syncthreads_or(int p) { return ::emu::block_barrier(p) != 0; }
-inline void __syncwarp(unsigned mask = 0xffffffffu) { ::emu::warp_collective(mask, nullptr, ::emu::no_op_fn, "__syncwarp"); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { ::emu::warp_collective(mask, nullptr, ::emu::syncwarp_fn, "__syncwarp"); }
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 [[noreturn]] inline void __trap() { ::emu::fail("__trap() called"); }

@@ -84,22 +84,23 @@ static Mbarrier& mbarrier_at(unsigned offset, const char* what, bool by_thread =
     if (canary != kMbarrierCanary)
         fail(format("%s: the mbarrier at shared offset %u was overwritten by a store to its 8 bytes", what, offset));
     const Mbarrier& m = it->second;
-    if (by_thread && !m.published && tl_fiber->linear != m.init_thread)
+    if (by_thread && !m.visible_to[tl_fiber->linear])
         fail(format("%s: the mbarrier at shared offset %u, initialised by thread %u, is used by thread %u before a "
-                    "barrier published its init (mbarrier.init, fence.mbarrier_init, then a barrier of both threads)",
+                    "barrier published its init to it (mbarrier.init, then a barrier both threads take part in)",
                     what, offset, m.init_thread, tl_fiber->linear));
     return it->second;
 }
 
-void fence_mbarrier_init() {
-    for (auto& entry : tl_block->mbarriers)
-        if (entry.second.init_thread == tl_fiber->linear) entry.second.fenced = true;
-}
-
-void publish_mbarriers(Block& b, const std::vector<bool>* arrived) {
+// A barrier orders the init before what every thread taking part does after it, if one of them
+// could use the mbarrier already.
+void publish_mbarriers(Block& b, const std::vector<bool>* took_part) {
     for (auto& entry : b.mbarriers) {
-        Mbarrier& m = entry.second;
-        if (!arrived || (*arrived)[m.init_thread]) m.published = true;
+        std::vector<bool>& visible = entry.second.visible_to;
+        bool seen = !took_part;
+        for (size_t t = 0; t < visible.size() && !seen; ++t) seen = visible[t] && (*took_part)[t];
+        if (!seen) continue;
+        for (size_t t = 0; t < visible.size(); ++t)
+            if (!took_part || (*took_part)[t]) visible[t] = true;
     }
 }
 
@@ -115,7 +116,9 @@ void mbarrier_init(void* bar, unsigned count) {
     if (b->mbarriers.count(offset))
         fail(format("mbarrier.init: shared offset %u holds a valid mbarrier already (an init of it is undefined: "
                     "mbarrier.inval first)", offset));
-    b->mbarriers[offset] = Mbarrier{count, count, 0, 0, tl_fiber->linear, false, false};
+    Mbarrier m{count, count, 0, 0, tl_fiber->linear, std::vector<bool>(b->fibers.size(), false)};
+    m.visible_to[tl_fiber->linear] = true;
+    b->mbarriers[offset] = std::move(m);
     std::memcpy(b->dynamic_shared + offset, &kMbarrierCanary, 8);
 }
 
@@ -333,9 +336,7 @@ void tma_load(void* smem, const void* map, const int* coords, void* bar) {
     const char* what = "cp.async.bulk.tensor (load)";
     TmaCopy c = tma_copy(map, coords, smem, what);
     c.bar = mbarrier_offset(bar, what);
-    if (!mbarrier_at(c.bar, what).fenced)
-        fail(format("%s: the init of the mbarrier at shared offset %u it signals is not visible to TMA (no "
-                    "fence.mbarrier_init by the initialising thread after its mbarrier.init)", what, c.bar));
+    mbarrier_at(c.bar, what);
     bool waited_on = false;
     for (const Fiber& f : tl_block->fibers) waited_on |= f.state == State::AtMbarrier && f.waits_on == c.bar;
     if (waited_on || tma_now()) tma_land(c);
@@ -492,6 +493,15 @@ static void set_max_registers_fn(void* const* lanes, unsigned) {
     if (first.fields[0] != op.count || first.fields[1] != op.increase)
         fail(format("setmaxnreg: warps of warpgroup %u execute setmaxnreg.%s %llu and setmaxnreg.%s %u", warp / 4,
                     first.fields[1] ? "inc" : "dec", first.fields[0], op.increase ? "inc" : "dec", op.count));
+    // The PTX ISA: the warpgroup's warps synchronise between one setmaxnreg and the next, so none
+    // may start its next before all executed this one (a schedule running a warp ahead shows it).
+    const WarpgroupSequence& seq = b->warpgroup_sequences[{kSetMaxRegisters, warp / 4}];
+    const unsigned long long index = seq.executed[warp % 4] - 1;
+    for (unsigned w = 0; w < 4; ++w)
+        if (seq.executed[w] < index)
+            fail(format("setmaxnreg: warp %u executes its warpgroup's setmaxnreg number %llu before warp %u executed "
+                        "number %llu (the warpgroup must synchronise between them)", warp, index + 1, 4 * (warp / 4) + w,
+                        index));
     const unsigned current = b->warp_registers[warp], launch = launch_registers_per_thread(b->fibers.size());
     if (current && (op.increase ? op.count < current : op.count > current))
         fail(format("setmaxnreg.%s %u: warp %u holds %u registers per thread already", op.increase ? "inc" : "dec",

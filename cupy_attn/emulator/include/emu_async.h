@@ -34,13 +34,9 @@ WarpgroupInstruction warpgroup_instruction(WarpgroupKind kind, const WarpgroupIn
 // transaction count stays within +-(2^20 - 1)), and the parity waits: test_wait answers without
 // blocking, wait sleeps until the phase the parity means to this thread completed.
 void mbarrier_init(void* bar, unsigned count);
-// fence.mbarrier_init: the inits this thread made so far are visible to the async proxy, whose TMA
-// copies complete transactions on them (a TMA load on an mbarrier whose init no such fence covers
-// fails).
-void fence_mbarrier_init();
-// A barrier completed: the inits of the mbarriers whose initialising thread took part (`arrived`,
-// by thread; null: every thread) are visible to every thread now.
-void publish_mbarriers(Block& b, const std::vector<bool>* arrived);
+// A barrier completed among the threads that `took_part` (by thread; null: every thread): an
+// mbarrier one of them could use, each of them can now.
+void publish_mbarriers(Block& b, const std::vector<bool>* took_part);
 void mbarrier_arrive(void* bar, unsigned expect_tx_bytes, bool arrive, const char* what);
 void mbarrier_complete_tx(void* bar, unsigned bytes, const char* what);
 bool mbarrier_test_wait(const void* bar, unsigned parity);

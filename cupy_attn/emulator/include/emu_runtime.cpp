@@ -379,7 +379,14 @@ unsigned vote(unsigned mask, int predicate, const char* what) {
     return op.result;
 }
 
-void no_op_fn(void* const*, unsigned) {}
+void syncwarp_fn(void* const*, unsigned mask) {
+    Block* b = tl_block;
+    std::vector<bool> took_part(b->fibers.size(), false);
+    const unsigned first = tl_fiber->linear & ~31u;
+    for (unsigned l = 0; l < 32; ++l)
+        if (mask >> l & 1u) took_part[first + l] = true;
+    publish_mbarriers(*b, &took_part);
+}
 
 int launch(void (*invoke)(void**), const unsigned* grid, const unsigned* block, size_t shared_bytes, void** args,
            int schedule, unsigned long long seed, int workers, size_t stack_bytes, char* error, size_t error_size,

@@ -108,11 +108,10 @@ struct Mbarrier {
     unsigned expected = 0, pending = 0;
     long long tx = 0;
     long long phase = 0;
-    // Until a barrier published the init (a __syncthreads, or a named barrier the initialising
-    // thread took part in), only the initialising thread may use it.
+    // The threads that may use it: the initialising one, and those that passed a barrier with it
+    // since (a __syncthreads, or a named barrier or __syncwarp they took part in).
     unsigned init_thread = 0;
-    bool published = false;
-    bool fenced = false;  // a fence.mbarrier_init by the initialising thread made the init visible to TMA
+    std::vector<bool> visible_to;
 };
 
 // A warpgroup-wide instruction (setmaxnreg, wgmma.mma_async) as one warp executed it: its kind's
@@ -210,7 +209,7 @@ int block_barrier(int vote);
 // The last lane of `mask` to arrive runs `fn` for all (struct Collective); a lane outside the
 // mask, or lanes of one mask in different collectives, fail the block.
 void warp_collective(unsigned mask, void* operand, CollectiveFn fn, const char* what);
-void no_op_fn(void* const*, unsigned);  // __syncwarp's collective
+void syncwarp_fn(void* const*, unsigned mask);  // __syncwarp's collective
 unsigned vote(unsigned mask, int predicate, const char* what);  // the ballot of `mask`'s lanes
 void check_width(int width, const char* what);  // a shuffle's width: a power of two in [1, 32]
 
