@@ -673,7 +673,8 @@ __device__ __forceinline__ bool elect_one(u32 mask = 0xffffffffu) {
 
 // setmaxnreg: this warpgroup's per-thread register count becomes kCount (24..256, a multiple of
 // 8), raised (kIncrease) from or lowered to the pool the block shares; all four warps of the
-// warpgroup execute the same one. Producer warps lower theirs so that consumer warps can raise.
+// warpgroup execute the same one, and synchronise before the next. Producer warps lower theirs so
+// that consumer warps can raise: a raise waits until the pool has the registers.
 template <int kCount, bool kIncrease>
 __device__ __forceinline__ void set_max_registers() {
     static_assert(kCount >= 24 && kCount <= 256 && kCount % 8 == 0, "setmaxnreg takes 24..256 registers, a multiple of 8");
