@@ -381,6 +381,7 @@ unsigned vote(unsigned mask, int predicate, const char* what) {
 
 void syncwarp_fn(void* const*, unsigned mask) {
     Block* b = tl_block;
+    if (b->mbarriers.empty()) return;  // nothing to publish
     std::vector<bool> took_part(b->fibers.size(), false);
     const unsigned first = tl_fiber->linear & ~31u;
     for (unsigned l = 0; l < 32; ++l)
