@@ -173,6 +173,23 @@ def test_mbarrier_init_ordered_by_syncwarp_does_not_serve_another_warp(sync):
         sync.get_function("mbarrier_in_one_warp")(1, 64, (I32(1), np.zeros(64, np.int32)), shared_mem=16)
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_mbarrier_init_ordered_by_a_named_barrier_serves_the_threads_waiting_at_it(sync, schedule):
+    out = np.zeros(64, np.int32)
+    sync.get_function("mbarrier_after_named_barrier")(1, 64, (I32(0), out), shared_mem=16, schedule=schedule)
+    assert (out == 1).all()
+
+
+def test_mbarrier_init_does_not_serve_threads_that_only_arrived_at_the_barrier(sync):
+    # The reverse schedule runs warp 1 first: it arrives and goes on before thread 0 initialised
+    # (no mbarrier yet); the forward one, after (not ordered after the init).
+    for schedule, message in (("forward", r"initialised by thread 0, is used by thread \d+ before a barrier published"),
+                              ("reverse", "no mbarrier is initialised at shared offset 0")):
+        with pytest.raises(EmulatorError, match=message):
+            sync.get_function("mbarrier_after_named_barrier")(1, 64, (I32(1), np.zeros(64, np.int32)), shared_mem=16,
+                                                              schedule=schedule)
+
+
 # ---- named barriers -----------------------------------------------------------------------------
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_named_barriers_alternate_two_warps(sync, schedule):

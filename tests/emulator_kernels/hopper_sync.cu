@@ -65,6 +65,18 @@ extern "C" __global__ void mbarrier_in_one_warp(int both_warps, int* out) {
     out[threadIdx.x] = 1;
 }
 
+// Thread 0 initialises; named barrier 1 of both warps orders the init before warp 1's arrivals,
+// which wait at it (bar.sync), or, with `arrive_only`, go on at once (bar.arrive): a misuse.
+extern "C" __global__ void mbarrier_after_named_barrier(int arrive_only, int* out) {
+    extern __shared__ __align__(16) unsigned long long bars[];
+    if (threadIdx.x == 0) ptx::mbarrier_init(bars, 32);
+    if (threadIdx.x < 32 || !arrive_only) ptx::named_barrier_sync(1, 64);
+    else ptx::named_barrier_arrive(1, 64);
+    if (threadIdx.x >= 32) ptx::mbarrier_arrive(bars);
+    ptx::mbarrier_wait(bars, 0);
+    out[threadIdx.x] = 1;
+}
+
 // Two arrivals expected, one made: every thread waits forever.
 extern "C" __global__ void mbarrier_deadlock(int* out) {
     extern __shared__ __align__(16) unsigned long long bars[];

@@ -91,16 +91,16 @@ static Mbarrier& mbarrier_at(unsigned offset, const char* what, bool by_thread =
     return it->second;
 }
 
-// A barrier orders the init before what every thread taking part does after it, if one of them
-// could use the mbarrier already.
-void publish_mbarriers(Block& b, const std::vector<bool>* took_part) {
+// A barrier orders the init before what each thread waiting at it does after it, if one of the
+// threads arriving could use the mbarrier already.
+void publish_mbarriers(Block& b, const std::vector<bool>* arrived, const std::vector<bool>* waited) {
     for (auto& entry : b.mbarriers) {
         std::vector<bool>& visible = entry.second.visible_to;
-        bool seen = !took_part;
-        for (size_t t = 0; t < visible.size() && !seen; ++t) seen = visible[t] && (*took_part)[t];
+        bool seen = !arrived;
+        for (size_t t = 0; t < visible.size() && !seen; ++t) seen = visible[t] && (*arrived)[t];
         if (!seen) continue;
         for (size_t t = 0; t < visible.size(); ++t)
-            if (!took_part || (*took_part)[t]) visible[t] = true;
+            if (!waited || (*waited)[t]) visible[t] = true;
     }
 }
 
@@ -396,7 +396,11 @@ void named_barrier(unsigned id, unsigned count, bool wait) {
     nb.arrivals[f->linear] = true;
     if (++nb.arrived == nb.count) {
         nb.arrived = 0;
-        publish_mbarriers(*b, &nb.arrivals);
+        std::vector<bool> waited(b->fibers.size(), false);  // bar.arrive's threads go on without waiting
+        waited[f->linear] = wait;
+        for (Fiber& other : b->fibers)
+            if (other.state == State::AtNamedBarrier && other.waits_on == id) waited[other.linear] = true;
+        publish_mbarriers(*b, &nb.arrivals, &waited);
         for (Fiber& other : b->fibers)
             if (other.state == State::AtNamedBarrier && other.waits_on == id) other.state = State::Ready;
         return;

@@ -34,9 +34,9 @@ WarpgroupInstruction warpgroup_instruction(WarpgroupKind kind, const WarpgroupIn
 // transaction count stays within +-(2^20 - 1)), and the parity waits: test_wait answers without
 // blocking, wait sleeps until the phase the parity means to this thread completed.
 void mbarrier_init(void* bar, unsigned count);
-// A barrier completed among the threads that `took_part` (by thread; null: every thread): an
-// mbarrier one of them could use, each of them can now.
-void publish_mbarriers(Block& b, const std::vector<bool>* took_part);
+// A barrier completed: an mbarrier that one of the threads that `arrived` could use, each thread
+// that `waited` at the barrier can use now (by thread; null: every thread).
+void publish_mbarriers(Block& b, const std::vector<bool>* arrived, const std::vector<bool>* waited);
 void mbarrier_arrive(void* bar, unsigned expect_tx_bytes, bool arrive, const char* what);
 void mbarrier_complete_tx(void* bar, unsigned bytes, const char* what);
 bool mbarrier_test_wait(const void* bar, unsigned parity);

@@ -156,7 +156,7 @@ static void run_block(Launch& L, unsigned long long linear_block) {
         // __syncthreads releases when every thread that has not exited arrived (sm_70+).
         if (waiting == b.live) {
             b.barrier_result = votes;
-            publish_mbarriers(b, nullptr);
+            publish_mbarriers(b, nullptr, nullptr);
             for (Fiber& f : b.fibers)
                 if (f.state == State::AtBarrier) f.state = State::Ready;
         } else if (!ran) {
@@ -386,7 +386,7 @@ void syncwarp_fn(void* const*, unsigned mask) {
     const unsigned first = tl_fiber->linear & ~31u;
     for (unsigned l = 0; l < 32; ++l)
         if (mask >> l & 1u) took_part[first + l] = true;
-    publish_mbarriers(*b, &took_part);
+    publish_mbarriers(*b, &took_part, &took_part);
 }
 
 int launch(void (*invoke)(void**), const unsigned* grid, const unsigned* block, size_t shared_bytes, void** args,

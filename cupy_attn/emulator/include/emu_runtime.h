@@ -108,8 +108,8 @@ struct Mbarrier {
     unsigned expected = 0, pending = 0;
     long long tx = 0;
     long long phase = 0;
-    // The threads that may use it: the initialising one, and those that passed a barrier with it
-    // since (a __syncthreads, or a named barrier or __syncwarp they took part in).
+    // The threads that may use it: the initialising one, and those a barrier has since ordered
+    // after one of them (a __syncthreads, __syncwarp, or a named barrier they waited at).
     unsigned init_thread = 0;
     std::vector<bool> visible_to;
 };
