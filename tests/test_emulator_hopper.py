@@ -160,10 +160,12 @@ def test_mbarrier_init_without_a_barrier_before_use_fails(schedule, message):
                                             schedule=schedule)
 
 
+@pytest.mark.parametrize("kernel", ["mbarrier_in_one_warp", "mbarrier_after_named_barrier"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_mbarrier_init_ordered_by_syncwarp_serves_its_warp(sync, schedule):
+def test_mbarrier_init_ordered_by_a_barrier_serves_the_threads_it_orders(sync, kernel, schedule):
+    # __syncwarp for its warp; a named barrier for the threads waiting at it
     out = np.zeros(64, np.int32)
-    sync.get_function("mbarrier_in_one_warp")(1, 64, (I32(0), out), shared_mem=16, schedule=schedule)
+    sync.get_function(kernel)(1, 64, (I32(0), out), shared_mem=16, schedule=schedule)
     assert (out == 1).all()
 
 
@@ -171,13 +173,6 @@ def test_mbarrier_init_ordered_by_syncwarp_does_not_serve_another_warp(sync):
     with pytest.raises(EmulatorError,
                        match=r"initialised by thread 0, is used by thread (3[2-9]|[45]\d|6[0-3]) before a barrier published"):
         sync.get_function("mbarrier_in_one_warp")(1, 64, (I32(1), np.zeros(64, np.int32)), shared_mem=16)
-
-
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_mbarrier_init_ordered_by_a_named_barrier_serves_the_threads_waiting_at_it(sync, schedule):
-    out = np.zeros(64, np.int32)
-    sync.get_function("mbarrier_after_named_barrier")(1, 64, (I32(0), out), shared_mem=16, schedule=schedule)
-    assert (out == 1).all()
 
 
 def test_mbarrier_init_does_not_serve_threads_that_only_arrived_at_the_barrier(sync):
