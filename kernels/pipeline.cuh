@@ -25,9 +25,9 @@ struct StageRing {
     unsigned long long empty[kStages];
 
     // One thread, then ptx::fence_mbarrier_init (once after all its inits) and a block barrier:
-    // `consumers` threads release each stage, `producers`
-    // threads arrive on its full barrier (one announcing the bytes, the others once their own
-    // stores into the stage are done; in any order: the phase needs every arrival and byte).
+    // `consumers` threads release each stage, `producers` threads arrive on its full barrier (one
+    // announcing the bytes, the others once their own stores into the stage are done; in any
+    // order: the phase needs every arrival and byte).
     __device__ __forceinline__ void init(unsigned consumers, unsigned producers = 1) {
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {

@@ -399,10 +399,11 @@ void named_barrier(unsigned id, unsigned count, bool wait) {
         std::vector<bool> waited(b->fibers.size(), false);  // bar.arrive's threads go on without waiting
         waited[f->linear] = wait;
         for (Fiber& other : b->fibers)
-            if (other.state == State::AtNamedBarrier && other.waits_on == id) waited[other.linear] = true;
+            if (other.state == State::AtNamedBarrier && other.waits_on == id) {
+                waited[other.linear] = true;
+                other.state = State::Ready;
+            }
         publish_mbarriers(*b, &nb.arrivals, &waited);
-        for (Fiber& other : b->fibers)
-            if (other.state == State::AtNamedBarrier && other.waits_on == id) other.state = State::Ready;
         return;
     }
     if (!wait) return;
@@ -454,6 +455,11 @@ static unsigned launch_registers_per_thread(size_t threads) {
     return static_cast<unsigned>(std::min<size_t>(256, kRegisterFile / threads / 8 * 8));
 }
 
+// The block's pool: every thread at the launch's count.
+static unsigned long long register_pool(const Block& b) {
+    return b.fibers.size() * launch_registers_per_thread(b.fibers.size());
+}
+
 // A warp's registers per thread, counted at the launch's until its first setmaxnreg.
 static unsigned registers_per_thread(const Block& b, size_t warp) {
     return b.warp_registers[warp] ? b.warp_registers[warp] : launch_registers_per_thread(b.fibers.size());
@@ -468,10 +474,9 @@ static unsigned long long registers_held(const Block& b, size_t warp, unsigned c
 
 // Give waiting .inc requests, in warp order, what the pool now has.
 static void grant_register_requests(Block& b) {
-    const unsigned long long pool = b.fibers.size() * launch_registers_per_thread(b.fibers.size());
     for (size_t w = 0; w < b.warp_registers.size(); ++w) {
         const unsigned count = b.warp_register_requests[w];
-        if (!count || registers_held(b, w, count) > pool) continue;
+        if (!count || registers_held(b, w, count) > register_pool(b)) continue;
         b.warp_registers[w] = count;
         b.warp_register_requests[w] = 0;
         for (size_t t = 32 * w; t < 32 * w + 32; ++t)
@@ -553,13 +558,12 @@ std::string async_waits_report(const Block& b) {
                              "arrivals pending, transaction count %lld);", threads.c_str(), phase, offset, m.pending,
                              m.expected, m.tx);
     }
-    const unsigned long long pool =
-        b.warp_registers.empty() ? 0 : b.fibers.size() * launch_registers_per_thread(b.fibers.size());
     for (size_t w = 0; w < b.warp_register_requests.size(); ++w)
         if (b.warp_register_requests[w])
             report += format(" warp %zu waits in setmaxnreg.inc %u: the block's warps hold %llu of the launch's %llu "
                              "registers (%u per thread of %zu) and no setmaxnreg.dec will return them;", w,
-                             b.warp_register_requests[w], registers_held(b, w, registers_per_thread(b, w)), pool,
+                             b.warp_register_requests[w], registers_held(b, w, registers_per_thread(b, w)),
+                             register_pool(b),
                              launch_registers_per_thread(b.fibers.size()), b.fibers.size());
     for (unsigned id = 1; id < 16; ++id) {
         std::string threads;
