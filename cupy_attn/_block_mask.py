@@ -18,6 +18,7 @@ import weakref
 import numpy as np
 
 from ._arrays import is_integer, module_of
+from . import mods
 from .mods import MaskMod
 
 
@@ -43,8 +44,7 @@ class BlockMask:
         kv = xp.arange(sk)
         for m in range(m_tiles):
             rows = xp.arange(m * block_m, min((m + 1) * block_m, sq))[:, None]
-            allowed = xp.broadcast_to(xp.asarray(self.mask_mod.numpy(bi, hi, rows, kv, **self.mask_mod.arguments),
-                                                 dtype=bool), (b, h, rows.shape[0], sk))
+            allowed = mods.twin(self.mask_mod, bi, hi, rows, kv, shape=(b, h, rows.shape[0], sk), xp=xp)
             for out, reduce, pad in ((nonempty, xp.any, False), (full, xp.all, True)):
                 padded = xp.full((b, h, n_tiles * block_n), pad, dtype=bool)  # keys past Sk decide nothing
                 padded[..., :sk] = reduce(allowed, axis=2)

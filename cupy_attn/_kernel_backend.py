@@ -263,11 +263,7 @@ def _common_args(problem: Problem, q, k, v, fourth, tiles: tuple | None = None) 
     mask, mask_strides, mask_kind = _mask_arguments(p)
     slopes = p.xp.zeros(1, np.float32) if p.alibi_slopes is None else p.xp.ascontiguousarray(p.alibi_slopes, dtype=np.float32)
     sinks = p.xp.zeros(1, np.float32) if p.sinks is None else p.xp.ascontiguousarray(p.sinks, dtype=np.float32)
-    left, right = p.window if p.window is not None else (None, None)
-    # A side wider than both sequences reaches every key: clamped there, so that the kernels' band
-    # arithmetic (row + offset ± side, BlockInfo::key_band) cannot overflow an int.
-    reach = p.seq_q + p.seq_k
-    left, right = (None if side is None else min(side, reach) for side in (left, right))
+    left, right = p.window if p.window is not None else (None, None)  # clamped to Sq + Sk (_problem._window)
     drop = p.dropout
     dropout = ((np.uint64(0), np.uint32(0), np.uint32(0), F32(1.0)) if drop is None else
                (np.uint64(drop.seed), np.uint32(drop.offset), np.uint32(drop.threshold), F32(drop.scale)))

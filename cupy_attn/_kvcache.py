@@ -164,7 +164,37 @@ def _append_slots(table, xp, seqlens: np.ndarray, seq_new: int, page_size: int):
         raise ValueError(f"new k, v row {t0} of batch entry {b0} and row {t1} of entry {b1} would both be written to "
                          f"page {pages[b0, t0]}, row {rows[b0, t0]} of the cache; entries that append must not share "
                          "cache rows (check block_table / cache_batch_idx)")
+    _check_no_append_is_read_by_another(table, xp, seqlens + seq_new, pages, rows, page_size)
     return pages, rows
+
+
+def _check_no_append_is_read_by_another(table, xp, kv_lengths: np.ndarray, pages, rows, page_size: int) -> None:
+    """No entry may append into a row that another entry attends (a page they share, a prefix):
+    whether that entry read the old k, v or the new would depend on the order of the writes and
+    the reads. Only the table's cells holding a written page come to the host."""
+    batch, seq_new = pages.shape
+    kept = xp.arange(table.shape[1])[None, :] < xp.asarray(-(-kv_lengths // page_size))[:, None]
+    cells = host_ints(xp, xp.argwhere(kept & xp.isin(table, xp.asarray(np.unique(pages))))).reshape(-1, 2)
+    if not cells.size:
+        return
+    reader, column = cells[:, 0], cells[:, 1]
+    read_page = host_ints(xp, table[xp.asarray(reader), xp.asarray(column)])
+    read_rows = np.minimum(page_size, kv_lengths[reader] - column * page_size)  # rows [0, read_rows) of the page
+    # Pair every such cell with every write into its page (writes sorted by page).
+    order = np.argsort(pages.ravel(), kind="stable")
+    written_page, writer, written_row = (x[order] for x in (pages.ravel(), np.arange(pages.size) // seq_new,
+                                                            rows.ravel()))
+    first = np.searchsorted(written_page, read_page, "left")
+    count = np.searchsorted(written_page, read_page, "right") - first
+    cell = np.repeat(np.arange(len(read_page)), count)
+    write = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count) + np.repeat(first, count)
+    clash = np.flatnonzero((writer[write] != reader[cell]) & (written_row[write] < read_rows[cell]))
+    if clash.size:
+        w, c = write[clash[0]], cell[clash[0]]
+        raise ValueError(f"batch entry {writer[w]} would append into page {written_page[w]}, row {written_row[w]} of "
+                         f"the cache, which entry {reader[c]} attends (its keys {column[c] * page_size}.."
+                         f"{column[c] * page_size + read_rows[c] - 1} are on that page); entries may share pages only "
+                         "where none of them appends (check block_table / cache_batch_idx)")
 
 
 def _num_splits(num_splits) -> int:

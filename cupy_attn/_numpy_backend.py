@@ -119,8 +119,7 @@ class _Tiles:
             keep = both(keep, self.mask[:, :, :, i0:i1, j0:j1])
         if p.mask_mod is not None:
             shape = (p.batch, p.kv_heads, p.groups, i1 - i0, j1 - j0)
-            allowed = p.mask_mod.numpy(*self.mod_indices(i0, i1, j0, j1), **p.mask_mod.arguments)
-            keep = both(keep, np.broadcast_to(np.asarray(allowed, dtype=bool), shape))
+            keep = both(keep, mods.twin(p.mask_mod, *self.mod_indices(i0, i1, j0, j1), shape=shape))
         return keep
 
     def scores(self, q_rows, i0: int, i1: int, j0: int, j1: int):
@@ -146,7 +145,7 @@ class _Tiles:
             if self.backward and p.score_mod.grad != "additive":
                 slope = mods.derivative(p.score_mod, s5.astype(np.float64), *indices)
                 chain = slope if chain is None else chain * slope
-            s5[...] = p.score_mod.numpy(s5, *indices, **p.score_mod.arguments)
+            s5[...] = mods.twin(p.score_mod, s5, *indices, shape=s5.shape)
         if chain is not None:
             chain = np.broadcast_to(chain, s5.shape).astype(s.dtype).reshape(s.shape)
         if self.mask is not None and not self.mask_is_bool:

@@ -88,7 +88,7 @@ class Dropout:
         bh = (np.arange(batch)[:, None] * heads + np.arange(heads)[None, :])[:, :, None, None]
         counter = (np.arange(g0, g1)[None, None, None, :], np.arange(i0, i1)[None, None, :, None], bh, self.offset)
         words = np.stack(philox(counter, key), axis=-1)  # (B, H, m, groups, 4): keys 4·group + lane
-        words = words.reshape(words.shape[:3] + (-1,))[..., j0 - 4 * g0:j1 - 4 * g0]
+        words = words.reshape(words.shape[:3] + (4 * (g1 - g0),))[..., j0 - 4 * g0:j1 - 4 * g0]
         return words >= np.uint32(self.threshold)
 
 

@@ -127,28 +127,40 @@ def _causal(causal) -> str | None:
     )
 
 
-def _window(window):
+def _window(window, reach: int):
+    """(left, right) with None for an unbounded side, or None for no window. A side of at least
+    ``reach`` (Sq + Sk: more than any query's distance to any key) reaches every key, and is
+    clamped there, so that no backend's band arithmetic (row + offset ± side) can overflow."""
     if window is None:
         return None
-    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise ValueError(f"window must be a pair (left, right) of non-negative ints or None, got {window!r}")
     sides = []
     for side, value in zip(("left", "right"), window):
         if value is None:
             sides.append(None)
         elif is_integer(value) and value >= 0:
-            sides.append(int(value))
+            sides.append(min(int(value), reach))
         else:
             raise ValueError(f"window {side} must be a non-negative int or None, got {value!r}")
     return None if sides == [None, None] else tuple(sides)
 
 
-def _positive_real(name: str, value) -> float:
+def _positive_real(name: str, value, dtype: np.dtype) -> float:
+    """A finite positive number that stays finite in the compute dtype of ``dtype``, where the
+    scores are computed (1e39 passes as a float but is inf in float32)."""
     if not is_real_number(value):
         raise TypeError(f"{name} must be a real number, got {describe(value)}")
-    value = float(value)
+    largest = float(np.finfo(compute_dtype(dtype)).max)
+    try:
+        value = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be finite and positive, got {value!r:.40}, too large for a float") from None
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be finite and positive, got {value!r}")
+    if value > largest:
+        raise ValueError(f"{name} must be at most {largest:.4g}, the largest {compute_dtype(dtype)} (the scores' "
+                         f"dtype), got {value!r}")
     return value
 
 
@@ -157,7 +169,11 @@ def _integer_array(name: str, x, xp, list_dtype, expected: str):
     else that is not an array of ``xp`` is a TypeError saying what was ``expected``."""
     if module_of(x) is None:
         if isinstance(x, (list, tuple)) and all(is_integer(v) for v in x):
-            return xp.asarray(np.asarray(x, dtype=list_dtype))
+            try:
+                return xp.asarray(np.asarray(x, dtype=list_dtype))
+            except OverflowError:
+                raise ValueError(f"{name} holds a value outside the range of {np.dtype(list_dtype)}, got "
+                                 f"{min(x)}..{max(x)}") from None
         raise TypeError(f"{name} must be {expected}, got {describe(x)}")
     require_array(name, x, xp)
     return x
@@ -187,7 +203,11 @@ def _per_head(name: str, values, xp, heads: int, dtype: np.dtype, *, batch: int 
     if module_of(values) is None:
         if not isinstance(values, (list, tuple)):
             raise TypeError(f"{name} must be a float array of shape {shapes}, got {describe(values)}")
-        values = xp.asarray(np.asarray(values, dtype=np.float64))
+        try:
+            values = xp.asarray(np.asarray(values, dtype=np.float64))
+        except (TypeError, ValueError, OverflowError):
+            raise TypeError(f"{name} must be a float array of shape {shapes}, got a {type(values).__name__} "
+                            f"that is not a rectangular list of numbers: {values!r:.80}") from None
     require_array(name, values, xp)
     if values.dtype.kind not in kinds:
         raise TypeError(f"{name} must hold {kind_name}, got dtype {values.dtype}")
@@ -247,7 +267,7 @@ def _block_mask(block_mask, mask_mod, xp, shape: tuple):
     return block_mask, block_mask.mask_mod
 
 
-def _mask(mask, xp, target: tuple[int, int, int, int]):
+def _mask(mask, xp, target: tuple[int, int, int, int], q_dtype: np.dtype):
     if mask is None:
         return None
     require_array("mask", mask, xp)
@@ -261,8 +281,16 @@ def _mask(mask, xp, target: tuple[int, int, int, int]):
         raise ValueError(
             f"mask of shape {tuple(mask.shape)} does not broadcast to (B, H, Sq, Sk) = {target}"
         )
-    if dtype != np.bool_ and mask.size and bool(xp.isnan(mask).any() | xp.isposinf(mask).any()):
-        raise ValueError("a float mask may hold finite values and -inf, not NaN or +inf")
+    if dtype != np.bool_ and mask.size:
+        if bool(xp.isnan(mask).any() | xp.isposinf(mask).any()):
+            raise ValueError("a float mask may hold finite values and -inf, not NaN or +inf")
+        scores = compute_dtype(q_dtype)
+        if dtype.itemsize > scores.itemsize:
+            # Added to scores of a narrower type, a finite value past its range would become ±inf.
+            largest = np.finfo(scores).max
+            if bool(((mask > largest) | ((mask < -largest) & xp.isfinite(mask))).any()):
+                raise ValueError(f"a float mask's finite values must lie within ±{float(largest):.4g}, the range "
+                                 f"of {scores} (the scores' dtype for {q_dtype} inputs)")
     return mask
 
 
@@ -300,9 +328,9 @@ def _features(problem_fields: dict, xp, batch: int, heads: int, dtype, head_dim:
     return dict(
         problem_fields,
         causal=_causal(causal),
-        window=_window(window),
-        scale=1.0 / math.sqrt(head_dim) if scale is None else _positive_real("scale", scale),
-        softcap=None if softcap is None else _positive_real("softcap", softcap),
+        window=_window(window, problem_fields["seq_q"] + problem_fields["seq_k"]),
+        scale=1.0 / math.sqrt(head_dim) if scale is None else _positive_real("scale", scale, dtype),
+        softcap=None if softcap is None else _positive_real("softcap", softcap, dtype),
         alibi_slopes=_alibi(alibi_slopes, xp, batch, heads, dtype),
     )
 
@@ -384,7 +412,7 @@ def make_problem(q, k, v, *, mask=None, causal=False, window=None, q_lengths=Non
         dtype=dtype,
         q_lengths=_lengths("q_lengths", q_lengths, xp, b, sq, "Sq"),
         kv_lengths=_lengths("kv_lengths", kv_lengths, xp, b, sk, "Sk"),
-        mask=_mask(mask, xp, (b, h, sq, sk)), backend=backend, sinks=_sinks(sinks, xp, h, dtype),
+        mask=_mask(mask, xp, (b, h, sq, sk), dtype), backend=backend, sinks=_sinks(sinks, xp, h, dtype),
         dropout=check_dropout(dropout_p, dropout_seed, dropout_offset, b * h),
     )
     block_mask, mask_mod = _block_mask(block_mask, mask_mod, xp, (b, h, sq, sk))

@@ -152,6 +152,18 @@ def kernels(args) -> int:
         return memory(args)
     if args.boundary and not args.sass:
         raise SystemExit("python -m cupy_attn kernels: --boundary models the hot loop of --sass; give both")
+    if args.kernels:
+        known = {name.split("<")[0] for requested in args.arch for _, name, _ in _config.kernel_variants(requested)}
+        unknown = sorted(set(args.kernels) - known)
+        if unknown:
+            raise SystemExit(f"python -m cupy_attn kernels: no kernel named {', '.join(unknown)} for "
+                             f"{' '.join(args.arch)}; the kernels are: {', '.join(sorted(known))}")
+    if args.ptx_dir:
+        try:
+            args.ptx_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise SystemExit(f"python -m cupy_attn kernels: --ptx-dir {args.ptx_dir} is not a usable directory: "
+                             f"{error.strerror}") from None
     rows = []
     levels = _config.FEATURE_NAMES
     for requested in args.arch:
@@ -173,9 +185,11 @@ def kernels(args) -> int:
                     row.update(boundary_tile_report(filename, name, arch))
             rows.append(row)
             if args.ptx_dir:
-                args.ptx_dir.mkdir(parents=True, exist_ok=True)
                 stem = "_".join(re.findall(r"\w+", name))
                 (args.ptx_dir / f"{stem}_{dtype}_{arch}_{features}.ptx").write_text(c.ptx)
+    if not rows:
+        raise SystemExit("python -m cupy_attn kernels: no kernel variant matches --arch, --kernels, --dtypes and "
+                         "--features together (the tensor-core kernels take float16 and bfloat16 only)")
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
@@ -204,13 +218,19 @@ def kernels(args) -> int:
     return 1 if spills else 0
 
 
+def _seed(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return int(text)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cupy_attn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, GPU and backend availability").set_defaults(run=info)
     d = sub.add_parser("demo", help="multi-head attention on random inputs, checked against the float64 reference")
     d.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=_seed, default=0)
     d.set_defaults(run=demo)
     k = sub.add_parser("kernels", help="compile every kernel variant with NVRTC (no GPU needed): registers, spills, shared memory")
     k.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"], choices=("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a"))

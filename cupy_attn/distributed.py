@@ -92,7 +92,7 @@ def unshard(shards, *, layout="bhsd", load_balance="zigzag"):
 
 
 def _seq_axis(name: str, x, layout: str) -> int:
-    if x.ndim not in (3, 4):
+    if x.ndim != 4 and not (x.ndim == 3 and layout == "bhsd"):
         order = "(B, H, S, D)" if layout == "bhsd" else "(B, S, H, D)"
         raise ValueError(f"{name} must be 4-D {order} (or an lse (B, H, S) with layout 'bhsd'), got shape "
                          f"{tuple(x.shape)}")
@@ -176,14 +176,18 @@ def _from_bhsd(x, layout: str, dtype):
 def _circulate(ring, blocks):
     """Yield (source rank, blocks) P times: this rank's own blocks, then rank − 1's, rank − 2's,
     …, each received from the previous rank. The transfer of the next blocks is under way
-    while the caller computes on the current ones."""
-    spare = [require_array("blocks", b).empty_like(b) for b in blocks]
+    while the caller computes on the current ones.
+
+    ``blocks`` (which may be the caller's own k and v) are only read: blocks arrive in two sets
+    of buffers of this function's, in turn, each receiving while the other is sent on."""
+    xp = require_array("blocks", blocks[0])
+    landing = [[xp.empty_like(b) for b in blocks] for _ in range(min(2, ring.size - 1))]
     for step in range(ring.size):
-        transfer = ring.start(blocks, spare) if step < ring.size - 1 else None
+        transfer = ring.start(blocks, landing[step % 2]) if step < ring.size - 1 else None
         yield (ring.rank - step) % ring.size, blocks
         if transfer is not None:
             ring.wait(transfer)
-            blocks, spare = spare, blocks
+            blocks = landing[step % 2]
 
 
 def _merge_rows(target: str, out, lse, rows, part_out, part_lse) -> None:

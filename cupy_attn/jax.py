@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import api
+from ._arrays import describe, is_integer
 
 _ARRAY_KEYWORDS = ("mask", "q_lengths", "kv_lengths", "alibi_slopes", "sinks", "cu_seqlens_q", "cu_seqlens_k",
                    "dropout_seed")
@@ -127,8 +128,11 @@ def _call(function: str, q, k, v, deterministic, keywords):
         keywords["dropout_seed"] = jax.random.bits(key, (2,), jnp.uint32)  # the seed's low and high words
     elif keywords.get("dropout_seed") is not None:
         seed = keywords["dropout_seed"]
-        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 64:
-            raise TypeError(f"dropout_seed must be an int in [0, 2**64) (or pass dropout_key), got {seed!r}")
+        if not is_integer(seed):
+            raise TypeError(f"dropout_seed must be an int in [0, 2**64) (or pass dropout_key), got {describe(seed)}")
+        seed = int(seed)
+        if not 0 <= seed < 2 ** 64:
+            raise ValueError(f"dropout_seed must be in [0, 2**64), got {seed}")
         keywords["dropout_seed"] = np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)
     elif keywords.get("dropout_p", 0):
         raise TypeError("dropout_p > 0 needs dropout_key, a jax.random key (or an int dropout_seed)")

@@ -19,7 +19,11 @@ def _module(xp, like):
         if module is None:
             raise TypeError(f"like must be a NumPy or CuPy array, got {type(like).__name__}")
         return module
-    return np if xp is None else xp
+    if xp is None:
+        return np
+    if xp is not np and getattr(xp, "__name__", None) != "cupy":
+        raise TypeError(f"xp must be the numpy or cupy module, got {xp!r}")
+    return xp
 
 
 def _size(name: str, value) -> int:
@@ -70,7 +74,9 @@ def padding_mask(lengths, max_len, *, xp=None, like=None):
     j < lengths[b]. Broadcasts against (B, H, Sq, Sk) scores."""
     max_len = _size("max_len", max_len)
     if module_of(lengths) is None:
-        lengths = _module(xp, like).asarray(np.asarray(lengths))
+        if not isinstance(lengths, (list, tuple)) or not all(is_integer(n) for n in lengths):
+            raise TypeError(f"lengths must be a 1-D integer array or a list of ints, got {lengths!r:.80}")
+        lengths = _module(xp, like).asarray(np.asarray(lengths, dtype=np.int64))
     module = require_array("lengths", lengths)
     if lengths.ndim != 1 or lengths.dtype.kind not in "iu":
         raise ValueError(f"lengths must be a 1-D integer array, got shape {tuple(lengths.shape)} dtype {lengths.dtype}")
@@ -91,7 +97,11 @@ def combine(*masks):
         if m.dtype != bool:
             raise TypeError(f"masks[{i}] must be bool (True = may attend), got dtype {m.dtype}")
         if i:
-            result = result & m
+            try:
+                result = result & m
+            except ValueError:
+                raise ValueError(f"masks[{i}] of shape {tuple(m.shape)} does not broadcast with the masks before it "
+                                 f"(together of shape {tuple(result.shape)})") from None
     return result
 
 
@@ -101,6 +111,7 @@ def to_additive(mask, dtype):
     if mask.dtype != bool:
         raise TypeError(f"mask must be bool, got dtype {mask.dtype}")
     dtype = np.dtype(dtype)
-    if dtype.kind != "f" and dtype.name != "bfloat16":
-        raise TypeError(f"dtype must be a float dtype, got {dtype}")
+    if dtype.name not in ("float16", "bfloat16", "float32", "float64"):
+        raise TypeError(f"dtype must be float16, bfloat16, float32 or float64 (the float masks attention "
+                        f"takes), got {dtype}")
     return xp.where(mask, xp.zeros((), dtype=dtype), xp.full((), -np.inf, dtype=dtype))

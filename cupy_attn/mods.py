@@ -131,6 +131,38 @@ class MaskMod(_Mod):
 
 
 
+def twin(mod: _Mod, *args, shape: tuple, xp=np, values_checked: bool = True):
+    """``mod``'s NumPy twin evaluated at ``args`` (score and the index arrays, or the index arrays
+    alone for a MaskMod) with its tensors and scalars, checked and broadcast to ``shape``: a
+    ScoreMod's must be real numbers, finite or -inf (a masked pair) unless not
+    ``values_checked``; a MaskMod's must be bools. Whatever the twin does wrong is an error
+    naming the mod, never scores made of it."""
+    name = "score_mod" if isinstance(mod, ScoreMod) else "mask_mod"
+    try:
+        result = mod.numpy(*args, **mod.arguments)
+    except Exception as error:
+        raise ValueError(f"{name}'s numpy twin {mod!r} raised {type(error).__name__}: {error}") from error
+    if isinstance(result, (bool, int, float, np.generic)):
+        result = xp.asarray(result)
+    if module_of(result) is not xp:
+        raise TypeError(f"{name}'s numpy twin {mod!r} must return a {xp.__name__} array, got {describe(result)}")
+    if isinstance(mod, ScoreMod) and result.dtype.kind not in "fiu":
+        raise TypeError(f"{name}'s numpy twin {mod!r} must return real numbers (the modified scores), got dtype "
+                        f"{result.dtype}")
+    if isinstance(mod, MaskMod) and result.dtype != np.bool_:
+        raise TypeError(f"{name}'s numpy twin {mod!r} must return bools (True = may attend), got dtype {result.dtype}")
+    try:
+        result = xp.broadcast_to(result, shape)
+    except ValueError:
+        raise ValueError(f"{name}'s numpy twin {mod!r} returned shape {tuple(result.shape)}, which does not "
+                         f"broadcast to the scores' {shape}") from None
+    if isinstance(mod, ScoreMod) and values_checked and result.dtype.kind == "f" and bool(
+            (xp.isnan(result) | xp.isposinf(result)).any()):
+        raise ValueError(f"{name}'s numpy twin {mod!r} returned NaN or +inf; scores must be finite, or -inf to "
+                         "mask a pair")
+    return result
+
+
 def derivative(mod: ScoreMod, score, *indices):
     """d score_mod / d score of ``mod``'s NumPy twin at ``score`` (float64 array) and the index
     arrays: 1 for an additive mod, else a fourth-order central difference (the C grad expression
@@ -141,8 +173,8 @@ def derivative(mod: ScoreMod, score, *indices):
         return 1.0
     step = 1e-3 * np.maximum(1.0, np.abs(np.where(np.isfinite(score), score, 0.0)))
 
-    def at(shift):
-        return np.asarray(mod.numpy(score + shift * step, *indices, **mod.arguments), dtype=np.float64)
+    def at(shift):  # a shifted score may leave the twin's domain: NaN there becomes a slope of 0
+        return twin(mod, score + shift * step, *indices, shape=score.shape, values_checked=False).astype(np.float64)
 
     with np.errstate(invalid="ignore"):
         slope = (8 * (at(1) - at(-1)) - (at(2) - at(-2))) / (12 * step)

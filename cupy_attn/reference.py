@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import mods
+from ._arrays import require_array
 from ._philox import dropout_mask
 from ._problem import make_problem
 
@@ -57,7 +58,7 @@ def _allowed_and_biases(p):
         else:
             mask_bias = np.asarray(p.mask, dtype=np.float64)
     if p.mask_mod is not None:
-        allowed &= np.asarray(p.mask_mod.numpy(*_indices(p), **p.mask_mod.arguments), dtype=bool)
+        allowed &= mods.twin(p.mask_mod, *_indices(p), shape=allowed.shape)
     return allowed, bias, mask_bias
 
 
@@ -76,7 +77,7 @@ def _probabilities(p, q64, k64):
     modified = capped + bias
     if p.score_mod is not None:  # the oracle differentiates the twin whatever grad says
         slope = slope * mods.derivative(p.score_mod, modified, *_indices(p))
-        modified = np.asarray(p.score_mod.numpy(modified, *_indices(p), **p.score_mod.arguments), dtype=np.float64)
+        modified = mods.twin(p.score_mod, modified, *_indices(p), shape=modified.shape).astype(np.float64)
     s = np.where(allowed, modified + mask_bias, -np.inf)
     row_max = s.max(axis=-1, keepdims=True, initial=-np.inf)
     sink = None if p.sinks is None else np.asarray(p.sinks, np.float64)[None, :, None, None]
@@ -120,6 +121,9 @@ def attention_gradients(dout, q, k, v, **kwargs):
     """Analytic float64 gradients (dq, dk, dv) of sum(out · dout), in the inputs' layout, and
     dsinks (H,) after them when sinks are given."""
     p, q64, k64, v64, bhsd = _problem_and_inputs(q, k, v, kwargs)
+    require_array("dout", dout, np)
+    if tuple(dout.shape) != p.out_shape:
+        raise ValueError(f"dout must have the output's shape {p.out_shape}, got {tuple(dout.shape)}")
     prob, lse, slope = _probabilities(p, q64, k64)
     do = bhsd(dout)
     factor = _dropout_factor(p)  # out = (P ∘ factor)·v: dv and dP each carry the factor once

@@ -34,9 +34,13 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if torch.is_grad_enabled():  # create_graph=True: the gradients would need a graph of their own
+            raise NotImplementedError("cupy_attn.torch's gradients are not differentiable: a backward with "
+                                      "create_graph=True (double backward, gradient penalties) is not supported")
         q, k, v, out, lse = ctx.saved_tensors
         grads = ctx.api_backward(dout, q, k, v, out, lse, *ctx.args, deterministic=ctx.deterministic, **ctx.keywords)
-        dsinks = grads[3] if len(grads) == 4 else None
+        # sinks may also be a list or a NumPy array, which takes no gradient
+        dsinks = grads[3] if len(grads) == 4 and ctx.needs_input_grad[3] else None
         return grads[0], grads[1], grads[2], dsinks, None, None, None, None
 
 

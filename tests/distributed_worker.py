@@ -66,9 +66,16 @@ def ring_case(comm, *, causal, load_balance, dtype, layout, h=4, hkv=2, d=8, dv=
     # Every collective call first, every check after: a rank whose check fails must not leave
     # the others waiting in a later collective.
     ring_kw = dict(kw, load_balance=load_balance, backend=backend)
-    out, lse = distributed.ring_attention(cut(q), cut(k), cut(v), comm, return_lse=True, **ring_kw)
+    # One set of shards for both passes, as the README's example does: the ring must only read them
+    # (from 3 ranks on it once received blocks into a contiguous caller's k and v).
+    shards = {"q": cut(q), "k": cut(k), "v": cut(v), "dout": cut(dout)}
+    unchanged = {name: x.copy() for name, x in shards.items()}
+    out, lse = distributed.ring_attention(shards["q"], shards["k"], shards["v"], comm, return_lse=True, **ring_kw)
     every_out = comm.allgather(out)
-    grads = distributed.ring_attention_backward(cut(dout), cut(q), cut(k), cut(v), out, lse, comm, **ring_kw)
+    grads = distributed.ring_attention_backward(shards["dout"], shards["q"], shards["k"], shards["v"], out, lse, comm,
+                                                **ring_kw)
+    for name, x in shards.items():
+        assert np.array_equal(x, unchanged[name]), f"the ring wrote into the caller's {name} shard"
     assert out.dtype == dtype and lse.dtype == want_lse.dtype, (out.dtype, lse.dtype)
     assert_close(out, cut(want_out), dtype, what="out")
     assert_close(lse, cut(want_lse, "bhsd"), dtype, what="lse")

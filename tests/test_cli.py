@@ -41,6 +41,22 @@ def test_kernels_selects_by_name():
     assert names == ["attention_bwd_preprocess", "attention_combine"], names
 
 
+def test_bad_arguments_are_errors_not_tracebacks(tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    cases = [
+        (("demo", "--seed", "-1"), "argument --seed: must be a non-negative integer, got '-1'"),
+        (("kernels", "--kernels", "no_such_kernel"), "no kernel named no_such_kernel for sm_80 sm_90; the kernels are: "),
+        # a filter that selects nothing must not pass as "every variant compiled"
+        (("kernels", "--json", "--kernels", "attention_fwd_tc", "--dtypes", "float32"), "no kernel variant matches"),
+        (("kernels", "--kernels", "attention_combine", "--ptx-dir", str(a_file)), f"--ptx-dir {a_file} is not a usable "),
+    ]
+    for args, message in cases:
+        result = run(*args)
+        assert result.returncode != 0 and message in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr, (args, result.stderr)
+
+
 def test_import_does_not_import_cupy_or_frameworks():
     code = "import sys, cupy_attn; print(sorted(m for m in ('cupy', 'torch', 'jax') if m in sys.modules))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -133,6 +133,15 @@ def test_shard_rejects_lengths_that_do_not_divide():
         unshard([x, x[:, :, :6]], load_balance="contiguous")
 
 
+def test_shard_takes_a_3d_lse_only_in_layout_bhsd():
+    lse = np.arange(32.0).reshape(1, 4, 8)  # (B, H, S): ring_attention's lse in every layout
+    assert shard(lse, 0, 2).shape == (1, 4, 4)
+    with pytest.raises(ValueError, match=r"x must be 4-D \(B, S, H, D\) \(or an lse \(B, H, S\) with layout 'bhsd'\)"):
+        shard(lse, 0, 2, layout="bshd")  # would have cut H
+    with pytest.raises(ValueError, match=r"shards\[0\] must be 4-D"):
+        unshard([shard(lse, r, 2) for r in range(2)], layout="bshd")
+
+
 class NcclCommunicator:  # stands for cupy.cuda.nccl.NcclCommunicator: the type the transport checks for
     __module__ = "cupy_backends.cuda.libs.nccl"
 

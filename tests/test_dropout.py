@@ -196,3 +196,16 @@ def test_dropout_mask_rejects_bad_shapes():
             cupy_attn.dropout_mask(shape, 0.1, 0)
     with pytest.raises(ValueError, match="dropout_p must be in"):
         cupy_attn.dropout_mask((1, 1, 1, 1), 1.5, 0)
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 3, 4), (1, 0, 3, 4), (1, 2, 0, 4), (1, 2, 3, 0)])
+def test_dropout_with_an_empty_axis(rng, shape):
+    b, h, sq, sk = shape
+    assert cupy_attn.dropout_mask(shape, 0.5, 1).shape == shape
+    q = rng.standard_normal((b, h, sq, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((b, max(h, 1), sk, 8)).astype(np.float32) for _ in range(2))  # H = 0: Hkv = 1
+    out, lse = cupy_attn.attention(q, k, v, dropout_p=0.1, return_lse=True)
+    grads = cupy_attn.attention_backward(np.ones_like(out), q, k, v, out, lse, dropout_p=0.1)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert not out.size or not out.any()  # Sk = 0: every row attends nothing
+    assert cupy_attn.reference.attention(q, k, v, dropout_p=0.1)[0].shape == out.shape

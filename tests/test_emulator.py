@@ -235,6 +235,14 @@ def test_launch_checks(basics):
     fn(1, 256, (x, x.copy()), shared_mem=64 * 1024)
 
 
+@pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5"])
+def test_a_bad_thread_count_in_the_environment_is_named(basics, monkeypatch, value):
+    monkeypatch.setenv("CUPY_ATTN_EMULATOR_THREADS", value)
+    x = np.zeros(256, np.float32)
+    with pytest.raises(ValueError, match=f"CUPY_ATTN_EMULATOR_THREADS must be a positive integer .* got {value!r}"):
+        basics.get_function("reverse_dynamic")(1, 256, (x, x))
+
+
 def test_name_expressions(basics):
     mod = module("basics.cu", names=["scaled<3>"])
     out = np.zeros(8, np.float32)

@@ -66,6 +66,19 @@ BAD_FORWARD = [
     ("alibi shape", lambda q, k, v: dict(alibi_slopes=np.ones(3)), ValueError, "alibi_slopes must have shape (4,) or (2, 4)"),
     ("alibi nan", lambda q, k, v: dict(alibi_slopes=np.full(4, np.nan)), ValueError, "alibi_slopes must be finite"),
     ("alibi string", lambda q, k, v: dict(alibi_slopes="0.5"), TypeError, "alibi_slopes must be a float array"),
+    ("alibi strings", lambda q, k, v: dict(alibi_slopes=["a"] * 4), TypeError, "alibi_slopes must be a float array"),
+    ("sinks ragged", lambda q, k, v: dict(sinks=[[1.0], [2.0, 3.0]]), TypeError, "sinks must be a float array"),
+    ("window dict", lambda q, k, v: dict(window={1: 0, 2: 0}), ValueError, "window must be a pair"),
+    ("kv_lengths past int64", lambda q, k, v: dict(kv_lengths=[2 ** 64, 1]), ValueError,
+     "kv_lengths holds a value outside the range of int64"),
+    ("scale past float", lambda q, k, v: dict(scale=10 ** 400), ValueError, "too large for a float"),
+    # Finite as Python floats, inf in the float32 the scores of float32 inputs are computed in.
+    ("scale past float32", lambda q, k, v: dict(scale=1e39), ValueError, "scale must be at most 3.403e+38, the largest float32"),
+    ("softcap past float32", lambda q, k, v: dict(softcap=1e39), ValueError, "softcap must be at most 3.403e+38"),
+    ("mask past float32", lambda q, k, v: dict(mask=np.full((7, 9), 1e39)), ValueError,
+     "a float mask's finite values must lie within ±3.403e+38"),
+    ("mask below float32", lambda q, k, v: dict(mask=np.where(np.eye(7, 9) > 0, -np.inf, -1e39)), ValueError,
+     "a float mask's finite values must lie within"),
 ]
 
 
@@ -162,10 +175,39 @@ def test_bad_mask_builder_input():
         masks.combine(np.ones(2, bool), np.ones(2))
     with pytest.raises(ValueError, match="combine needs at least one mask"):
         masks.combine()
-    with pytest.raises(TypeError, match="dtype must be a float dtype"):
-        masks.to_additive(np.ones(2, bool), np.int32)
+    for dtype in (np.int32, np.longdouble):
+        with pytest.raises(TypeError, match="dtype must be float16, bfloat16, float32 or float64"):
+            masks.to_additive(np.ones(2, bool), dtype)
     with pytest.raises(TypeError, match="like must be a NumPy or CuPy array"):
         masks.causal_mask(2, 2, like=[1])
+    with pytest.raises(TypeError, match="xp must be the numpy or cupy module, got 'numpy'"):
+        masks.causal_mask(2, 2, xp="numpy")
+    with pytest.raises(ValueError, match=r"masks\[1\] of shape \(4,\) does not broadcast .* \(2, 3\)"):
+        masks.combine(np.ones((2, 3), bool), np.ones(4, bool))
+    with pytest.raises(TypeError, match="lengths must be a 1-D integer array or a list of ints"):
+        masks.padding_mask([1.5], 3)
+    assert masks.padding_mask([], 3).shape == (0, 1, 1, 3)  # B = 0, which attention takes too
+
+
+def test_window_sides_past_every_key_are_unbounded(qkv):
+    # Clamped to Sq + Sk before any backend adds them to positions, where int64 would wrap.
+    for huge in (sys.maxsize, 2 ** 64):
+        for window, unbounded in (((0, huge), (0, None)), ((huge, 2), (None, 2))):
+            want = cupy_attn.attention(*qkv, window=unbounded, return_lse=True)
+            got = cupy_attn.attention(*qkv, window=window, return_lse=True)
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(g, w)
+            np.testing.assert_array_equal(cupy_attn.reference.attention(*qkv, window=window)[1],
+                                          cupy_attn.reference.attention(*qkv, window=unbounded)[1])
+
+
+def test_bad_reference_gradient_input(qkv):
+    q, k, v = qkv
+    out, _ = cupy_attn.reference.attention(q, k, v)
+    with pytest.raises(ValueError, match=r"dout must have the output's shape \(2, 4, 7, 8\), got \(2, 4, 7, 9\)"):
+        cupy_attn.reference.attention_gradients(np.ones((2, 4, 7, 9)), q, k, v)
+    with pytest.raises(TypeError, match="dout must be a NumPy or CuPy array, got list"):
+        cupy_attn.reference.attention_gradients(out.tolist(), q, k, v)
 
 
 def fake_cupy(monkeypatch, *, devices=1, nvrtc=(13, 0), headers="/site/nvidia/cu13/include"):

@@ -145,6 +145,9 @@ def test_dropout_key_eager_and_jit_agree_with_reference():
     assert not np.allclose(forward(jax.random.key(3)), forward(jax.random.key(4)))
     np.testing.assert_array_equal(cupy_attn.jax.attention(jq, jk, jv, dropout_p=0.2, dropout_seed=kw["dropout_seed"]),
                                   forward(key))
+    # any integer type, as cupy_attn.attention takes it
+    np.testing.assert_array_equal(cupy_attn.jax.attention(jq, jk, jv, dropout_p=0.2,
+                                                          dropout_seed=np.uint64(kw["dropout_seed"])), forward(key))
 
 
 def test_dropout_needs_a_key():
@@ -153,3 +156,7 @@ def test_dropout_needs_a_key():
         cupy_attn.jax.attention(jq, jk, jv, dropout_p=0.1)
     with pytest.raises(TypeError, match="dropout_key or dropout_seed, not both"):
         cupy_attn.jax.attention(jq, jk, jv, dropout_p=0.1, dropout_key=jax.random.key(0), dropout_seed=1)
+    with pytest.raises(TypeError, match=r"dropout_seed must be an int in \[0, 2\*\*64\) \(or pass dropout_key\), got float"):
+        cupy_attn.jax.attention(jq, jk, jv, dropout_p=0.1, dropout_seed=1.0)
+    with pytest.raises(ValueError, match=r"dropout_seed must be in \[0, 2\*\*64\), got -1"):
+        cupy_attn.jax.attention(jq, jk, jv, dropout_p=0.1, dropout_seed=-1)

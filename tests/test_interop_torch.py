@@ -148,6 +148,26 @@ def test_sinks_get_their_gradient():
         lambda q, k, v, s: cupy_attn.torch.attention(q, k, v, sinks=s, causal=True), (q, k, v, sinks))
 
 
+def test_sinks_given_as_a_list_or_numpy_array_take_no_gradient():
+    q, k, v = (t[:1, :, :6, :4].detach().clone().requires_grad_() for t in tensors())
+    for sinks in ([0.5, -1.0, 0.0, 2.0], np.array([0.5, -1.0, 0.0, 2.0], np.float32)):
+        cupy_attn.torch.attention(q, k, v, sinks=sinks).sum().backward()
+        want = cupy_attn.attention_backward(np.ones((1, 4, 6, 4), np.float32), *(numpy_of(t) for t in (q, k, v)),
+                                            *cupy_attn.attention(*(numpy_of(t) for t in (q, k, v)), sinks=sinks,
+                                                                 return_lse=True), sinks=sinks)
+        np.testing.assert_allclose(numpy_of(q.grad), want[0], rtol=1e-5, atol=1e-6)
+        q.grad = k.grad = v.grad = None
+
+
+def test_a_backward_that_would_need_its_own_graph_is_refused():
+    """create_graph=True (double backward, a gradient penalty) must not give a gradient silently
+    missing its second-order term."""
+    q, k, v = (t[:1, :, :6, :4].detach().clone().double().requires_grad_() for t in tensors())
+    out = cupy_attn.torch.attention(q, k, v)
+    with pytest.raises(NotImplementedError, match="create_graph=True"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+
+
 def test_dropout_seed_comes_from_the_generator_and_reaches_the_backward():
     q, k, v = (t.detach().clone().double().requires_grad_() for t in tensors())
     fixed = lambda q, k, v: cupy_attn.torch.attention(q, k, v, dropout_p=0.3, dropout_seed=11, causal=True)  # noqa: E731

@@ -343,6 +343,8 @@ ERRORS = [
     (lambda c: dict(block_table=c.table[:1]), ValueError, r"block_table must have shape \(B, max_blocks_per_seq\)"),
     (lambda c: dict(block_table=table_with(c, (1, 1), c.table[0, 0])), ValueError,
      "would both be written to page"),
+    (lambda c: dict(block_table=table_with(c, (1, 0), c.table[0, 0])), ValueError,  # entry 1 reads keys 0..7 there
+     r"batch entry 0 would append into page \d+, row 3 of the cache, which entry 1 attends \(its keys 0..7"),
     (lambda c: dict(cache_batch_idx=np.array([0, 1], np.int32)), ValueError,
      "block_table and cache_batch_idx are exclusive"),
     (lambda c: dict(v=None), ValueError, "k was given without v"),
@@ -387,6 +389,8 @@ def test_contiguous_cache_errors(rng):
         (dict(cache_batch_idx=np.array([0, 3], np.int32)), ValueError, r"cache_batch_idx\[1\] = 3 is not an entry"),
         (dict(cache_seqlens=np.array([3, 3], np.int32), cache_batch_idx=np.array([1, 1], np.int32)), ValueError,
          "would both be written"),
+        (dict(cache_seqlens=np.array([0, 4], np.int32), cache_batch_idx=np.array([1, 1], np.int32)), ValueError,
+         r"batch entry 0 would append into page 1, row 0 of the cache, which entry 1 attends \(its keys 0..6"),
         (dict(cache_batch_idx=np.array([0, 1], np.int64)), TypeError, "cache_batch_idx must have dtype int32"),
         (dict(cache_batch_idx=np.array([0], np.int32)), ValueError, r"cache_batch_idx must have shape \(2,\)"),
     ]
@@ -403,6 +407,18 @@ def test_contiguous_cache_errors(rng):
     assert not v_cache.any()
     # attending a read-only cache is fine
     attention_with_kvcache(q, read_only, v_cache, cache_seqlens=3)
+
+
+def test_entries_sharing_a_prefix_append_to_pages_of_their_own(rng):
+    # Page 0 holds both entries' first 4 keys; each appends on a page nobody else reads.
+    k_cache, v_cache = (rng.standard_normal((6, 4, 2, 8)).astype(np.float32) for _ in range(2))
+    q, k_new, v_new = (rng.standard_normal((2, 1, 2, 8)).astype(np.float32) for _ in range(3))
+    table = np.array([[0, 1, 2], [0, 4, 5]], np.int32)
+    pages = k_cache.copy()
+    attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=np.array([4, 5], np.int32),
+                           block_table=table)
+    pages[1, 0], pages[4, 1] = k_new[0, 0], k_new[1, 0]  # positions 4 and 5
+    np.testing.assert_array_equal(k_cache, pages)
 
 
 def test_a_backend_that_cannot_run_writes_nothing(rng):

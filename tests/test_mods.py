@@ -146,6 +146,43 @@ def test_mods_of_the_wrong_kind_are_refused(rng):
         cupy_attn.attention(q, k, v, mask_mod="j <= i")
 
 
+SCORE, MASK = cupy_attn.ScoreMod, cupy_attn.MaskMod
+BAD_TWINS = [
+    # (a mod whose NumPy twin misbehaves, the error, its message)
+    (SCORE("score", lambda s, b, h, q_idx, kv_idx: None), TypeError, "must return a numpy array, got NoneType"),
+    (SCORE("score", lambda s, b, h, q_idx, kv_idx: s * np.nan), ValueError, "returned NaN or \\+inf"),
+    (SCORE("score", lambda s, b, h, q_idx, kv_idx: np.where(q_idx == kv_idx, np.inf, s)), ValueError, "NaN or \\+inf"),
+    (SCORE("score", lambda s, b, h, q_idx, kv_idx: s > 0), TypeError, "must return real numbers .* got dtype bool"),
+    (SCORE("score", lambda s, b, h, q_idx, kv_idx: s + 0j), TypeError, "must return real numbers .* got dtype complex"),
+    (SCORE("score", lambda s, b, h, q_idx, kv_idx: np.ones(3)), ValueError, "returned shape \\(3,\\), which does not broadcast"),
+    (SCORE("score", lambda s, b, h, q_idx, kv_idx: [][1]), ValueError, "raised IndexError: list index out of range"),
+    (MASK("true", lambda b, h, q_idx, kv_idx: None), TypeError, "mask_mod's numpy twin MaskMod\\('true'\\) must return a numpy"),
+    (MASK("true", lambda b, h, q_idx, kv_idx: kv_idx * 1.0), TypeError, "must return bools .* got dtype float64"),
+    (MASK("true", lambda b, h, q_idx, kv_idx: np.ones((2, 2), bool)), ValueError, "which does not broadcast"),
+]
+
+
+@pytest.mark.parametrize("mod, error, match", BAD_TWINS, ids=range(len(BAD_TWINS)))
+def test_a_twin_that_misbehaves_is_an_error_naming_the_mod(rng, mod, error, match):
+    """Never scores made of what a twin returned wrong: NaN, None read as False, bools read as 0/1."""
+    q, k, v = random_qkv(rng, b=1, h=2, sq=5, sk=7, d=8)
+    keyword = {"score_mod" if isinstance(mod, SCORE) else "mask_mod": mod}
+    for run in (cupy_attn.attention, cupy_attn.reference.attention):
+        with pytest.raises(error, match=match):
+            run(q, k, v, **keyword)
+    if isinstance(mod, MASK):
+        with pytest.raises(error, match=match):
+            cupy_attn.block_mask(mod, 1, 2, 5, 7).tiles(4, 4)  # the block mask evaluates the twin itself
+
+
+def test_twins_may_return_scalars_and_minus_infinity(rng):
+    q, k, v = random_qkv(rng, b=1, h=2, sq=5, sk=7, d=8)
+    everyone = cupy_attn.attention(q, k, v, mask_mod=MASK("true", lambda b, h, q_idx, kv_idx: True))
+    np.testing.assert_array_equal(everyone, cupy_attn.attention(q, k, v))
+    flat = cupy_attn.attention(q, k, v, score_mod=SCORE("0.0f", lambda s, b, h, q_idx, kv_idx: 0.0))
+    np.testing.assert_allclose(flat, np.broadcast_to(v.mean(axis=2, keepdims=True), flat.shape), rtol=1e-6)
+
+
 def test_mods_compile_under_nvrtc_for_the_gpu_without_spills(rng):
     """What a GPU build compiles (NVRTC, CuPy's options): every kind of tensor and scalar a snippet
     can read, in the tensor-core forward and dK/dV kernels, without spills."""

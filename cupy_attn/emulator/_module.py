@@ -24,7 +24,12 @@ class _Argument:
 
 
 def default_workers() -> int:
-    return int(os.environ.get("CUPY_ATTN_EMULATOR_THREADS", min(os.cpu_count() or 1, 4)))
+    value = os.environ.get("CUPY_ATTN_EMULATOR_THREADS", "")
+    if not value:  # unset or empty: one thread per core, up to 4
+        return min(os.cpu_count() or 1, 4)
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ValueError(f"CUPY_ATTN_EMULATOR_THREADS must be a positive integer (threads running blocks), got {value!r}")
+    return int(value)
 
 
 def _asan_loaded() -> bool:
