@@ -133,28 +133,26 @@ def _pages(block_table, cache_batch_idx, xp, batch: int, num_pages: int, page_si
     return xp.ascontiguousarray(index[:, None]), max(page_size, 1), page_size
 
 
-def _check_table(table, xp, kv_lengths: np.ndarray, page_size: int, num_pages: int) -> None:
+def _check_table(used: np.ndarray, kv_lengths: np.ndarray, page_size: int, num_pages: int) -> None:
     """Every page that holds one of an entry's kv_lengths[b] keys must be a page of the cache
-    (the table's other entries are never read and may hold anything)."""
-    if not table.size:
-        return
-    needed = xp.arange(table.shape[1])[None, :] < xp.asarray(-(-kv_lengths // page_size))[:, None]
-    missing = needed & ((table < 0) | (table >= num_pages))
-    if bool(missing.any()):
-        b, j = (int(x) for x in np.argwhere(host_ints(xp, missing))[0])
+    (the table's other entries are never read and may hold anything). ``used``: the table's
+    columns that hold keys, on the host."""
+    needed = np.arange(used.shape[1])[None, :] < (-(-kv_lengths // page_size))[:, None]
+    missing = needed & ((used < 0) | (used >= num_pages))
+    if missing.any():
+        b, j = (int(x) for x in np.argwhere(missing)[0])
         last = min(kv_lengths[b], (j + 1) * page_size) - 1
-        raise ValueError(f"block_table[{b}, {j}] = {int(table[b, j])} is not a page of k_cache (num_blocks = "
+        raise ValueError(f"block_table[{b}, {j}] = {used[b, j]} is not a page of k_cache (num_blocks = "
                          f"{num_pages}), but entry {b} keeps keys {j * page_size}..{last} there (cache_seqlens + Snew "
                          f"= {kv_lengths[b]}): a missing page")
 
 
-def _append_slots(table, xp, seqlens: np.ndarray, seq_new: int, page_size: int):
+def _append_slots(used: np.ndarray, seqlens: np.ndarray, seq_new: int, page_size: int):
     """(pages, rows): where new row t of entry b is written, (B, Snew) host arrays; no cache row
-    may receive two of them (two entries appending into one page row would race)."""
+    may receive two of them (two entries appending into one page row would race), nor be one
+    another entry attends."""
     positions = seqlens[:, None] + np.arange(seq_new)[None, :]
-    columns = positions // page_size
-    pages = host_ints(xp, table[xp.asarray(np.arange(len(seqlens))[:, None]), xp.asarray(columns)]) if positions.size \
-        else np.zeros(positions.shape, np.int64)
+    pages = used[np.arange(len(seqlens))[:, None], positions // page_size]
     rows = positions % page_size
     slots = (pages * page_size + rows).ravel()
     unique, counts = np.unique(slots, return_counts=True)
@@ -164,21 +162,19 @@ def _append_slots(table, xp, seqlens: np.ndarray, seq_new: int, page_size: int):
         raise ValueError(f"new k, v row {t0} of batch entry {b0} and row {t1} of entry {b1} would both be written to "
                          f"page {pages[b0, t0]}, row {rows[b0, t0]} of the cache; entries that append must not share "
                          "cache rows (check block_table / cache_batch_idx)")
-    _check_no_append_is_read_by_another(table, xp, seqlens + seq_new, pages, rows, page_size)
+    _check_no_append_is_read_by_another(used, seqlens + seq_new, pages, rows, page_size)
     return pages, rows
 
 
-def _check_no_append_is_read_by_another(table, xp, kv_lengths: np.ndarray, pages, rows, page_size: int) -> None:
+def _check_no_append_is_read_by_another(used: np.ndarray, kv_lengths: np.ndarray, pages, rows,
+                                        page_size: int) -> None:
     """No entry may append into a row that another entry attends (a page they share, a prefix):
     whether that entry read the old k, v or the new would depend on the order of the writes and
-    the reads. Only the table's cells holding a written page come to the host."""
-    batch, seq_new = pages.shape
-    kept = xp.arange(table.shape[1])[None, :] < xp.asarray(-(-kv_lengths // page_size))[:, None]
-    cells = host_ints(xp, xp.argwhere(kept & xp.isin(table, xp.asarray(np.unique(pages))))).reshape(-1, 2)
-    if not cells.size:
-        return
-    reader, column = cells[:, 0], cells[:, 1]
-    read_page = host_ints(xp, table[xp.asarray(reader), xp.asarray(column)])
+    the reads."""
+    seq_new = pages.shape[1]
+    kept = np.arange(used.shape[1])[None, :] < (-(-kv_lengths // page_size))[:, None]
+    reader, column = np.nonzero(kept & np.isin(used, pages))  # the cells of the table holding a written page
+    read_page = used[reader, column]
     read_rows = np.minimum(page_size, kv_lengths[reader] - column * page_size)  # rows [0, read_rows) of the page
     # Pair every such cell with every write into its page (writes sorted by page).
     order = np.argsort(pages.ravel(), kind="stable")
@@ -232,10 +228,12 @@ def make_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, cache_ba
                  else "the cache's S_cache")
         raise ValueError(f"cache_seqlens + Snew must not exceed the capacity, {where} = {capacity}; entry {at} has "
                          f"{seqlens[at]} + {seq_new} = {kv_lengths[at]}")
-    _check_table(table, xp, kv_lengths, page_size, num_pages)
+    # The table's columns that hold keys, copied to the host once: every check reads them there.
+    used = host_ints(xp, table[:, :int(-(-kv_lengths.max() // page_size))]) if b else np.zeros((0, 0), np.int64)
+    _check_table(used, kv_lengths, page_size, num_pages)
     slots = None
     if seq_new and b:
-        slots = _append_slots(table, xp, seqlens, seq_new, page_size)
+        slots = _append_slots(used, seqlens, seq_new, page_size)
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
             if xp is np and not x.flags.writeable:
                 raise ValueError(f"{name} is read-only, but new k, v are to be written into it")

@@ -145,7 +145,7 @@ class _Tiles:
             if self.backward and p.score_mod.grad != "additive":
                 slope = mods.derivative(p.score_mod, s5.astype(np.float64), *indices)
                 chain = slope if chain is None else chain * slope
-            s5[...] = mods.twin(p.score_mod, s5, *indices, shape=s5.shape)
+            s5[...] = mods.twin(p.score_mod, s5, *indices, shape=s5.shape, scores_dtype=s5.dtype, where=keep)
         if chain is not None:
             chain = np.broadcast_to(chain, s5.shape).astype(s.dtype).reshape(s.shape)
         if self.mask is not None and not self.mask_is_bool:

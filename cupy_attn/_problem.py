@@ -133,7 +133,7 @@ def _window(window, reach: int):
     clamped there, so that no backend's band arithmetic (row + offset ± side) can overflow."""
     if window is None:
         return None
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
+    if isinstance(window, (str, bytes, dict, set, frozenset)) or not hasattr(window, "__len__") or len(window) != 2:
         raise ValueError(f"window must be a pair (left, right) of non-negative ints or None, got {window!r}")
     sides = []
     for side, value in zip(("left", "right"), window):

@@ -74,9 +74,10 @@ def padding_mask(lengths, max_len, *, xp=None, like=None):
     j < lengths[b]. Broadcasts against (B, H, Sq, Sk) scores."""
     max_len = _size("max_len", max_len)
     if module_of(lengths) is None:
-        if not isinstance(lengths, (list, tuple)) or not all(is_integer(n) for n in lengths):
-            raise TypeError(f"lengths must be a 1-D integer array or a list of ints, got {lengths!r:.80}")
-        lengths = _module(xp, like).asarray(np.asarray(lengths, dtype=np.int64))
+        lengths = np.asarray(lengths)
+        if not lengths.size:  # [] is B = 0, not float64
+            lengths = lengths.astype(np.int64)
+        lengths = _module(xp, like).asarray(lengths)
     module = require_array("lengths", lengths)
     if lengths.ndim != 1 or lengths.dtype.kind not in "iu":
         raise ValueError(f"lengths must be a 1-D integer array, got shape {tuple(lengths.shape)} dtype {lengths.dtype}")

@@ -131,12 +131,14 @@ class MaskMod(_Mod):
 
 
 
-def twin(mod: _Mod, *args, shape: tuple, xp=np, values_checked: bool = True):
+def twin(mod: _Mod, *args, shape: tuple, xp=np, scores_dtype=None, where=None):
     """``mod``'s NumPy twin evaluated at ``args`` (score and the index arrays, or the index arrays
     alone for a MaskMod) with its tensors and scalars, checked and broadcast to ``shape``: a
-    ScoreMod's must be real numbers, finite or -inf (a masked pair) unless not
-    ``values_checked``; a MaskMod's must be bools. Whatever the twin does wrong is an error
-    naming the mod, never scores made of it."""
+    ScoreMod's must be real numbers, a MaskMod's bools. With ``scores_dtype`` (the dtype the
+    scores are computed in) a ScoreMod's values must also be finite within its range, or -inf (a
+    masked pair), wherever ``where`` (bool, broadcasting to ``shape``: the pairs that count; all
+    when None) holds. Whatever the twin does wrong is an error naming the mod, never scores made
+    of it."""
     name = "score_mod" if isinstance(mod, ScoreMod) else "mask_mod"
     try:
         result = mod.numpy(*args, **mod.arguments)
@@ -146,7 +148,7 @@ def twin(mod: _Mod, *args, shape: tuple, xp=np, values_checked: bool = True):
         result = xp.asarray(result)
     if module_of(result) is not xp:
         raise TypeError(f"{name}'s numpy twin {mod!r} must return a {xp.__name__} array, got {describe(result)}")
-    if isinstance(mod, ScoreMod) and result.dtype.kind not in "fiu":
+    if isinstance(mod, ScoreMod) and result.dtype.kind not in "fiu" and result.dtype != BFLOAT16:
         raise TypeError(f"{name}'s numpy twin {mod!r} must return real numbers (the modified scores), got dtype "
                         f"{result.dtype}")
     if isinstance(mod, MaskMod) and result.dtype != np.bool_:
@@ -156,10 +158,16 @@ def twin(mod: _Mod, *args, shape: tuple, xp=np, values_checked: bool = True):
     except ValueError:
         raise ValueError(f"{name}'s numpy twin {mod!r} returned shape {tuple(result.shape)}, which does not "
                          f"broadcast to the scores' {shape}") from None
-    if isinstance(mod, ScoreMod) and values_checked and result.dtype.kind == "f" and bool(
-            (xp.isnan(result) | xp.isposinf(result)).any()):
-        raise ValueError(f"{name}'s numpy twin {mod!r} returned NaN or +inf; scores must be finite, or -inf to "
-                         "mask a pair")
+    if isinstance(mod, ScoreMod) and scores_dtype is not None:
+        largest = np.finfo(scores_dtype).max
+        # NaN, +inf, past the range; not where the score came in as NaN (from NaN inputs, not the mod)
+        wrong = ~(xp.abs(result) <= largest) & ~(result == -np.inf) & ~xp.isnan(args[0])
+        if where is not None:
+            wrong &= where
+        if bool(wrong.any()):
+            raise ValueError(f"{name}'s numpy twin {mod!r} returned NaN, +inf or a value past ±{float(largest):.4g} "
+                             f"(the range of the scores' {np.dtype(scores_dtype)}) for a pair that may attend; scores "
+                             "must be finite within it, or -inf to mask a pair")
     return result
 
 
@@ -174,7 +182,7 @@ def derivative(mod: ScoreMod, score, *indices):
     step = 1e-3 * np.maximum(1.0, np.abs(np.where(np.isfinite(score), score, 0.0)))
 
     def at(shift):  # a shifted score may leave the twin's domain: NaN there becomes a slope of 0
-        return twin(mod, score + shift * step, *indices, shape=score.shape, values_checked=False).astype(np.float64)
+        return twin(mod, score + shift * step, *indices, shape=score.shape).astype(np.float64)
 
     with np.errstate(invalid="ignore"):
         slope = (8 * (at(1) - at(-1)) - (at(2) - at(-2))) / (12 * step)

@@ -77,7 +77,8 @@ def _probabilities(p, q64, k64):
     modified = capped + bias
     if p.score_mod is not None:  # the oracle differentiates the twin whatever grad says
         slope = slope * mods.derivative(p.score_mod, modified, *_indices(p))
-        modified = mods.twin(p.score_mod, modified, *_indices(p), shape=modified.shape).astype(np.float64)
+        modified = mods.twin(p.score_mod, modified, *_indices(p), shape=modified.shape, scores_dtype=p.compute_dtype,
+                             where=allowed).astype(np.float64)
     s = np.where(allowed, modified + mask_bias, -np.inf)
     row_max = s.max(axis=-1, keepdims=True, initial=-np.inf)
     sink = None if p.sinks is None else np.asarray(p.sinks, np.float64)[None, :, None, None]

@@ -184,9 +184,16 @@ def test_bad_mask_builder_input():
         masks.causal_mask(2, 2, xp="numpy")
     with pytest.raises(ValueError, match=r"masks\[1\] of shape \(4,\) does not broadcast .* \(2, 3\)"):
         masks.combine(np.ones((2, 3), bool), np.ones(4, bool))
-    with pytest.raises(TypeError, match="lengths must be a 1-D integer array or a list of ints"):
+    with pytest.raises(ValueError, match="lengths must be a 1-D integer array, got shape"):
         masks.padding_mask([1.5], 3)
     assert masks.padding_mask([], 3).shape == (0, 1, 1, 3)  # B = 0, which attention takes too
+    np.testing.assert_array_equal(masks.padding_mask(range(1, 3), 3), masks.padding_mask(np.array([1, 2]), 3))
+
+
+def test_a_window_is_any_pair(qkv):
+    want = cupy_attn.attention(*qkv, window=(2, 1))
+    for window in ([2, 1], np.array([2, 1]), range(2, 0, -1)):
+        np.testing.assert_array_equal(cupy_attn.attention(*qkv, window=window), want)
 
 
 def test_window_sides_past_every_key_are_unbounded(qkv):

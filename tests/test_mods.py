@@ -7,7 +7,7 @@ import pytest
 import cupy_attn
 from cupy_attn import _compile, _config, _kernel_backend, reference
 from cupy_attn.mods import ModCompileError
-from helpers import BF16, check_forward_and_backward, random_qkv
+from helpers import BF16, assert_close, check_forward_and_backward, random_qkv
 from test_kernel_forward import poisoned_outputs, schedule  # noqa: F401 (fixtures)
 
 B, H, HKV, SQ, SK = 2, 4, 2, 37, 50
@@ -150,8 +150,10 @@ SCORE, MASK = cupy_attn.ScoreMod, cupy_attn.MaskMod
 BAD_TWINS = [
     # (a mod whose NumPy twin misbehaves, the error, its message)
     (SCORE("score", lambda s, b, h, q_idx, kv_idx: None), TypeError, "must return a numpy array, got NoneType"),
-    (SCORE("score", lambda s, b, h, q_idx, kv_idx: s * np.nan), ValueError, "returned NaN or \\+inf"),
-    (SCORE("score", lambda s, b, h, q_idx, kv_idx: np.where(q_idx == kv_idx, np.inf, s)), ValueError, "NaN or \\+inf"),
+    (SCORE("score", lambda s, b, h, q_idx, kv_idx: s * np.nan), ValueError, "returned NaN, \\+inf or a value past"),
+    (SCORE("score", lambda s, b, h, q_idx, kv_idx: np.where(q_idx == kv_idx, np.inf, s)), ValueError, "NaN, \\+inf"),
+    # finite in float64, inf in the float32 the scores of float32 inputs are computed in
+    (SCORE("score", lambda s, b, h, q_idx, kv_idx: s + np.float64(1e39)), ValueError, "past ±3.403e\\+38 \\(the range of the scores' float32\\)"),
     (SCORE("score", lambda s, b, h, q_idx, kv_idx: s > 0), TypeError, "must return real numbers .* got dtype bool"),
     (SCORE("score", lambda s, b, h, q_idx, kv_idx: s + 0j), TypeError, "must return real numbers .* got dtype complex"),
     (SCORE("score", lambda s, b, h, q_idx, kv_idx: np.ones(3)), ValueError, "returned shape \\(3,\\), which does not broadcast"),
@@ -175,12 +177,37 @@ def test_a_twin_that_misbehaves_is_an_error_naming_the_mod(rng, mod, error, matc
             cupy_attn.block_mask(mod, 1, 2, 5, 7).tiles(4, 4)  # the block mask evaluates the twin itself
 
 
+def test_what_a_twin_returns_for_pairs_that_cannot_attend_is_not_checked(rng):
+    """A mod defined only where a pair may attend (log(1 + i - j) under causal), and NaN inputs past
+    kv_lengths, give what the same scores give without the check."""
+    q, k, v = random_qkv(rng, b=1, h=2, sq=6, sk=6, d=8)
+    decay = SCORE("score - log1pf((float)(q_idx - kv_idx))", lambda s, b, h, q_idx, kv_idx: s - np.log1p(q_idx - kv_idx),
+                  grad="additive")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out, lse = cupy_attn.attention(q, k, v, causal=True, score_mod=decay, return_lse=True)
+        want, _ = cupy_attn.reference.attention(q, k, v, causal=True, score_mod=decay)
+        grads = cupy_attn.attention_backward(np.ones_like(out), q, k, v, out, lse, causal=True, score_mod=decay)
+    assert_close(out, want, np.dtype(np.float32))
+    assert all(np.isfinite(g).all() for g in grads)
+    k[:, :, 4:] = np.nan  # padding
+    bias = SCORE("score + 0.1f * kv_idx", lambda s, b, h, q_idx, kv_idx: s + 0.1 * kv_idx, grad="additive")
+    assert np.isfinite(cupy_attn.attention(q, k, v, kv_lengths=[4], score_mod=bias)).all()
+    # NaN scores from NaN inputs are the inputs' doing: NaN out, as without a mod, not an error blaming it
+    k[:, :, 0] = np.nan
+    assert np.isnan(cupy_attn.attention(q, k, v, kv_lengths=[4], score_mod=bias)).all()
+
+
 def test_twins_may_return_scalars_and_minus_infinity(rng):
     q, k, v = random_qkv(rng, b=1, h=2, sq=5, sk=7, d=8)
     everyone = cupy_attn.attention(q, k, v, mask_mod=MASK("true", lambda b, h, q_idx, kv_idx: True))
     np.testing.assert_array_equal(everyone, cupy_attn.attention(q, k, v))
     flat = cupy_attn.attention(q, k, v, score_mod=SCORE("0.0f", lambda s, b, h, q_idx, kv_idx: 0.0))
     np.testing.assert_allclose(flat, np.broadcast_to(v.mean(axis=2, keepdims=True), flat.shape), rtol=1e-6)
+    table = rng.standard_normal((2, 5, 7)).astype(BF16)  # a bfloat16 tensor read as the scores
+    read = SCORE("table(h, q_idx, kv_idx)", lambda s, b, h, q_idx, kv_idx, table: table[h, q_idx, kv_idx],
+                 tensors={"table": table})
+    biased = cupy_attn.attention(q, k, v, score_mod=read)
+    np.testing.assert_allclose(biased, cupy_attn.reference.attention(q, k, v, score_mod=read)[0], rtol=1e-5, atol=1e-6)
 
 
 def test_mods_compile_under_nvrtc_for_the_gpu_without_spills(rng):
