@@ -63,6 +63,26 @@ def host_ints(xp, x) -> np.ndarray:
     return np.asarray(x if xp is np else x.get(), dtype=np.int64)
 
 
+def score_bound(dtype) -> float:
+    """The largest magnitude a value that joins the scores (scale, softcap, a float mask's entries,
+    ALiBi slopes, sinks, an lse to merge) may have for inputs of ``dtype``: half the largest value
+    of the compute dtype, since the kernels work in base 2 and multiply such values by log2 e =
+    1.44 first (a float32 past 2.4e38 would become inf there)."""
+    return float(np.finfo(compute_dtype(dtype)).max) / 2
+
+
+def magnitude_besides_minus_inf(xp, x) -> float:
+    """The largest |x| over the entries of x (non-empty, float) that are not -inf, in one
+    reduction: NaN when one is NaN (it propagates), inf when one is +inf."""
+    return float(xp.abs(xp.where(xp.isneginf(x), 0, x)).max())
+
+
+def whole_element_strides(x) -> bool:
+    """Whether every byte stride of x is a whole number of its elements, as the kernels address
+    arrays (a field of a structured array may step by any number of bytes)."""
+    return all(st % x.itemsize == 0 for st in x.strides)
+
+
 def compute_dtype(dtype: np.dtype) -> np.dtype:
     """fp16/bf16/fp32 accumulate in float32; float64 stays float64."""
     return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)

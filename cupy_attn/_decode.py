@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _config, _merge
-from ._kernel_backend import (I32, I64, _blocks, _common_args, _empty, _last_dim_contiguous, _launch, _vector_flags,
+from ._kernel_backend import (I32, I64, _blocks, _common_args, _empty, _kernel_addressable, _launch, _vector_flags,
                               score_features)
 from ._kvcache import KVCache
 
@@ -35,7 +35,7 @@ def forward(kv: KVCache, q, k_cache, v_cache, *, target: str):
     """(out, lse) of attention over the caches (the new keys already appended)."""
     p, xp = kv.attention, kv.xp
     tile = _config.decode_tile(p.head_dim, p.head_dim_v)
-    q, k_cache, v_cache = (_last_dim_contiguous(xp, x) for x in (q, k_cache, v_cache))
+    q, k_cache, v_cache = (_kernel_addressable(xp, x) for x in (q, k_cache, v_cache))
     row_tiles = _blocks(p.seq_q * p.groups, tile.block_m)
     n = splits(kv, tile, row_tiles, target)
     table = xp.ascontiguousarray(kv.block_table)

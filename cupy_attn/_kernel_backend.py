@@ -16,6 +16,7 @@ import os
 import numpy as np
 
 from . import _compile, _config, _mods_source, _numpy_backend, _schedule
+from ._arrays import whole_element_strides
 from ._problem import Problem
 from ._tensor_map import TensorMapError, TensorMapSpec
 
@@ -69,9 +70,12 @@ def check_supported(problem: Problem, target: str) -> None:
                          f"got seq_q = {problem.seq_q}")
 
 
-def _last_dim_contiguous(xp, x):
-    """The kernels need unit stride on the last axis; anything else is copied once."""
-    return x if x.shape[-1] <= 1 or x.strides[-1] == x.itemsize else xp.ascontiguousarray(x)
+def _kernel_addressable(xp, x):
+    """x, or a contiguous copy of it where the kernels cannot address it: they need a unit stride
+    on the last axis and byte strides of whole elements (a structured array's field may have
+    neither)."""
+    unit_last = x.shape[-1] <= 1 or x.strides[-1] == x.itemsize
+    return x if unit_last and whole_element_strides(x) else xp.ascontiguousarray(x)
 
 
 def _bhs_strides(problem: Problem, x) -> list:
@@ -103,6 +107,8 @@ def _mask_arguments(problem: Problem):
     else:
         kind = 2
         mask = mask.astype(np.float32, copy=False)  # keeps the mask's own (broadcastable) shape
+    if not whole_element_strides(mask):  # a structured array's field: copied (broadcast axes have stride 0)
+        mask = xp.ascontiguousarray(mask)
     mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
     strides = [I64(0 if n == 1 else st // mask.itemsize) for n, st in zip(mask.shape, mask.strides)]
     return mask, strides, I32(kind)
@@ -397,10 +403,12 @@ def _output(problem: Problem, tma: bool):
 def forward(problem: Problem, q, k, v, *, target: str):
     p, xp = problem, problem.xp
     check_supported(p, target)
+    if not p.heads:  # no query heads, no rows: nothing to launch (the grids take whole GQA groups)
+        return xp.zeros(p.out_shape, p.dtype), xp.zeros(p.lse_shape, np.float32)
     module = _module(p)
     tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype, compute_capability(target), module["features"],
                                 mods=module["mods"] is not None)
-    q, k, v = (_last_dim_contiguous(xp, x) for x in (q, k, v))
+    q, k, v = (_kernel_addressable(xp, x) for x in (q, k, v))
     hopper = isinstance(tile, _config.HopperTile)
     out = _output(p, hopper)
     lse = _empty(xp, p.lse_shape, np.float32)
@@ -479,6 +487,9 @@ def _from_per_head(problem: Problem, x, dtype, *, sum_groups: bool = False, scal
 def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, deterministic: bool):
     p, xp = problem, problem.xp
     check_supported(p, target)
+    if not p.heads:  # dq is empty, and the kv heads serve no query: dk = dv = 0
+        grads = tuple(xp.zeros(x.shape, p.dtype) for x in (q, k, v))
+        return grads if p.sinks is None else grads + (xp.zeros(0, np.float32),)
     b, h, sq, sk = p.batch, p.heads, p.seq_q, p.seq_k
     tile = _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, compute_capability(target))
     if _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, 80).sectioned \
@@ -487,7 +498,7 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
         raise ValueError(f"the float16/bfloat16 backward up to D = 128 takes at most {_schedule.GRID_YZ_LIMIT} key "
                          f"tiles of {_KEY_TILE_KEYS} keys (seq_k up to {_schedule.GRID_YZ_LIMIT * _KEY_TILE_KEYS}), "
                          f"got seq_k = {sk}")
-    q, k, v, dout, out = (_last_dim_contiguous(xp, x) for x in (q, k, v, dout, out))
+    q, k, v, dout, out = (_kernel_addressable(xp, x) for x in (q, k, v, dout, out))
     lse = xp.ascontiguousarray(lse, dtype=np.float32)
 
     # delta = rowsum(dO ∘ O), one per lse entry; a packed batch is one sequence of total_q rows here.

@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from . import _backends, _config, _interop, _kernel_backend
-from ._arrays import compute_dtype, require_array, require_float_dtype
+from ._arrays import compute_dtype, magnitude_besides_minus_inf, require_array, require_float_dtype, score_bound
 from ._problem import BACKENDS, check_choice
 
 I32, I64 = np.int32, np.int64
@@ -161,6 +161,8 @@ def _check(xp, outs, lses, layout: str):
         lse_words = "(H, T)" if layout == "thd" else "(B, H, S)"
         raise ValueError(f"each part of lses must have shape {lse_words} = {want} for outs parts of shape "
                          f"{tuple(outs.shape[1:])} in layout {layout!r}, got {tuple(lses.shape[1:])}")
-    if lses.size and bool(xp.isnan(lses).any() | xp.isposinf(lses).any()):
-        raise ValueError("lses may hold finite values and -inf (a part that saw no keys), not NaN or +inf")
+    bound = score_bound(outs.dtype)
+    if lses.size and not magnitude_besides_minus_inf(xp, lses) <= bound:
+        raise ValueError(f"lses may hold -inf (a part that saw no keys) and finite values within ±{bound:.4g} (the "
+                         f"range the merge computes in, base 2, for {outs.dtype} outs), not NaN or +inf")
     return out_dtype

@@ -16,7 +16,9 @@ from ._arrays import (
     host_ints,
     is_integer,
     is_real_number,
+    magnitude_besides_minus_inf,
     module_of,
+    score_bound,
     require_array,
     require_float_dtype,
 )
@@ -147,20 +149,22 @@ def _window(window, reach: int):
 
 
 def _positive_real(name: str, value, dtype: np.dtype) -> float:
-    """A finite positive number that stays finite in the compute dtype of ``dtype``, where the
-    scores are computed (1e39 passes as a float but is inf in float32)."""
+    """A positive number that stays a normal, base-2-convertible number in the compute dtype of
+    ``dtype``, where the scores are computed (1e39 passes as a float but is inf in float32, and
+    1e-300 is 0 there)."""
     if not is_real_number(value):
         raise TypeError(f"{name} must be a real number, got {describe(value)}")
-    largest = float(np.finfo(compute_dtype(dtype)).max)
     try:
         value = float(value)
     except OverflowError:
         raise ValueError(f"{name} must be finite and positive, got {value!r:.40}, too large for a float") from None
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be finite and positive, got {value!r}")
-    if value > largest:
-        raise ValueError(f"{name} must be at most {largest:.4g}, the largest {compute_dtype(dtype)} (the scores' "
-                         f"dtype), got {value!r}")
+    scores = compute_dtype(dtype)
+    low, high = float(np.finfo(scores).tiny), score_bound(dtype)
+    if not low <= value <= high:
+        raise ValueError(f"{name} must lie in [{low:.4g}, {high:.4g}] for {dtype} inputs (from the smallest normal "
+                         f"{scores} to half the largest, the scores' range in base 2), got {value!r}")
     return value
 
 
@@ -216,8 +220,9 @@ def _per_head(name: str, values, xp, heads: int, dtype: np.dtype, *, batch: int 
     elif values.shape != ((heads,) if batch is None else (batch, heads)):
         raise ValueError(f"{name} must have shape {shapes}, got {tuple(values.shape)}")
     values = values.astype(compute_dtype(dtype))
-    if values.size and not bool(xp.isfinite(values).all()):
-        raise ValueError(f"{name} must be finite")
+    if values.size and not bool((xp.abs(values) <= score_bound(dtype)).all()):
+        raise ValueError(f"{name} must be finite, within ±{score_bound(dtype):.4g} (the scores' range in base 2 for "
+                         f"{dtype} inputs)")
     return values
 
 
@@ -282,15 +287,11 @@ def _mask(mask, xp, target: tuple[int, int, int, int], q_dtype: np.dtype):
             f"mask of shape {tuple(mask.shape)} does not broadcast to (B, H, Sq, Sk) = {target}"
         )
     if dtype != np.bool_ and mask.size:
-        if bool(xp.isnan(mask).any() | xp.isposinf(mask).any()):
-            raise ValueError("a float mask may hold finite values and -inf, not NaN or +inf")
-        scores = compute_dtype(q_dtype)
-        if dtype.itemsize > scores.itemsize:
-            # Added to scores of a narrower type, a finite value past its range would become ±inf.
-            largest = np.finfo(scores).max
-            if bool(((mask > largest) | ((mask < -largest) & xp.isfinite(mask))).any()):
-                raise ValueError(f"a float mask's finite values must lie within ±{float(largest):.4g}, the range "
-                                 f"of {scores} (the scores' dtype for {q_dtype} inputs)")
+        largest = magnitude_besides_minus_inf(xp, mask)
+        if not largest <= score_bound(q_dtype):
+            raise ValueError(f"a float mask may hold -inf and finite values within ±{score_bound(q_dtype):.4g} (the "
+                             f"scores' range in base 2 for {q_dtype} inputs), not NaN or +inf; its largest other "
+                             f"magnitude is {largest:.4g}")
     return mask
 
 
@@ -357,7 +358,7 @@ def _cu_seqlens(name: str, cu, xp, total: int, total_name: str):
         raise ValueError(f"{name} must be non-decreasing, got {name}[{at}] = {host[at]} > {name}[{at + 1}] = {host[at + 1]}")
     if host[-1] != total:
         raise ValueError(f"{name}[-1] = {host[-1]} must equal {total_name} = {total}")
-    return cu, xp.asarray(steps)
+    return xp.ascontiguousarray(cu), xp.asarray(steps)  # the kernels index it as a plain int array
 
 
 def _max_seqlen(name: str, value, lengths, cu_name: str) -> int:

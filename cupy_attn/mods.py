@@ -22,7 +22,7 @@ import re
 
 import numpy as np
 
-from ._arrays import BFLOAT16, describe, is_integer, is_real_number, module_of
+from ._arrays import BFLOAT16, describe, is_integer, is_real_number, module_of, score_bound, whole_element_strides
 
 # What a snippet may call its own names; the rest are taken by the snippet's context.
 RESERVED = ("score", "b", "h", "q_idx", "kv_idx")
@@ -61,6 +61,9 @@ def _check_tensor(name: str, x) -> None:
         raise TypeError(f"tensor {name!r} must have one of the dtypes {allowed}, got {x.dtype}")
     if x.ndim == 0:
         raise ValueError(f"tensor {name!r} must have at least one axis (pass a 0-d value as a scalar)")
+    if not whole_element_strides(x):
+        raise ValueError(f"tensor {name!r} has byte strides {x.strides} that are not whole {x.itemsize}-byte elements "
+                         "(a field of a structured array?), which the kernels cannot address; pass a copy")
 
 
 def _check_scalar(name: str, value) -> None:
@@ -159,15 +162,15 @@ def twin(mod: _Mod, *args, shape: tuple, xp=np, scores_dtype=None, where=None):
         raise ValueError(f"{name}'s numpy twin {mod!r} returned shape {tuple(result.shape)}, which does not "
                          f"broadcast to the scores' {shape}") from None
     if isinstance(mod, ScoreMod) and scores_dtype is not None:
-        largest = np.finfo(scores_dtype).max
+        largest = score_bound(scores_dtype)
         # NaN, +inf, past the range; not where the score came in as NaN (from NaN inputs, not the mod)
         wrong = ~(xp.abs(result) <= largest) & ~(result == -np.inf) & ~xp.isnan(args[0])
         if where is not None:
             wrong &= where
         if bool(wrong.any()):
-            raise ValueError(f"{name}'s numpy twin {mod!r} returned NaN, +inf or a value past ±{float(largest):.4g} "
-                             f"(the range of the scores' {np.dtype(scores_dtype)}) for a pair that may attend; scores "
-                             "must be finite within it, or -inf to mask a pair")
+            raise ValueError(f"{name}'s numpy twin {mod!r} returned NaN, +inf or a value past ±{largest:.4g} (the "
+                             f"scores' range in base 2, in {np.dtype(scores_dtype)}) for a pair that may attend; "
+                             "scores must be finite within it, or -inf to mask a pair")
     return result
 
 

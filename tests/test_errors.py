@@ -72,13 +72,22 @@ BAD_FORWARD = [
     ("kv_lengths past int64", lambda q, k, v: dict(kv_lengths=[2 ** 64, 1]), ValueError,
      "kv_lengths holds a value outside the range of int64"),
     ("scale past float", lambda q, k, v: dict(scale=10 ** 400), ValueError, "too large for a float"),
-    # Finite as Python floats, inf in the float32 the scores of float32 inputs are computed in.
-    ("scale past float32", lambda q, k, v: dict(scale=1e39), ValueError, "scale must be at most 3.403e+38, the largest float32"),
-    ("softcap past float32", lambda q, k, v: dict(softcap=1e39), ValueError, "softcap must be at most 3.403e+38"),
+    # Finite as Python floats, but inf (or 0) in the float32 the scores of float32 inputs are
+    # computed in, or once the kernels multiply by log2 e.
+    ("scale past float32", lambda q, k, v: dict(scale=1e39), ValueError,
+     "scale must lie in [1.175e-38, 1.701e+38] for float32 inputs"),
+    ("scale past base 2", lambda q, k, v: dict(scale=3e38), ValueError, "scale must lie in [1.175e-38, 1.701e+38]"),
+    ("scale below float32", lambda q, k, v: dict(scale=1e-300), ValueError, "scale must lie in [1.175e-38"),
+    ("softcap past float32", lambda q, k, v: dict(softcap=1e39), ValueError, "softcap must lie in [1.175e-38, 1.701e+38]"),
     ("mask past float32", lambda q, k, v: dict(mask=np.full((7, 9), 1e39)), ValueError,
-     "a float mask's finite values must lie within ±3.403e+38"),
+     "a float mask may hold -inf and finite values within ±1.701e+38"),
+    ("mask past base 2", lambda q, k, v: dict(mask=np.full((7, 9), 3e38, F32)), ValueError, "within ±1.701e+38"),
+    ("sinks past base 2", lambda q, k, v: dict(sinks=np.full(4, 3e38, F32)), ValueError,
+     "sinks must be finite, within ±1.701e+38"),
+    ("alibi past base 2", lambda q, k, v: dict(alibi_slopes=np.full(4, 3e38, F32)), ValueError,
+     "alibi_slopes must be finite, within ±1.701e+38"),
     ("mask below float32", lambda q, k, v: dict(mask=np.where(np.eye(7, 9) > 0, -np.inf, -1e39)), ValueError,
-     "a float mask's finite values must lie within"),
+     "a float mask may hold -inf and finite values within"),
 ]
 
 

@@ -286,6 +286,40 @@ def test_broadcast_masks_are_read_in_place():
         check(q, k, v, np.float32, mask=mask)
 
 
+def field(values, dtype):
+    """``values`` as one field of a structured array: byte strides of no whole number of elements."""
+    record = np.zeros(values.shape, dtype=[("x", dtype), ("pad", np.uint8)])
+    record["x"] = values
+    return record["x"]
+
+
+def test_byte_strides_of_part_elements_are_copied_once():
+    rng = np.random.default_rng(13)
+    q, k, v = random_qkv(rng, b=3, h=4, sq=33, sk=77, d=16)
+    q_field, mask = field(q, np.float32), field(rng.standard_normal((33, 1)).astype(np.float32), np.float32)
+    assert q_field.strides[-1] == 5 and mask.strides[0] == 5
+    check(q_field, k, v, np.float32, mask=mask)
+
+
+def test_no_query_heads():
+    """H = 0 (with a kv head): nothing to launch; dq is empty and dk, dv are 0, as the kv head serves
+    no query."""
+    rng = np.random.default_rng(14)
+    q, k, v = random_qkv(rng, b=2, h=1, sq=5, sk=7, d=16, dtype=np.float16)
+    q = q[:, :0]
+    for packed in (False, True):
+        args = (q[0].transpose(1, 0, 2), k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2),
+                np.array([0, 5], np.int32), np.array([0, 7], np.int32), 5, 7) if packed else (q, k, v)
+        forward, backward = ((cupy_attn.attention_varlen, cupy_attn.attention_varlen_backward) if packed
+                             else (cupy_attn.attention, cupy_attn.attention_backward))
+        out, lse = forward(*args, backend="emulator", return_lse=True)
+        assert out.shape == args[0].shape and lse.size == 0
+        for deterministic in (False, True):
+            dq, dk, dv = backward(out, *args[:3], out, lse, *args[3:], backend="emulator", deterministic=deterministic)
+            assert dq.shape == args[0].shape and dk.shape == args[1].shape and dv.shape == args[2].shape
+            assert not dk.any() and not dv.any()
+
+
 def test_compute_capability_selects_the_forward(monkeypatch):
     """fp16/bf16 take the wgmma kernel on compute capability 9.0 and mma.sync elsewhere; fp32
     keeps the CUDA-core kernel everywhere."""

@@ -249,7 +249,11 @@ BAD = [
     ("thd lse in out's order", dict(outs=[np.zeros((7, 3, 8), F32)] * 2, lses=[np.zeros((7, 3), F32)] * 2,
                                     layout="thd"), ValueError, "each part of lses must have shape (H, T) = (3, 7)"),
     ("lse nan", dict(lses=np.full((2, 2, 3, 7), np.nan, F32)), ValueError,
-     "lses may hold finite values and -inf (a part that saw no keys), not NaN or +inf"),
+     "lses may hold -inf (a part that saw no keys) and finite values within ±1.701e+38 (the range the merge computes "
+     "in, base 2, for float32 outs), not NaN or +inf"),
+    # finite, but inf once the kernel multiplies by log2 e (float32), or once cast to float32 (float64)
+    ("lse past base 2", dict(lses=np.full((2, 2, 3, 7), 3e38, F32)), ValueError, "within ±1.701e+38"),
+    ("lse past float32", dict(lses=np.full((2, 2, 3, 7), -1e39)), ValueError, "within ±1.701e+38"),
     ("lse +inf", dict(lses=[np.zeros((2, 3, 7), F32), np.full((2, 3, 7), np.inf, F32)]), ValueError, "not NaN or +inf"),
     ("layout", dict(layout="bsdh"), ValueError, "layout must be one of 'bhsd', 'bshd', 'thd', got 'bsdh'"),
     ("backend", dict(backend="torch"), ValueError, "backend must be one of 'auto', 'numpy', 'cuda', 'emulator'"),

@@ -131,6 +131,8 @@ def test_a_snippet_that_does_not_compile_shows_the_message_and_the_snippet(rng):
     (lambda: cupy_attn.MaskMod("true", abs, scalars={"attn_x": 1}), ValueError, "scalar name 'attn_x' is taken"),
     (lambda: cupy_attn.MaskMod("true", abs, tensors={"x": np.zeros(1, np.int32)}, scalars={"x": 1}), ValueError,
      r"\['x'\] named both as a tensor and as a scalar"),
+    (lambda: cupy_attn.MaskMod("true", abs, tensors={"t": np.zeros(3, [("x", np.int32), ("pad", np.uint8)])["x"]}),
+     ValueError, r"tensor 't' has byte strides \(5,\) that are not whole 4-byte elements"),
 ])
 def test_bad_mods(make, error, match):
     with pytest.raises(error, match=match):
@@ -153,7 +155,7 @@ BAD_TWINS = [
     (SCORE("score", lambda s, b, h, q_idx, kv_idx: s * np.nan), ValueError, "returned NaN, \\+inf or a value past"),
     (SCORE("score", lambda s, b, h, q_idx, kv_idx: np.where(q_idx == kv_idx, np.inf, s)), ValueError, "NaN, \\+inf"),
     # finite in float64, inf in the float32 the scores of float32 inputs are computed in
-    (SCORE("score", lambda s, b, h, q_idx, kv_idx: s + np.float64(1e39)), ValueError, "past ±3.403e\\+38 \\(the range of the scores' float32\\)"),
+    (SCORE("score", lambda s, b, h, q_idx, kv_idx: s + np.float64(1e39)), ValueError, "past ±1.701e\\+38 \\(the scores' range in base 2, in float32\\)"),
     (SCORE("score", lambda s, b, h, q_idx, kv_idx: s > 0), TypeError, "must return real numbers .* got dtype bool"),
     (SCORE("score", lambda s, b, h, q_idx, kv_idx: s + 0j), TypeError, "must return real numbers .* got dtype complex"),
     (SCORE("score", lambda s, b, h, q_idx, kv_idx: np.ones(3)), ValueError, "returned shape \\(3,\\), which does not broadcast"),

@@ -139,6 +139,21 @@ def test_equal_lengths_match_padded_attention(rng):
     np.testing.assert_array_equal(out, want.reshape(out.shape))
 
 
+def test_cu_seqlens_of_any_strides(rng):
+    """The kernels index cu_seqlens as a plain int array: a strided or reversed view of the same
+    values gives the same result (it once read the wrong starts, or crashed)."""
+    lens = [5, 0, 12, 3]
+    q, k, v = packed_inputs(rng, lens, lens, dtype=np.float16)
+    starts = cu(lens)
+    strided = np.zeros(2 * len(starts), np.int32)[::2]
+    strided[:] = starts
+    reversed_view = np.ascontiguousarray(starts[::-1])[::-1]
+    want = cupy_attn.attention_varlen(q, k, v, starts, starts, 12, 12, causal=True, backend="emulator")
+    for view in (strided, reversed_view):
+        got = cupy_attn.attention_varlen(q, k, v, view, view, 12, 12, causal=True, backend="emulator")
+        np.testing.assert_array_equal(got, want)
+
+
 def test_no_sequences(rng):
     q, k, v = (np.zeros((0, 2, 8), np.float16) for _ in range(3))
     for backend in ("numpy", "emulator"):
