@@ -6,6 +6,7 @@ CuPy is never imported here unless the caller already handed us a CuPy object, s
 from __future__ import annotations
 
 import importlib
+import math
 import numbers
 
 import ml_dtypes
@@ -64,11 +65,19 @@ def host_ints(xp, x) -> np.ndarray:
 
 
 def score_bound(dtype) -> float:
-    """The largest magnitude a value that joins the scores (scale, softcap, a float mask's entries,
-    ALiBi slopes, sinks, an lse to merge) may have for inputs of ``dtype``: half the largest value
-    of the compute dtype, since the kernels work in base 2 and multiply such values by log2 e =
-    1.44 first (a float32 past 2.4e38 would become inf there)."""
+    """The largest value that may join the scores (scale, softcap, a float mask's entries, a
+    score_mod's results, ALiBi slopes, sinks, an lse to merge) for inputs of ``dtype``: half the
+    largest value of the compute dtype, since the kernels work in base 2 and multiply such
+    values by log2 e = 1.44 first (a float32 past 2.4e38 would become inf there)."""
     return float(np.finfo(compute_dtype(dtype)).max) / 2
+
+
+def minus_infinity_below(dtype) -> float:
+    """The most negative score the kernels keep finite for inputs of ``dtype``: the compute
+    dtype's largest value / log2 e, past which the conversion to base 2 gives -inf, which masks
+    the pair (a mask of finfo(float32).min, as transformers builds them, masks). The NumPy
+    backend and the reference take scores below it as -inf too."""
+    return -float(np.finfo(compute_dtype(dtype)).max) / math.log2(math.e)
 
 
 def magnitude_besides_minus_inf(xp, x) -> float:

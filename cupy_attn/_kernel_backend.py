@@ -106,7 +106,8 @@ def _mask_arguments(problem: Problem):
         kind = 1
     else:
         kind = 2
-        mask = mask.astype(np.float32, copy=False)  # keeps the mask's own (broadcastable) shape
+        with np.errstate(over="ignore"):  # a float64 mask below float32's range: -inf, which masks
+            mask = mask.astype(np.float32, copy=False)  # keeps the mask's own (broadcastable) shape
     if not whole_element_strides(mask):  # a structured array's field: copied (broadcast axes have stride 0)
         mask = xp.ascontiguousarray(mask)
     mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)

@@ -18,6 +18,7 @@ import dataclasses
 import numpy as np
 
 from . import mods
+from ._arrays import minus_infinity_below
 from ._problem import Problem
 
 # Tile sizes, read at call time so tests can shrink them to cross many tiles on small inputs.
@@ -79,6 +80,9 @@ class _Tiles:
             # A broadcast view: splitting H into (Hkv, G) keeps it a view, nothing is materialised.
             self.mask = np.broadcast_to(full, (b, p.heads, sq, p.seq_k)).reshape(b, hkv, g, sq, p.seq_k)
         self.mask_is_bool = self.mask is not None and self.mask.dtype == np.bool_
+        # A float mask's or a score_mod's scores below this are -inf, as in the kernels' base 2.
+        self.masking_floor = minus_infinity_below(p.dtype) if (
+            p.score_mod is not None or (self.mask is not None and not self.mask_is_bool)) else None
         # (b, query head h) of each (B, Hkv, G) row block, for score_mod and mask_mod.
         self.b5 = np.arange(b)[:, None, None, None, None]
         self.h5 = (np.arange(hkv)[:, None] * g + np.arange(g)[None, :])[None, :, :, None, None]
@@ -149,7 +153,10 @@ class _Tiles:
         if chain is not None:
             chain = np.broadcast_to(chain, s5.shape).astype(s.dtype).reshape(s.shape)
         if self.mask is not None and not self.mask_is_bool:
-            s5 += self.mask[:, :, :, i0:i1, j0:j1]
+            with np.errstate(over="ignore"):  # a float64 mask below float32's range: -inf, which masks
+                s5 += self.mask[:, :, :, i0:i1, j0:j1]
+        if self.masking_floor is not None:
+            np.copyto(s5, -np.inf, where=s5 < self.masking_floor)
         if keep is not None:
             np.copyto(s5, -np.inf, where=~keep)
         return s, chain

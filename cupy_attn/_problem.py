@@ -6,6 +6,7 @@ the argument, what was expected and what came.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Set
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +17,6 @@ from ._arrays import (
     host_ints,
     is_integer,
     is_real_number,
-    magnitude_besides_minus_inf,
     module_of,
     score_bound,
     require_array,
@@ -135,7 +135,11 @@ def _window(window, reach: int):
     clamped there, so that no backend's band arithmetic (row + offset ± side) can overflow."""
     if window is None:
         return None
-    if isinstance(window, (str, bytes, dict, set, frozenset)) or not hasattr(window, "__len__") or len(window) != 2:
+    try:
+        pair = not isinstance(window, (str, bytes, Mapping, Set)) and len(window) == 2
+    except TypeError:  # no length: an int, a 0-d array
+        pair = False
+    if not pair:
         raise ValueError(f"window must be a pair (left, right) of non-negative ints or None, got {window!r}")
     sides = []
     for side, value in zip(("left", "right"), window):
@@ -287,11 +291,13 @@ def _mask(mask, xp, target: tuple[int, int, int, int], q_dtype: np.dtype):
             f"mask of shape {tuple(mask.shape)} does not broadcast to (B, H, Sq, Sk) = {target}"
         )
     if dtype != np.bool_ and mask.size:
-        largest = magnitude_besides_minus_inf(xp, mask)
+        # One reduction, no temporaries: NaN propagates through max, and +inf is past any bound.
+        # Negative values of any size mask (minus_infinity_below).
+        largest = float(mask.max())
         if not largest <= score_bound(q_dtype):
-            raise ValueError(f"a float mask may hold -inf and finite values within ±{score_bound(q_dtype):.4g} (the "
-                             f"scores' range in base 2 for {q_dtype} inputs), not NaN or +inf; its largest other "
-                             f"magnitude is {largest:.4g}")
+            raise ValueError(f"a float mask may hold -inf and finite values up to {score_bound(q_dtype):.4g} (the "
+                             f"scores' range in base 2 for {q_dtype} inputs), not NaN or +inf; its largest is "
+                             f"{largest:.4g}")
     return mask
 
 

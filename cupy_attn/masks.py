@@ -74,7 +74,10 @@ def padding_mask(lengths, max_len, *, xp=None, like=None):
     j < lengths[b]. Broadcasts against (B, H, Sq, Sk) scores."""
     max_len = _size("max_len", max_len)
     if module_of(lengths) is None:
-        lengths = np.asarray(lengths)
+        try:
+            lengths = np.asarray(lengths)
+        except ValueError:  # ragged
+            raise ValueError(f"lengths must be a 1-D integer array, got {lengths!r:.80}") from None
         if not lengths.size:  # [] is B = 0, not float64
             lengths = lengths.astype(np.int64)
         lengths = _module(xp, like).asarray(lengths)

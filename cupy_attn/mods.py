@@ -163,14 +163,15 @@ def twin(mod: _Mod, *args, shape: tuple, xp=np, scores_dtype=None, where=None):
                          f"broadcast to the scores' {shape}") from None
     if isinstance(mod, ScoreMod) and scores_dtype is not None:
         largest = score_bound(scores_dtype)
-        # NaN, +inf, past the range; not where the score came in as NaN (from NaN inputs, not the mod)
-        wrong = ~(xp.abs(result) <= largest) & ~(result == -np.inf) & ~xp.isnan(args[0])
+        # NaN, +inf or past the bound (negative values of any size mask: minus_infinity_below), where
+        # the score came in within it: what arrives NaN or out of range is the inputs' doing.
+        wrong = ~(result <= largest) & (args[0] <= largest)
         if where is not None:
             wrong &= where
         if bool(wrong.any()):
-            raise ValueError(f"{name}'s numpy twin {mod!r} returned NaN, +inf or a value past ±{largest:.4g} (the "
-                             f"scores' range in base 2, in {np.dtype(scores_dtype)}) for a pair that may attend; "
-                             "scores must be finite within it, or -inf to mask a pair")
+            raise ValueError(f"{name}'s numpy twin {mod!r} returned NaN, +inf or a value past {largest:.4g} (the "
+                             f"scores' range in base 2, in {np.dtype(scores_dtype)}) for a pair that may attend; scores "
+                             "must be at most that, or -inf to mask a pair")
     return result
 
 

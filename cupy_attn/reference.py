@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import mods
-from ._arrays import require_array
+from ._arrays import minus_infinity_below, require_array
 from ._philox import dropout_mask
 from ._problem import make_problem
 
@@ -80,6 +80,8 @@ def _probabilities(p, q64, k64):
         modified = mods.twin(p.score_mod, modified, *_indices(p), shape=modified.shape, scores_dtype=p.compute_dtype,
                              where=allowed).astype(np.float64)
     s = np.where(allowed, modified + mask_bias, -np.inf)
+    if p.score_mod is not None or (p.mask is not None and p.mask.dtype != bool):
+        s[s < minus_infinity_below(p.dtype)] = -np.inf  # as the kernels' base 2 takes them
     row_max = s.max(axis=-1, keepdims=True, initial=-np.inf)
     sink = None if p.sinks is None else np.asarray(p.sinks, np.float64)[None, :, None, None]
     if sink is not None:  # a sink joins the denominator only: exp(sink) with no value

@@ -286,6 +286,23 @@ def test_broadcast_masks_are_read_in_place():
         check(q, k, v, np.float32, mask=mask)
 
 
+def test_the_most_negative_float_masks_like_minus_infinity():
+    """finfo(float32).min (transformers' masks), or a float64 mask below float32's range: the kernels'
+    base 2 takes it to -inf, and so do the NumPy backend and the reference, fully masked rows too."""
+    rng = np.random.default_rng(15)
+    q, k, v = random_qkv(rng, b=3, h=4, sq=33, sk=77, d=16)
+    allowed = rng.random((33, 1)) < 0.5  # every key of half the rows
+    want = cupy_attn.attention(q, k, v, mask=np.broadcast_to(allowed, (33, 77)), return_lse=True)
+    for lowest in (np.float32(np.finfo(np.float32).min), -1e39, -2.5e38):
+        mask = np.where(allowed, 0.0, lowest)  # float32 for the float32 one, else float64
+        for run in (lambda **kw: cupy_attn.attention(q, k, v, return_lse=True, **kw),
+                    lambda **kw: cupy_attn.attention(q, k, v, return_lse=True, backend="emulator", **kw),
+                    lambda **kw: reference.attention(q, k, v, **kw)):
+            out, lse = run(mask=mask)
+            assert_close(out, want[0], np.float32, what=f"out, mask of {lowest}")
+            assert (lse[..., ~allowed[:, 0]] == -np.inf).all()
+
+
 def field(values, dtype):
     """``values`` as one field of a structured array: byte strides of no whole number of elements."""
     record = np.zeros(values.shape, dtype=[("x", dtype), ("pad", np.uint8)])

@@ -155,7 +155,7 @@ BAD_TWINS = [
     (SCORE("score", lambda s, b, h, q_idx, kv_idx: s * np.nan), ValueError, "returned NaN, \\+inf or a value past"),
     (SCORE("score", lambda s, b, h, q_idx, kv_idx: np.where(q_idx == kv_idx, np.inf, s)), ValueError, "NaN, \\+inf"),
     # finite in float64, inf in the float32 the scores of float32 inputs are computed in
-    (SCORE("score", lambda s, b, h, q_idx, kv_idx: s + np.float64(1e39)), ValueError, "past ±1.701e\\+38 \\(the scores' range in base 2, in float32\\)"),
+    (SCORE("score", lambda s, b, h, q_idx, kv_idx: s + np.float64(1e39)), ValueError, "past 1.701e\\+38 \\(the scores' range in base 2, in float32\\)"),
     (SCORE("score", lambda s, b, h, q_idx, kv_idx: s > 0), TypeError, "must return real numbers .* got dtype bool"),
     (SCORE("score", lambda s, b, h, q_idx, kv_idx: s + 0j), TypeError, "must return real numbers .* got dtype complex"),
     (SCORE("score", lambda s, b, h, q_idx, kv_idx: np.ones(3)), ValueError, "returned shape \\(3,\\), which does not broadcast"),
@@ -197,6 +197,12 @@ def test_what_a_twin_returns_for_pairs_that_cannot_attend_is_not_checked(rng):
     # NaN scores from NaN inputs are the inputs' doing: NaN out, as without a mod, not an error blaming it
     k[:, :, 0] = np.nan
     assert np.isnan(cupy_attn.attention(q, k, v, kv_lengths=[4], score_mod=bias)).all()
+    # and so are scores out of range before the mod (one of 3e38): an identity mod changes nothing
+    q, k, v = random_qkv(rng, b=1, h=1, sq=2, sk=2, d=8)
+    q[0, 0, 0] = k[0, 0, 0] = np.sqrt(3e38 / 8)
+    same = SCORE("score", lambda s, b, h, q_idx, kv_idx: s, grad="additive")
+    np.testing.assert_array_equal(cupy_attn.attention(q, k, v, scale=1.0, score_mod=same),
+                                  cupy_attn.attention(q, k, v, scale=1.0))
 
 
 def test_twins_may_return_scalars_and_minus_infinity(rng):
