@@ -581,9 +581,16 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto")
     parser.add_argument("--compile-times", action="store_true", help="report kernel compile times instead")
     args = parser.parse_args(argv)
-    if any(p not in ("fwd", "bwd") for p in args.passes):
-        parser.error(f"--pass takes fwd, bwd or fwd,bwd, got {','.join(args.passes)}")
-    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.passes or any(p not in ("fwd", "bwd") for p in args.passes):
+        parser.error(f"--pass takes fwd, bwd or fwd,bwd, got {','.join(args.passes)!r}")
+    unknown = sorted(set(args.impls or ()) - {impl.name for impl in IMPLS})
+    if unknown:
+        parser.error(f"--impls: no implementation named {', '.join(unknown)}; there are "
+                     f"{', '.join(impl.name for impl in IMPLS)}")
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        parser.error(f"--out {args.out} is not a usable directory: {error.strerror}")
     if args.compile_times:
         (args.out / "compile_times.json").write_text(json.dumps(compile_times(), indent=1))
         return 0

@@ -28,8 +28,12 @@
 # --dry-run runs every step's CPU twin (NVRTC instead of CuPy, test collection, the emulator, the
 # CPU benchmark) so a typo never costs GPU minutes; CI runs it (tests/test_gpu_check.py).
 set -uo pipefail
-out=${1:?usage: bench/gpu_check.sh OUTDIR [--only tests,sanitize,bench] [--bench-budget S] [--full] [--dry-run]}
+usage="usage: bench/gpu_check.sh OUTDIR [--only tests,sanitize,bench] [--bench-budget S] [--full] [--dry-run]"
+out=${1:?$usage}
 shift
+case "$out" in -*) echo "OUTDIR comes first, got the option $out; $usage" >&2; exit 2 ;; esac
+# Relative to where the command was given, not to the checkout this script moves into.
+case "$out" in /*) ;; *) out=$PWD/$out ;; esac
 steps=tests,sanitize,bench
 budget=200
 size=
@@ -37,7 +41,8 @@ dry=
 while [ $# -gt 0 ]; do
     case "$1" in
         --only) steps=${2:?--only needs a comma-separated list of tests, sanitize, bench}; shift ;;
-        --bench-budget) budget=${2:?--bench-budget needs seconds}; shift ;;
+        --bench-budget) budget=${2:?--bench-budget needs seconds}; shift
+            case "$budget" in ''|*[!0-9]*) echo "--bench-budget needs whole seconds, got $budget" >&2; exit 2 ;; esac ;;
         --full) size=--full ;;
         --dry-run) dry=1 ;;
         *) echo "unknown argument: $1" >&2; exit 2 ;;
@@ -49,8 +54,7 @@ for step in ${steps//,/ }; do
 done
 run() { case ",$steps," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 cd "$(dirname "$0")/.."
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
+mkdir -p -- "$out" && out=$(cd -- "$out" && pwd) || { echo "cannot make OUTDIR $out" >&2; exit 2; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX would otherwise take 75% of the GPU from CuPy and PyTorch
 py=${PYTHON:-python3}

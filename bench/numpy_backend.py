@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 
-import cupy_attn
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's cupy_attn, not an installed one
+import cupy_attn  # noqa: E402
 
 
 def naive(q, k, v, causal):
@@ -42,13 +45,19 @@ def measure(fn, repeat):
     return statistics.median(times) * 1e3, peak
 
 
+def positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq", type=int, nargs="+", default=[256, 1024, 4096])
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--seq", type=positive, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--batch", type=positive, default=1)
+    parser.add_argument("--heads", type=positive, default=8)
+    parser.add_argument("--dim", type=positive, default=64)
+    parser.add_argument("--repeat", type=positive, default=3)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     print(f"B={args.batch} H={args.heads} D={args.dim} float32 forward; peak = extra memory beyond the inputs")

@@ -10,16 +10,20 @@ import json
 import sys
 from pathlib import Path
 
-OURS = "cupy_attn"
+# Ours: the CUDA kernels on a GPU, the NumPy backend on a CPU (a results.json holds one or the other).
+OURS = ("cupy_attn", "cupy_attn_numpy")
 # cupy_attn_mma_sync: records from before 2026-11-30's switch, when an sm_90 GPU ran wgmma by default
 COLUMNS = (("cupy_attn", "cupy_attn"), ("cupy_attn_mma_sync", "ours, mma.sync"), ("cupy_attn_wgmma", "ours, wgmma"),
            ("torch_sdpa_flash", "SDPA flash"), ("torch_sdpa_cudnn", "SDPA cuDNN"),
-           ("torch_sdpa_efficient", "SDPA efficient"), ("jax_dot_product_attention", "JAX"))
+           ("torch_sdpa_efficient", "SDPA efficient"), ("jax_dot_product_attention", "JAX"),
+           ("cupy_attn_numpy", "cupy_attn (NumPy)"), ("naive_numpy", "naive NumPy"), ("torch_sdpa_cpu", "SDPA (CPU)"))
+FIELDS = ("pass", "impl", "tflops", "name", "dtype", "D", "Sq", "Sk", "causal", "B", "H", "Hkv")
 
 
 def table(records: list[dict], pass_: str) -> str:
     present = [(impl, title) for impl, title in COLUMNS if any(r["impl"] == impl for r in records)]
-    others = [(impl, title) for impl, title in present if impl != OURS]
+    ours = next((impl for impl in OURS if any(r["impl"] == impl for r in records)), OURS[0])
+    others = [(impl, title) for impl, title in present if impl != ours]
     cases: dict = {}
     for r in records:
         if r["pass"] == pass_:
@@ -32,8 +36,8 @@ def table(records: list[dict], pass_: str) -> str:
         got = cases[key]
         name, dtype, d, sq, sk, causal = key[:6]
         cells = [name, dtype, str(d), f"{sq}/{sk}", "yes" if causal else "no"]
-        cells += [f"{got[i]:.1f}" if i in got else "—" for i, _ in present]
-        cells += [f"{got[OURS] / got[i]:.2f}" if OURS in got and i in got else "—" for i, _ in others]
+        cells += [(f"{got[i]:.1f}" if got[i] >= 10 else f"{got[i]:.3g}") if i in got else "—" for i, _ in present]
+        cells += [f"{got[ours] / got[i]:.2f}" if ours in got and i in got else "—" for i, _ in others]
         lines.append(f"| {' | '.join(cells)} |")
     return "\n".join(lines)
 
@@ -43,8 +47,16 @@ def main(argv=None) -> int:
     parser.add_argument("results", type=Path)
     parser.add_argument("--pass", dest="passes", default="fwd,bwd")
     args = parser.parse_args(argv)
-    records = json.loads(args.results.read_text())
-    for pass_ in args.passes.split(","):
+    passes = args.passes.split(",")
+    if not passes or any(p not in ("fwd", "bwd") for p in passes):
+        parser.error(f"--pass takes fwd, bwd or fwd,bwd, got {args.passes!r}")
+    try:
+        records = json.loads(args.results.read_text())
+    except (OSError, ValueError) as error:
+        parser.error(f"cannot read {args.results}: {error}")
+    if not isinstance(records, list) or not all(isinstance(r, dict) and set(FIELDS) <= set(r) for r in records):
+        parser.error(f"{args.results} is not a benchmark's results.json (a list of records with {', '.join(FIELDS)})")
+    for pass_ in passes:
         print(f"\n{'Forward' if pass_ == 'fwd' else 'Backward'} (TFLOP/s; ÷: cupy_attn over that implementation)\n")
         print(table(records, pass_))
     return 0

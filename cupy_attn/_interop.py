@@ -15,7 +15,7 @@ import importlib
 
 import numpy as np
 
-from ._arrays import BFLOAT16, is_cupy_array
+from ._arrays import BFLOAT16, is_cupy_array, module_of
 
 _CPU, _CUDA = 1, 2  # DLPack device types
 
@@ -34,9 +34,10 @@ def _is_bfloat16(x) -> bool:
     return str(x.dtype).endswith("bfloat16")
 
 
-def to_backend(x):
+def to_backend(x, name: str = "an array", *, written: bool = False):
     """A framework array as a NumPy (CPU) or CuPy (CUDA) array sharing its memory; anything
-    else unchanged."""
+    else unchanged. ``name``: the argument, for errors; ``written``: it is to be written in place
+    (a KV cache), so it must be the tensor's own memory, not a lazy view of it."""
     framework = framework_of(x)
     if framework is None:
         return x
@@ -46,7 +47,18 @@ def to_backend(x):
             "cupy_attn.jax.attention, which supports jax.grad and, on the CPU, jax.jit"
         )
     if framework == "torch":
+        if str(x.layout) != "torch.strided":
+            raise TypeError(f"{name} must be a dense torch tensor (layout torch.strided), got {x.layout}")
+        if written and x.requires_grad:
+            raise TypeError(f"{name} requires grad: torch refuses in-place writes to it, and so does cupy_attn (pass "
+                            f"{name}.detach(), which shares its memory)")
         x = x.detach()
+        if x.is_neg() or x.is_conj():
+            # DLPack hands over the memory, not the lazy negation or conjugation of a view.
+            if written:
+                raise TypeError(f"{name} has its negative or conjugate bit set (a lazy view), so it cannot be "
+                                "written in place; pass .resolve_neg() / .resolve_conj() of it and keep that one")
+            x = x.resolve_neg().resolve_conj()  # a copy
     device = int(x.__dlpack_device__()[0])
     if device == _CPU:
         if _is_bfloat16(x):
@@ -60,6 +72,28 @@ def to_backend(x):
         cupy = importlib.import_module("cupy")
         return cupy.from_dlpack(x)
     raise TypeError(f"{framework} arrays on DLPack device type {device} are not supported (CPU and CUDA are)")
+
+
+# Small per-sequence or per-head arrays, which may also come as NumPy arrays (or lists) beside
+# framework arrays on the CPU, as they always could.
+SMALL = frozenset(("q_lengths", "kv_lengths", "alibi_slopes", "sinks", "cu_seqlens_q", "cu_seqlens_k", "cache_seqlens",
+                   "cache_batch_idx", "block_table"))
+
+
+def backend_arrays(framework: str | None, written=(), **named) -> list:
+    """The named arguments as backend arrays (`to_backend`; those named in ``written`` are to be
+    written in place), after checking that the tensors among them (all but the SMALL ones) come
+    from the caller's library, ``framework`` (None: NumPy or CuPy): a torch tensor beside NumPy
+    arrays would otherwise be taken on the CPU and the result handed back as whichever came
+    first. Lists, numbers and None pass as they are."""
+    lead_name = next((n for n, x in named.items() if framework_of(x) == framework), None)
+    for name, x in named.items():
+        kind = framework_of(x)
+        if name not in SMALL and kind != framework and (kind is not None or module_of(x) is not None):
+            theirs = f"a {framework} array" if framework else "a NumPy or CuPy array"
+            raise TypeError(f"{name} is a {kind or module_of(x).__name__} array, but {lead_name} is {theirs}: pass all "
+                            "arrays from one library")
+    return [to_backend(x, name, written=name in written) for name, x in named.items()]
 
 
 def to_framework(framework: str | None, x):

@@ -193,6 +193,18 @@ def _check_no_append_is_read_by_another(used: np.ndarray, kv_lengths: np.ndarray
                          "where none of them appends (check block_table / cache_batch_idx)")
 
 
+def _elements_apart(x) -> bool:
+    """Whether no two elements of x share memory, by a sufficient test: taken from the smallest
+    stride up, each axis's stride passes the extent of the axes inside it (as for any layout of
+    distinct elements that NumPy, CuPy or PyTorch make short of as_strided)."""
+    extent = x.itemsize
+    for stride, n in sorted((abs(st), n) for st, n in zip(x.strides, x.shape) if n > 1):
+        if stride < extent:
+            return False
+        extent += stride * (n - 1)
+    return True
+
+
 def _num_splits(num_splits) -> int:
     if not is_integer(num_splits):
         raise TypeError(f"num_splits must be an int (0: chosen by a heuristic), got {describe(num_splits)}")
@@ -235,6 +247,10 @@ def make_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, cache_ba
     if seq_new and b:
         slots = _append_slots(used, seqlens, seq_new, page_size)
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if not _elements_apart(x):
+                raise ValueError(f"{name} has elements that share memory (shape {tuple(x.shape)}, strides {x.strides}: "
+                                 "an expanded or as_strided view), so appending would write several cache rows at "
+                                 "once; pass a cache of its own memory")
             if xp is np and not x.flags.writeable:
                 raise ValueError(f"{name} is read-only, but new k, v are to be written into it")
     fields = dict(xp=xp, layout=layout, batch=b, heads=h, kv_heads=hkv, seq_q=sq, seq_k=capacity, head_dim=d,

@@ -97,7 +97,9 @@ def merge_attention(outs, lses, *, layout="bhsd", backend="auto"):
     out_items, lse_items = _items(outs), _items(lses)
     framework, lead = _interop.lead(*out_items, *lse_items)
     with _interop.caller_stream(framework, lead):
-        out_items, lse_items = ([_interop.to_backend(x) for x in items] for items in (out_items, lse_items))
+        named = {f"{what}[{i}]": x for what, items in (("outs", out_items), ("lses", lse_items)) for i, x in enumerate(items)}
+        converted = _interop.backend_arrays(framework, **named)
+        out_items, lse_items = converted[:len(out_items)], converted[len(out_items):]
         outs, lses = _stacked("outs", outs, out_items), _stacked("lses", lses, lse_items)
         xp = require_array("outs", outs)
         require_array("lses", lses, xp)

@@ -1,6 +1,8 @@
 """The public attention functions."""
 from __future__ import annotations
 
+import inspect
+
 from . import _backends, _interop, _kernel_backend
 from ._problem import check_backward_inputs, make_problem, make_varlen_problem
 
@@ -63,8 +65,9 @@ def attention(q, k, v, *, mask=None, causal=False, window=None, q_lengths=None, 
               backend="auto"):
     framework, lead = _interop.lead(q, k, v)
     with _interop.caller_stream(framework, lead):
-        q, k, v, mask, q_lengths, kv_lengths, alibi_slopes, sinks = map(
-            _interop.to_backend, (q, k, v, mask, q_lengths, kv_lengths, alibi_slopes, sinks))
+        q, k, v, mask, q_lengths, kv_lengths, alibi_slopes, sinks = _interop.backend_arrays(
+            framework, q=q, k=k, v=v, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths,
+            alibi_slopes=alibi_slopes, sinks=sinks)
         problem = make_problem(q, k, v, mask=mask, causal=causal, window=window, q_lengths=q_lengths,
                                kv_lengths=kv_lengths, scale=scale, softcap=softcap,
                                alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
@@ -84,8 +87,9 @@ def attention_backward(dout, q, k, v, out, lse, *, mask=None, causal=False, wind
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     framework, lead = _interop.lead(q, k, v)
     with _interop.caller_stream(framework, lead):
-        dout, q, k, v, out, lse, mask, q_lengths, kv_lengths, alibi_slopes, sinks = map(
-            _interop.to_backend, (dout, q, k, v, out, lse, mask, q_lengths, kv_lengths, alibi_slopes, sinks))
+        dout, q, k, v, out, lse, mask, q_lengths, kv_lengths, alibi_slopes, sinks = _interop.backend_arrays(
+            framework, dout=dout, q=q, k=k, v=v, out=out, lse=lse, mask=mask, q_lengths=q_lengths,
+            kv_lengths=kv_lengths, alibi_slopes=alibi_slopes, sinks=sinks)
         problem = make_problem(q, k, v, mask=mask, causal=causal, window=window, q_lengths=q_lengths,
                                kv_lengths=kv_lengths, scale=scale, softcap=softcap,
                                alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
@@ -119,8 +123,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      window=None, scale=None, softcap=None, alibi_slopes=None, return_lse=False, backend="auto"):
     framework, lead = _interop.lead(q, k, v)
     with _interop.caller_stream(framework, lead):
-        q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes = map(
-            _interop.to_backend, (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes))
+        q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes = _interop.backend_arrays(
+            framework, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
         problem = make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       causal=causal, window=window, scale=scale, softcap=softcap,
                                       alibi_slopes=alibi_slopes, backend=backend)
@@ -136,8 +140,9 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     framework, lead = _interop.lead(q, k, v)
     with _interop.caller_stream(framework, lead):
-        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = map(
-            _interop.to_backend, (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes))
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = _interop.backend_arrays(
+            framework, dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
         problem = make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       causal=causal, window=window, scale=scale, softcap=softcap,
                                       alibi_slopes=alibi_slopes, backend=backend)
@@ -186,10 +191,17 @@ def precompile(q, k, v, *, backward=True, deterministic=False, **keywords):
     dims, layout and where the arrays live (their sequence lengths and contents do not matter:
     small arrays do). Each build is cached on disk (CuPy's cache, or the emulator's), so a later
     process warms up from it. Returns the kernel names built, [] on the NumPy backend."""
+    for name, value in (("backward", backward), ("deterministic", deterministic)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    keywords.pop("return_lse", None)  # attention's, but it changes no kernel
+    unknown = sorted(set(keywords) - set(inspect.signature(make_problem).parameters) - {"q", "k", "v"})
+    if unknown:
+        raise TypeError(f"precompile takes attention's keywords; {', '.join(unknown)} is not one of them")
     framework, lead = _interop.lead(q, k, v)
     with _interop.caller_stream(framework, lead):
-        q, k, v = map(_interop.to_backend, (q, k, v))
-        keywords = {name: _interop.to_backend(x) for name, x in keywords.items()}
+        q, k, v, *values = _interop.backend_arrays(framework, q=q, k=k, v=v, **keywords)
+        keywords = dict(zip(keywords, values))
         problem = make_problem(q, k, v, **keywords)
         if 0 in (problem.batch, problem.heads, problem.seq_q, problem.seq_k):
             raise ValueError("precompile needs arrays with no empty axis (a call with one launches no kernel), got "

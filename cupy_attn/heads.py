@@ -74,8 +74,9 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o, num_heads, *, num_kv_heads=None,
     """
     framework, lead = _interop.lead(x)
     with _interop.caller_stream(framework, lead):
-        arrays = [_interop.to_backend(a) for a in (x, w_q, w_k, w_v, w_o, context)]
-        keywords = {n: _interop.to_backend(a) for n, a in attention_keywords.items()}
+        converted = _interop.backend_arrays(framework, x=x, w_q=w_q, w_k=w_k, w_v=w_v, w_o=w_o, context=context,
+                                            **attention_keywords)
+        arrays, keywords = converted[:6], dict(zip(attention_keywords, converted[6:]))
         result = _multi_head_attention(*arrays, num_heads, num_kv_heads, keywords)
         if isinstance(result, tuple):
             return tuple(_interop.to_framework(framework, r) for r in result)

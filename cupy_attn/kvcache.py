@@ -56,8 +56,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     the capacity, block-table entries that are not pages where keys are read or written, shape,
     dtype or page-size mismatches, num_splits < 0, ...) and leave the caches untouched. PyTorch
     caches are written in place through DLPack; JAX arrays are immutable, so JAX caches can only
-    be attended (without k, v). Validation reads cache_seqlens and checks the block table, which
-    synchronises with the GPU once.
+    be attended (without k, v). Validation copies cache_seqlens and the block table's used
+    columns (or cache_batch_idx) to the host: two or three small copies that wait for the GPU.
     """
     framework, lead = _interop.lead(q, k_cache, v_cache, k, v)
     if k is not None and "jax" in (_interop.framework_of(k_cache), _interop.framework_of(v_cache)):
@@ -65,9 +65,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                         "append k, v into them in place. Call it without k, v, after writing the new keys into the "
                         "caches yourself (e.g. with .at[].set()), or use PyTorch, CuPy or NumPy caches")
     with _interop.caller_stream(framework, lead):
-        q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes = map(
-            _interop.to_backend, (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                                  alibi_slopes))
+        q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes = _interop.backend_arrays(
+            framework, ("k_cache", "v_cache") if k is not None else (), q=q, k_cache=k_cache, v_cache=v_cache, k=k,
+            v=v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, block_table=block_table,
+            alibi_slopes=alibi_slopes)
         kv = _kvcache.make_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                                    cache_batch_idx=cache_batch_idx, block_table=block_table, causal=causal,
                                    window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,

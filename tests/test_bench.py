@@ -24,6 +24,28 @@ def test_quick_cpu_benchmark_writes_json_and_plots(tmp_path):
     assert all(r["ms_median"] > 0 and r["tflops"] > 0 for r in records)
     assert (tmp_path / "fwd.png").stat().st_size > 1000 and (tmp_path / "bwd.png").exists()
     assert "relative to the best other implementation" in result.stdout
+    # report.py turns it into a table of numbers: the NumPy backend is "ours" without a GPU
+    report = subprocess.run([sys.executable, str(ROOT / "bench" / "report.py"), str(tmp_path / "results.json"),
+                             "--pass", "fwd"], capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0, report.stderr
+    header, _, first = report.stdout.strip().splitlines()[2:5]
+    assert header == "| case | dtype | D | Sq/Sk | causal | cupy_attn (NumPy) | naive NumPy | ÷ naive NumPy |"
+    assert all(float(cell) > 0 for cell in first.strip("|").split("|")[5:]), first
+
+
+def test_scripts_refuse_bad_arguments_before_writing(tmp_path):
+    (tmp_path / "results.json").write_text("[]")
+    scripts = [(["bench_attention.py", "--impls", "cupy_attn_nympy", "--out", str(tmp_path)], "no implementation named"),
+               (["bench_attention.py", "--pass", ",", "--out", str(tmp_path)], "--pass takes fwd, bwd"),
+               (["report.py", str(tmp_path / "missing.json")], "cannot read"),
+               (["report.py", str(ROOT / "pyproject.toml")], "cannot read"),
+               (["report.py", str(tmp_path / "results.json"), "--pass", "xyz"], "--pass takes fwd, bwd"),
+               (["numpy_backend.py", "--seq", "0"], "must be a positive integer")]
+    for args, message in scripts:
+        result = subprocess.run([sys.executable, str(ROOT / "bench" / args[0]), *args[1:]], capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, args
+    assert (tmp_path / "results.json").read_text() == "[]"  # not overwritten
 
 
 def test_inference_benchmark_cpu_mode(tmp_path):

@@ -148,15 +148,41 @@ def test_sinks_get_their_gradient():
         lambda q, k, v, s: cupy_attn.torch.attention(q, k, v, sinks=s, causal=True), (q, k, v, sinks))
 
 
-def test_sinks_given_as_a_list_or_numpy_array_take_no_gradient():
+def test_sinks_as_a_list_an_array_or_a_tensor_without_grad_take_no_gradient():
     q, k, v = (t[:1, :, :6, :4].detach().clone().requires_grad_() for t in tensors())
-    for sinks in ([0.5, -1.0, 0.0, 2.0], np.array([0.5, -1.0, 0.0, 2.0], np.float32)):
+    for sinks in ([0.5, -1.0, 0.0, 2.0], np.array([0.5, -1.0, 0.0, 2.0], np.float32), torch.tensor([0.5, -1.0, 0.0, 2.0])):
         cupy_attn.torch.attention(q, k, v, sinks=sinks).sum().backward()
+        constant = np.asarray(sinks, np.float32)
         want = cupy_attn.attention_backward(np.ones((1, 4, 6, 4), np.float32), *(numpy_of(t) for t in (q, k, v)),
-                                            *cupy_attn.attention(*(numpy_of(t) for t in (q, k, v)), sinks=sinks,
-                                                                 return_lse=True), sinks=sinks)
+                                            *cupy_attn.attention(*(numpy_of(t) for t in (q, k, v)), sinks=constant,
+                                                                 return_lse=True), sinks=constant)
         np.testing.assert_allclose(numpy_of(q.grad), want[0], rtol=1e-5, atol=1e-6)
         q.grad = k.grad = v.grad = None
+
+
+def test_arrays_of_one_library_only():
+    """A NumPy array beside torch tensors (or the reverse) is refused, on the CPU as on a GPU, where
+    it cannot work: the result's type would otherwise follow whichever came first."""
+    q, k, v = tensors()
+    n = q.numpy()
+    cases = [((n, k, v), {}, "q is a numpy array, but k is a torch array"),
+             ((q, n, v), {}, "k is a numpy array, but q is a torch array"),
+             ((q, k, v), dict(mask=np.ones((1, 1), bool)), "mask is a numpy array, but q is a torch array"),
+             ((n, n, n), dict(mask=torch.ones(1, 1, dtype=torch.bool)), "mask is a torch array, but q is a NumPy or CuPy")]
+    for args, keywords, message in cases:
+        with pytest.raises(TypeError, match=message):
+            cupy_attn.attention(*args, **keywords)
+    with pytest.raises(TypeError, match=r"lses\[1\] is a numpy array, but outs\[0\] is a torch array"):
+        cupy_attn.merge_attention([q, q], [torch.zeros(q.shape[:3]), np.zeros(q.shape[:3], np.float32)])
+    # per-sequence and per-head arrays may be lists or NumPy arrays beside CPU tensors, as they always could
+    cupy_attn.attention(q, k, v, q_lengths=[2] * q.shape[0], sinks=np.zeros(q.shape[1], np.float32))
+
+
+def test_a_lazily_negated_tensor_is_read_as_its_values():
+    q, k, v = tensors()
+    lazy = k.neg()._neg_view()  # its values are k's, its memory holds -k's
+    assert lazy.is_neg() and torch.equal(lazy, k)
+    assert torch.equal(cupy_attn.attention(q, lazy, v), cupy_attn.attention(q, k, v))
 
 
 def test_a_backward_that_would_need_its_own_graph_is_refused():

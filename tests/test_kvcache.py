@@ -448,6 +448,29 @@ def test_torch_caches_are_written_in_place(rng):
             assert torch.equal(v_cache[torch.from_numpy(pages), torch.from_numpy(rows)], v_new[b])
 
 
+def test_torch_caches_that_cannot_take_an_append_are_refused(rng):
+    """Written in place through DLPack, a cache must be its tensor's own, distinct memory: an
+    expanded cache would write one row for several entries, a lazily negated one the wrong sign,
+    and a cache requiring grad would change under autograd's feet."""
+    torch = pytest.importorskip("torch")
+    q, k_new, v_new = (torch.randn(2, 1, 1, 8) for _ in range(3))
+    own = torch.zeros(2, 4, 1, 8)
+    cases = [(torch.zeros(1, 4, 1, 8).expand(2, 4, 1, 8), ValueError, "k_cache has elements that share memory"),
+             (torch.zeros(2, 4, 1, 8)._neg_view(), TypeError, "k_cache has its negative or conjugate bit set"),
+             (torch.zeros(2, 4, 1, 8, requires_grad=True), TypeError, r"k_cache requires grad"),
+             (torch.zeros(2, 4, 1, 8).to_sparse(), TypeError, "k_cache must be a dense torch tensor")]
+    for k_cache, error, message in cases:
+        with pytest.raises(error, match=message):
+            attention_with_kvcache(q, k_cache, own, k_new, v_new, cache_seqlens=0)
+        assert not own.any()
+    # attending alone reads them: a lazy negation as the values it stands for, not its memory's
+    keys, values = torch.randn(2, 4, 1, 8), torch.randn(2, 4, 1, 8)
+    lazy = keys.neg()._neg_view()  # its values are keys, its memory holds -keys
+    want = attention_with_kvcache(q, keys, values, cache_seqlens=4)
+    assert not torch.equal(want, attention_with_kvcache(q, -keys, values, cache_seqlens=4))
+    assert torch.equal(attention_with_kvcache(q, lazy, values, cache_seqlens=4), want)
+
+
 def test_jax_caches_attend_but_refuse_an_append(rng):
     jnp = pytest.importorskip("jax.numpy")
     lengths = np.array([4, 9], np.int32)
