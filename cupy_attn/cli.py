@@ -152,12 +152,12 @@ def kernels(args) -> int:
         return memory(args)
     if args.boundary and not args.sass:
         raise SystemExit("python -m cupy_attn kernels: --boundary models the hot loop of --sass; give both")
-    if args.kernels:
-        known = {name.split("<")[0] for requested in args.arch for _, name, _ in _config.kernel_variants(requested)}
+    if args.kernels:  # a name some architecture has (one the requested ones lack selects nothing there)
+        known = {name.split("<")[0] for arch in ARCHES for _, name, _ in _config.kernel_variants(arch)}
         unknown = sorted(set(args.kernels) - known)
         if unknown:
-            raise SystemExit(f"python -m cupy_attn kernels: no kernel named {', '.join(unknown)} for "
-                             f"{' '.join(args.arch)}; the kernels are: {', '.join(sorted(known))}")
+            raise SystemExit(f"python -m cupy_attn kernels: no kernel named {', '.join(unknown)}; the kernels are: "
+                             f"{', '.join(sorted(known))}")
     if args.ptx_dir:
         try:
             args.ptx_dir.mkdir(parents=True, exist_ok=True)
@@ -218,6 +218,9 @@ def kernels(args) -> int:
     return 1 if spills else 0
 
 
+ARCHES = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
+
+
 def _seed(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
@@ -233,7 +236,7 @@ def main(argv=None) -> int:
     d.add_argument("--seed", type=_seed, default=0)
     d.set_defaults(run=demo)
     k = sub.add_parser("kernels", help="compile every kernel variant with NVRTC (no GPU needed): registers, spills, shared memory")
-    k.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"], choices=("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a"))
+    k.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"], choices=ARCHES)
     k.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     k.add_argument("--ptx-dir", type=Path, help="write each variant's PTX here")
     k.add_argument("--boundary", action="store_true",

@@ -46,7 +46,9 @@ def test_bad_arguments_are_errors_not_tracebacks(tmp_path):
     a_file.write_text("")
     cases = [
         (("demo", "--seed", "-1"), "argument --seed: must be a non-negative integer, got '-1'"),
-        (("kernels", "--kernels", "no_such_kernel"), "no kernel named no_such_kernel for sm_80 sm_90; the kernels are: "),
+        (("kernels", "--kernels", "no_such_kernel"), "no kernel named no_such_kernel; the kernels are: "),
+        # a Hopper kernel on sm_80 alone: a kernel, but no variant there
+        (("kernels", "--arch", "sm_80", "--kernels", "attention_fwd_wgmma"), "no kernel variant matches"),
         # a filter that selects nothing must not pass as "every variant compiled"
         (("kernels", "--json", "--kernels", "attention_fwd_tc", "--dtypes", "float32"), "no kernel variant matches"),
         (("kernels", "--kernels", "attention_combine", "--ptx-dir", str(a_file)), f"--ptx-dir {a_file} is not a usable "),
