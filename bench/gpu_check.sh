@@ -42,7 +42,8 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --only) steps=${2:?--only needs a comma-separated list of tests, sanitize, bench}; shift ;;
         --bench-budget) budget=${2:?--bench-budget needs seconds}; shift
-            case "$budget" in ''|*[!0-9]*) echo "--bench-budget needs whole seconds, got $budget" >&2; exit 2 ;; esac ;;
+            case "$budget" in ''|*[!0-9]*) echo "--bench-budget needs whole seconds, got $budget" >&2; exit 2 ;; esac
+            budget=$((10#$budget)) ;;  # 08 is 8, not an invalid octal number
         --full) size=--full ;;
         --dry-run) dry=1 ;;
         *) echo "unknown argument: $1" >&2; exit 2 ;;

@@ -74,22 +74,25 @@ def to_backend(x, name: str = "an array", *, written: bool = False):
     raise TypeError(f"{framework} arrays on DLPack device type {device} are not supported (CPU and CUDA are)")
 
 
-# Small per-sequence or per-head arrays, which may also come as NumPy arrays (or lists) beside
-# framework arrays on the CPU, as they always could.
-SMALL = frozenset(("q_lengths", "kv_lengths", "alibi_slopes", "sinks", "cu_seqlens_q", "cu_seqlens_k", "cache_seqlens",
-                   "cache_batch_idx", "block_table"))
+# The tensors whose library must be the call's: the result's type comes from q, k, v (or x),
+# and the others are of their size. Masks, lengths, slopes, block tables and the like may come
+# from NumPy (or CuPy) beside framework arrays: the library's own mask builders make those, and a
+# real mismatch (a NumPy mask beside CUDA tensors) is refused after conversion.
+TENSORS = frozenset(("q", "k", "v", "dout", "out", "lse", "k_cache", "v_cache", "x", "w_q", "w_k", "w_v", "w_o",
+                     "context"))
 
 
 def backend_arrays(framework: str | None, written=(), **named) -> list:
     """The named arguments as backend arrays (`to_backend`; those named in ``written`` are to be
-    written in place), after checking that the tensors among them (all but the SMALL ones) come
-    from the caller's library, ``framework`` (None: NumPy or CuPy): a torch tensor beside NumPy
-    arrays would otherwise be taken on the CPU and the result handed back as whichever came
-    first. Lists, numbers and None pass as they are."""
+    written in place), after checking that the TENSORS among them (and merge_attention's parts,
+    outs[i] and lses[i]) come from the caller's library, ``framework`` (None: NumPy or CuPy): a
+    torch tensor beside NumPy arrays would otherwise be taken on the CPU and the result handed
+    back as whichever came first. Everything else passes as it is."""
     lead_name = next((n for n, x in named.items() if framework_of(x) == framework), None)
     for name, x in named.items():
         kind = framework_of(x)
-        if name not in SMALL and kind != framework and (kind is not None or module_of(x) is not None):
+        checked = name in TENSORS or name.startswith(("outs[", "lses["))
+        if checked and kind != framework and (kind is not None or module_of(x) is not None):
             theirs = f"a {framework} array" if framework else "a NumPy or CuPy array"
             raise TypeError(f"{name} is a {kind or module_of(x).__name__} array, but {lead_name} is {theirs}: pass all "
                             "arrays from one library")

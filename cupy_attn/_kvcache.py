@@ -197,6 +197,8 @@ def _elements_apart(x) -> bool:
     """Whether no two elements of x share memory, by a sufficient test: taken from the smallest
     stride up, each axis's stride passes the extent of the axes inside it (as for any layout of
     distinct elements that NumPy, CuPy or PyTorch make short of as_strided)."""
+    if 0 in x.shape:
+        return True
     extent = x.itemsize
     for stride, n in sorted((abs(st), n) for st, n in zip(x.strides, x.shape) if n > 1):
         if stride < extent:
@@ -248,7 +250,7 @@ def make_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, cache_ba
         slots = _append_slots(used, seqlens, seq_new, page_size)
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
             if not _elements_apart(x):
-                raise ValueError(f"{name} has elements that share memory (shape {tuple(x.shape)}, strides {x.strides}: "
+                raise ValueError(f"{name} has elements that share memory (shape {tuple(x.shape)}, byte strides {x.strides}: "
                                  "an expanded or as_strided view), so appending would write several cache rows at "
                                  "once; pass a cache of its own memory")
             if xp is np and not x.flags.writeable:

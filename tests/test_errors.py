@@ -296,3 +296,12 @@ def test_a_warp_specialised_kernel_built_with_other_registers_is_refused():
         with pytest.raises(RuntimeError, match=rf"attention_fwd_wgmma<__half, 64, 128> was built with {registers} "
                                                rf"registers .* needs exactly {_config.WS_LAUNCH_REGISTERS}"):
             check_register_split(registers, "attention_fwd_wgmma<__half, 64, 128>")
+
+
+def test_precompile_takes_attention_keywords_only(qkv):
+    q, k, v = qkv
+    assert cupy_attn.precompile(q, k, v, causal=True, return_lse=True, backward=np.bool_(True)) == []  # NumPy: none
+    with pytest.raises(TypeError, match="precompile takes attention's keywords; causl is not one of them"):
+        cupy_attn.precompile(q, k, v, causl=True)
+    with pytest.raises(TypeError, match="deterministic must be a bool, got int"):
+        cupy_attn.precompile(q, k, v, deterministic=1)

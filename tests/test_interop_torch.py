@@ -161,21 +161,23 @@ def test_sinks_as_a_list_an_array_or_a_tensor_without_grad_take_no_gradient():
 
 
 def test_arrays_of_one_library_only():
-    """A NumPy array beside torch tensors (or the reverse) is refused, on the CPU as on a GPU, where
-    it cannot work: the result's type would otherwise follow whichever came first."""
+    """A NumPy array beside torch tensors (or the reverse) among q, k, v, dout, out, lse is refused:
+    the result's type would otherwise follow whichever came first."""
     q, k, v = tensors()
     n = q.numpy()
-    cases = [((n, k, v), {}, "q is a numpy array, but k is a torch array"),
-             ((q, n, v), {}, "k is a numpy array, but q is a torch array"),
-             ((q, k, v), dict(mask=np.ones((1, 1), bool)), "mask is a numpy array, but q is a torch array"),
-             ((n, n, n), dict(mask=torch.ones(1, 1, dtype=torch.bool)), "mask is a torch array, but q is a NumPy or CuPy")]
-    for args, keywords, message in cases:
+    for args, message in (((n, k, v), "q is a numpy array, but k is a torch array"),
+                          ((q, n, v), "k is a numpy array, but q is a torch array")):
         with pytest.raises(TypeError, match=message):
-            cupy_attn.attention(*args, **keywords)
+            cupy_attn.attention(*args)
+    out, lse = cupy_attn.attention(q, k, v, return_lse=True)
+    with pytest.raises(TypeError, match="dout is a numpy array, but q is a torch array"):
+        cupy_attn.attention_backward(out.numpy(), q, k, v, out, lse)
     with pytest.raises(TypeError, match=r"lses\[1\] is a numpy array, but outs\[0\] is a torch array"):
         cupy_attn.merge_attention([q, q], [torch.zeros(q.shape[:3]), np.zeros(q.shape[:3], np.float32)])
-    # per-sequence and per-head arrays may be lists or NumPy arrays beside CPU tensors, as they always could
-    cupy_attn.attention(q, k, v, q_lengths=[2] * q.shape[0], sinks=np.zeros(q.shape[1], np.float32))
+    # masks (cupy_attn.masks builds NumPy ones), lengths and per-head arrays may be NumPy beside CPU tensors
+    causal = cupy_attn.attention(q, k, v, mask=cupy_attn.masks.causal_mask(37, 50), q_lengths=[2] * q.shape[0],
+                                 sinks=np.zeros(q.shape[1], np.float32))
+    assert isinstance(causal, torch.Tensor)
 
 
 def test_a_lazily_negated_tensor_is_read_as_its_values():
