@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     parser.add_argument("--pass", dest="passes", default="fwd,bwd")
     args = parser.parse_args(argv)
     passes = args.passes.split(",")
-    if not passes or any(p not in ("fwd", "bwd") for p in passes):
+    if any(p not in ("fwd", "bwd") for p in passes):
         parser.error(f"--pass takes fwd, bwd or fwd,bwd, got {args.passes!r}")
     try:
         records = json.loads(args.results.read_text())

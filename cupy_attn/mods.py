@@ -138,10 +138,10 @@ def twin(mod: _Mod, *args, shape: tuple, xp=np, scores_dtype=None, where=None):
     """``mod``'s NumPy twin evaluated at ``args`` (score and the index arrays, or the index arrays
     alone for a MaskMod) with its tensors and scalars, checked and broadcast to ``shape``: a
     ScoreMod's must be real numbers, a MaskMod's bools. With ``scores_dtype`` (the dtype the
-    scores are computed in) a ScoreMod's values must also be finite within its range, or -inf (a
-    masked pair), wherever ``where`` (bool, broadcasting to ``shape``: the pairs that count; all
-    when None) holds. Whatever the twin does wrong is an error naming the mod, never scores made
-    of it."""
+    scores are computed in) a ScoreMod's values must also be at most `score_bound` (so not NaN or
+    +inf; any negative value masks) wherever ``where`` (bool, broadcasting to ``shape``: the pairs
+    that count; all when None) holds and the score came in within that bound. Whatever the twin
+    does wrong is an error naming the mod, never scores made of it."""
     name = "score_mod" if isinstance(mod, ScoreMod) else "mask_mod"
     try:
         result = mod.numpy(*args, **mod.arguments)
