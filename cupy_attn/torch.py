@@ -9,12 +9,20 @@ CPU tensors run on the NumPy backend (float64 included, so torch.autograd.gradch
 tensors on the CUDA kernels, on PyTorch's current stream. Every keyword of
 `cupy_attn.attention` is accepted (mask and lengths may be tensors); ``deterministic`` is passed
 to the backward. Importing this module imports torch; importing cupy_attn does not.
+
+torch.compile: calls whose arguments are tensors and plain Python values run as the custom
+operators of cupy_attn._torch_ops, which stay in the compiled graph (fullgraph=True works).
+Calls with a score_mod, mask_mod or block_mask, or with NumPy arrays or lists among the
+arguments, run an autograd node that torch.compile leaves out of the graph (a graph break).
 """
 from __future__ import annotations
 
 import torch
 
-from . import api
+if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 8):
+    raise ImportError(f"cupy_attn.torch needs PyTorch 2.8 or later (its custom operators), found {torch.__version__}")
+
+from . import _torch_ops, api  # noqa: E402
 
 
 class _Attention(torch.autograd.Function):
@@ -34,9 +42,7 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        if torch.is_grad_enabled():  # create_graph=True: the gradients would need a graph of their own
-            raise NotImplementedError("cupy_attn.torch's gradients are not differentiable: a backward with "
-                                      "create_graph=True (double backward, gradient penalties) is not supported")
+        _torch_ops.refuse_create_graph()
         q, k, v, out, lse = ctx.saved_tensors
         grads = ctx.api_backward(dout, q, k, v, out, lse, *ctx.args, deterministic=ctx.deterministic, **ctx.keywords)
         # sinks may also be a list or a NumPy array, which takes no gradient
@@ -44,15 +50,21 @@ class _Attention(torch.autograd.Function):
         return grads[0], grads[1], grads[2], dsinks, None, None, None, None
 
 
-def _dropout_seed(keywords: dict, generator) -> dict:
-    """With dropout_p > 0 and no dropout_seed, a seed drawn from ``generator`` (torch's default
-    CPU generator when None, so torch.manual_seed makes runs reproducible); the backward gets the
-    same keywords, so it regenerates the forward's mask."""
-    if keywords.get("dropout_p", 0) and "dropout_seed" not in keywords:
-        device = "cpu" if generator is None else generator.device
-        seed = torch.randint(0, 2 ** 63 - 1, (), generator=generator, device=device, dtype=torch.int64)
-        keywords = dict(keywords, dropout_seed=int(seed))
-    return keywords
+@torch.compiler.disable(reason="cupy_attn.torch: a score_mod, mask_mod, block_mask, NumPy array or list among "
+                                "the arguments, which no operator schema holds; pass tensors to keep the call in the graph")
+def _eager(q, k, v, sinks, functions, args, keywords, deterministic):
+    """The autograd node, out of torch.compile's graph: for arguments no operator schema holds."""
+    return _Attention.apply(q, k, v, sinks, functions, args, keywords, deterministic)
+
+
+def _drawn_seed(keywords: dict, generator) -> torch.Tensor | None:
+    """With dropout_p > 0 and no dropout_seed, a seed (a 0-d int64 tensor) drawn from
+    ``generator`` (torch's default CPU generator when None, so torch.manual_seed makes runs
+    reproducible); the backward gets the same seed, so it regenerates the forward's mask."""
+    if not keywords.get("dropout_p", 0) or "dropout_seed" in keywords:
+        return None
+    device = "cpu" if generator is None else generator.device
+    return torch.randint(0, 2 ** 63 - 1, (), generator=generator, device=device, dtype=torch.int64)
 
 
 def attention(q, k, v, *, return_lse=False, deterministic=False, generator=None, **keywords):
@@ -63,10 +75,17 @@ def attention(q, k, v, *, return_lse=False, deterministic=False, generator=None,
     default CPU generator when None) unless dropout_seed is given; each call gets a fresh mask.
     Returns out, or (out, lse) with return_lse=True (lse is not differentiable).
     """
-    keywords = _dropout_seed(keywords, generator)
-    functions = (api.attention, api.attention_backward)
-    sinks = keywords.pop("sinks", None)
-    out, lse = _Attention.apply(q, k, v, sinks, functions, (), keywords, deterministic)
+    api._check_flag("deterministic", deterministic)
+    seed = _drawn_seed(keywords, generator)
+    if _torch_ops.fits_the_schema((q, k, v), keywords, "attention"):
+        out, lse = _torch_ops.attention_op(q, k, v, **_torch_ops.operator_arguments(keywords, seed),
+                                           deterministic=bool(deterministic))
+    else:
+        if seed is not None:
+            keywords = dict(keywords, dropout_seed=int(seed))
+        sinks = keywords.pop("sinks", None)
+        functions = (api.attention, api.attention_backward)
+        out, lse = _eager(q, k, v, sinks, functions, (), keywords, deterministic)
     return (out, lse) if return_lse else out
 
 
@@ -77,7 +96,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
     Returns out, or (out, lse) with return_lse=True (lse is not differentiable).
     """
-    functions = (api.attention_varlen, api.attention_varlen_backward)
-    args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    out, lse = _Attention.apply(q, k, v, None, functions, args, keywords, deterministic)
+    api._check_flag("deterministic", deterministic)
+    lengths_fit = all(type(n) is int and 0 <= n < 2 ** 63 for n in (max_seqlen_q, max_seqlen_k))
+    if lengths_fit and _torch_ops.fits_the_schema((q, k, v, cu_seqlens_q, cu_seqlens_k), keywords,
+                                                  "attention_varlen"):
+        out, lse = _torch_ops.attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                  **_torch_ops.varlen_operator_arguments(keywords),
+                                                  deterministic=bool(deterministic))
+    else:
+        functions = (api.attention_varlen, api.attention_varlen_backward)
+        args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        out, lse = _eager(q, k, v, None, functions, args, keywords, deterministic)
     return (out, lse) if return_lse else out

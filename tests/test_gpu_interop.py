@@ -33,6 +33,22 @@ def test_torch_cuda_against_sdpa(dtype, causal):
 
 
 @needs_torch_cuda
+def test_torch_compile_on_cuda_tensors():
+    """The custom operators in a compiled graph on the GPU (fullgraph: no graph break), values and
+    gradients equal to the eager adapter's. aot_eager runs Dynamo, the fake implementations and
+    AOTAutograd, as Inductor does, without spending device minutes compiling Triton kernels."""
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    keywords = dict(causal=True, kv_lengths=torch.tensor([300, 123], device="cuda"), deterministic=True)
+    loss = lambda q, k, v: cupy_attn.torch.attention(q, k, v, **keywords).float().square().sum()  # noqa: E731
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    want = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+@needs_torch_cuda
 def test_torch_non_default_stream():
     torch.manual_seed(1)
     q, k, v = (torch.randn(4, 8, 2048, 64, device="cuda", dtype=torch.float16) for _ in range(3))

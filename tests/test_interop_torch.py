@@ -217,3 +217,134 @@ def test_dropout_seed_comes_from_the_generator_and_reaches_the_backward():
                                           dropout_seed=seed)
     for t, w in zip((q, k, v), grads):
         assert_close(t.grad.numpy(), w, np.float64, grad=True)
+
+
+# ---- torch.compile: the custom operators ---------------------------------------------------------
+def compile_case(requires_grad=True):
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(shape, generator=g, dtype=torch.float64).requires_grad_(requires_grad)
+               for shape in ((2, 4, 7, 8), (2, 2, 11, 8), (2, 2, 11, 5)))
+    sinks = torch.tensor([0.5, -1.0, 0.0, 2.0], dtype=torch.float64, requires_grad=requires_grad)
+    keywords = dict(causal="top_left", window=(4, None), kv_lengths=torch.tensor([11, 6]), softcap=3.0,
+                    alibi_slopes=torch.tensor([0.3, 0.1, 0.2, 0.5]), mask=torch.rand(7, 11, generator=g) < 0.8)
+    return q, k, v, sinks, keywords
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_torch_compile_keeps_the_operators_in_one_graph(dynamic):
+    """fullgraph=True fails on any graph break, so this passes only if Dynamo traced the call as
+    the operators; values and gradients (sinks' included) equal the functional API's."""
+    q, k, v, sinks, keywords = compile_case()
+    weights = torch.randn(2, 4, 7, 5, dtype=torch.float64)
+
+    def loss(q, k, v, sinks):
+        return (cupy_attn.torch.attention(q, k, v, sinks=sinks, **keywords) * weights).sum()
+
+    compiled = torch.compile(loss, fullgraph=True, dynamic=dynamic)
+    compiled(q, k, v, sinks).backward()
+    out, lse = cupy_attn.attention(q.detach(), k.detach(), v.detach(), sinks=sinks.detach(), return_lse=True,
+                                   **keywords)
+    # the loss's sum is Inductor's own, so only the last bits may differ
+    torch.testing.assert_close(compiled(q, k, v, sinks).detach(), (out * weights).sum(), rtol=1e-13, atol=0)
+    want = cupy_attn.attention_backward(weights, *(t.detach() for t in (q, k, v)), out, lse, sinks=sinks.detach(),
+                                        **keywords)
+    for t, w in zip((q, k, v, sinks), want):
+        assert torch.equal(t.grad, w)
+
+
+def test_torch_compile_varlen_in_one_graph():
+    g = torch.Generator().manual_seed(5)
+    cu_q, cu_k = torch.tensor([0, 3, 3, 8], dtype=torch.int32), torch.tensor([0, 4, 6, 11], dtype=torch.int32)
+    q, k, v = (torch.randn(n, h, 4, generator=g, dtype=torch.float64).requires_grad_() for n, h in ((8, 2), (11, 1), (11, 1)))
+    keywords = dict(causal=True, window=(None, 1), scale=0.7)
+    compiled = torch.compile(lambda q, k, v: cupy_attn.torch.attention_varlen(q, k, v, cu_q, cu_k, 5, 5, **keywords),
+                             fullgraph=True)
+    out = compiled(q, k, v)
+    out.sum().backward()
+    _, lse = cupy_attn.attention_varlen(q.detach(), k.detach(), v.detach(), cu_q, cu_k, 5, 5, return_lse=True,
+                                        **keywords)
+    want = cupy_attn.attention_varlen_backward(torch.ones_like(out), q.detach(), k.detach(), v.detach(), out.detach(),
+                                               lse, cu_q, cu_k, 5, 5, **keywords)
+    for t, w in zip((q, k, v), want):
+        assert torch.equal(t.grad, w)
+
+
+def test_torch_compile_draws_a_fresh_dropout_seed_per_call():
+    """A drawn seed is an input of the compiled graph, not a constant baked into it."""
+    q = torch.randn(1, 2, 9, 8)
+    compiled = torch.compile(lambda q: cupy_attn.torch.attention(q, q, q, dropout_p=0.5), fullgraph=True)
+    first, second = compiled(q), compiled(q)
+    assert not torch.equal(first, second)
+    fixed = torch.compile(lambda q: cupy_attn.torch.attention(q, q, q, dropout_p=0.5, dropout_seed=9), fullgraph=True)
+    assert torch.equal(fixed(q), cupy_attn.attention(q, q, q, dropout_p=0.5, dropout_seed=9))
+
+
+def test_torch_compile_breaks_the_graph_for_what_no_schema_holds():
+    """A score_mod, or a NumPy mask, cannot be an operator's argument: such calls run the eager
+    autograd node, which torch.compile leaves out of its graph, with the same results."""
+    q, k, v, _, _ = compile_case()
+    double = cupy_attn.ScoreMod("score * 2.0f", lambda s, b, h, q_idx, kv_idx: s * 2, grad="2.0f")
+    mask = np.tril(np.ones((7, 11), bool), 4)
+    for keywords in (dict(score_mod=double), dict(mask=mask)):
+        loss = lambda q, k, v: cupy_attn.torch.attention(q, k, v, **keywords).sum()  # noqa: E731
+        compiled = torch.compile(loss)
+        compiled(q, k, v).backward()
+        got = [t.grad for t in (q, k, v)]
+        q.grad = k.grad = v.grad = None
+        loss(q, k, v).backward()
+        for t, g in zip((q, k, v), got):
+            assert torch.equal(t.grad, g)
+        q.grad = k.grad = v.grad = None
+        torch._dynamo.reset()  # else the graph-broken compilation above is reused
+        with pytest.raises(Exception, match="no operator schema holds"):
+            torch.compile(loss, fullgraph=True)(q, k, v)
+
+
+def test_operators_pass_torch_library_opcheck():
+    """torch.library.opcheck: schema, fake implementation (shapes, strides, dtypes), autograd
+    registration and AOTAutograd agree with the real implementation."""
+    from cupy_attn import _torch_ops
+
+    q, k, v, sinks, keywords = compile_case()
+    arguments = _torch_ops.operator_arguments(dict(keywords, sinks=sinks, dropout_p=0.25, dropout_seed=3), None)
+    torch.library.opcheck(_torch_ops.attention_op, (q, k, v), dict(arguments, deterministic=False))
+    q16, k16, v16 = (t.detach().to(torch.bfloat16) for t in (q, k, v))
+    torch.library.opcheck(_torch_ops.attention_op, (q16, k16, v16),
+                          dict(_torch_ops.operator_arguments(dict(layout="bhsd"), torch.tensor(5)), deterministic=True))
+    out, lse = _torch_ops.attention_op(q, k, v, **arguments, deterministic=False)
+    # the backward operator has no gradient of its own (a double backward is refused)
+    constants = [t.detach() for t in (q, k, v)]
+    torch.library.opcheck(_torch_ops.attention_backward_op, (torch.ones_like(out), *constants, out.detach(), lse),
+                          dict(arguments, sinks=sinks.detach(), deterministic=True))
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    packed = [t.detach()[0].transpose(0, 1).contiguous().requires_grad_() for t in (q, k[:, :, :7], v[:, :, :7])]
+    varlen = _torch_ops.varlen_operator_arguments(dict(causal=True, window=(2, None)))
+    torch.library.opcheck(_torch_ops.attention_varlen_op, (*packed, cu, cu, 4, 4), dict(varlen, deterministic=False))
+
+
+def test_operator_path_validates_as_the_api_does():
+    """Bad values that fit the schema's types reach the API's own checks through the operator."""
+    q, k, v, _, _ = compile_case(requires_grad=False)
+    for keywords, error, message in ((dict(causal="sideways"), ValueError, "causal must be"),
+                                     (dict(causal=""), ValueError, "causal must be"),
+                                     (dict(window=(-1, 2)), ValueError, "window left"),
+                                     (dict(scale=-1.0), ValueError, "scale"),
+                                     (dict(layout="hsbd"), ValueError, "layout"),
+                                     (dict(mask=torch.ones(3, 3, dtype=torch.bool)), ValueError, "mask"),
+                                     (dict(dropout_p=1.5), ValueError, "dropout_p"),
+                                     (dict(bogus=1), TypeError, "bogus")):
+        with pytest.raises(error, match=message):
+            cupy_attn.torch.attention(q, k, v, **keywords)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        cupy_attn.torch.attention(q, k, v, deterministic="yes")
+
+
+def test_torch_compile_reports_a_wrong_rank_as_the_api_does():
+    """The fake implementations run first under torch.compile: a q of the wrong rank gets the
+    API's message there, not an IndexError from indexing its shape."""
+    cu = torch.tensor([0, 1], dtype=torch.int32)
+    for fn, q in ((lambda q: cupy_attn.torch.attention(q, q, q), torch.randn(7, 8)),
+                  (lambda q: cupy_attn.torch.attention_varlen(q, q, q, cu, cu, 1, 1), torch.randn(8))):
+        for call in (fn, torch.compile(fn, fullgraph=True)):
+            with pytest.raises(Exception, match=r"q must be [34]-D .*, got shape \((7, )?8,?\)"):
+                call(q)
