@@ -348,3 +348,18 @@ def test_torch_compile_reports_a_wrong_rank_as_the_api_does():
         for call in (fn, torch.compile(fn, fullgraph=True)):
             with pytest.raises(Exception, match=r"q must be [34]-D .*, got shape \((7, )?8,?\)"):
                 call(q)
+
+
+def test_torch_export_records_the_operator():
+    """torch.export traces a module through the operator: the exported program holds one
+    cupy_attn.attention node and computes what the module does."""
+
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v):
+            return cupy_attn.torch.attention(q, k, v, causal=True, window=(3, None), softcap=5.0)
+
+    q, k, v = (t.detach() for t in compile_case()[:3])
+    program = torch.export.export(Attend(), (q, k, v))
+    calls = [node.target for node in program.graph.nodes if node.op == "call_function"]
+    assert torch.ops.cupy_attn.attention.default in calls
+    assert torch.equal(program.module()(q, k, v), Attend()(q, k, v))
