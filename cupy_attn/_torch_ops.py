@@ -20,40 +20,65 @@ Tensor = torch.Tensor
 
 # The keywords of api.attention that are tensors in the operator's schema, in its order.
 TENSOR_KEYWORDS = ("mask", "q_lengths", "kv_lengths", "alibi_slopes", "sinks")
-_UNBOUNDED = -1
-# The keywords each operator takes (score_mod, mask_mod and block_mask are Python objects no schema holds).
+# What no schema holds, for the unbounded window side and for no causal mask: a value of each
+# type the API refuses anyway, so a caller's own such value goes the eager way to that error.
+_UNBOUNDED = -(2 ** 63)
+_NOT_CAUSAL = ""
+# The keywords each operator takes, and those that may be None (others the API wants set).
 _OPERATOR_KEYWORDS = {
     "attention": frozenset(TENSOR_KEYWORDS) | {"causal", "window", "scale", "softcap", "dropout_p", "dropout_seed",
                                                "dropout_offset", "layout", "backend"},
     "attention_varlen": frozenset({"alibi_slopes", "causal", "window", "scale", "softcap", "backend"}),
 }
+_OPTIONAL = frozenset(TENSOR_KEYWORDS) | {"causal", "window", "scale", "softcap"}
+# Python objects no schema holds; None for them is no feature, as in the API.
+_MODS = ("score_mod", "mask_mod", "block_mask")
+
+
+# Not for CUDA graphs (torch.compile's mode="reduce-overhead" leaves these operators out of them):
+# a call validates its lengths and masks on the host (a synchronising copy), builds kernels with
+# NVRTC on first use, and allocates from CuPy's memory pool.
+_TAGS = (torch.Tag.cudagraph_unsafe,)
+
+
+def fits_int64(n) -> bool:
+    """A plain int the schema's int64 holds, or a symbolic one (torch.compile's SymInt)."""
+    return isinstance(n, torch.SymInt) or (type(n) is int and -2 ** 63 <= n < 2 ** 63)
+
+
+def fits_a_length(n) -> bool:
+    """fits_int64 for a length, which under torch.compile may be a symbol known only when the
+    graph runs (max_seqlen computed from cu_seqlens): Dynamo shows it as an int whose bounds it
+    cannot compare without failing, so they are left to the API there."""
+    return isinstance(n, torch.SymInt) or (type(n) is int and (torch.compiler.is_compiling() or fits_int64(n)))
 
 
 def fits_the_schema(arrays, keywords: dict, operator: str) -> bool:
     """Whether a call can travel through ``operator`` ("attention" or "attention_varlen"):
-    ``arrays`` (q, k, v and any positional array) tensors, and each keyword one the operator takes,
-    a tensor where an array goes and a plain Python value elsewhere. Anything else (NumPy arrays,
-    lists of lengths, score_mod, mask_mod, block_mask, a misspelt keyword) takes the eager
-    autograd node instead, where the API validates it."""
+    ``arrays`` (q, k, v and any positional array) tensors, and each keyword one the operator
+    takes, of the schema's type: a tensor where an array goes, plain Python values elsewhere.
+    Values are not checked here: the API checks them when the operator runs. Anything else
+    (NumPy arrays, lists of lengths, a score_mod, mask_mod or block_mask, a misspelt keyword, a
+    seed past int64) takes the eager autograd node instead, where the API validates it."""
     if not all(isinstance(x, Tensor) for x in arrays):
         return False
     tensors = TENSOR_KEYWORDS if operator == "attention" else ("alibi_slopes",)
     for name, value in keywords.items():
+        if value is None and (name in _MODS or name in _OPTIONAL & _OPERATOR_KEYWORDS[operator]):
+            continue
         if name not in _OPERATOR_KEYWORDS[operator]:
             return False
-        if value is None:
-            continue
         if name in tensors:
             fits = isinstance(value, Tensor)
-        elif name == "causal":  # "" means False in the schema: the API's own error for it, eagerly
-            fits = isinstance(value, bool) or (isinstance(value, str) and value != "")
+        elif name == "causal":
+            fits = isinstance(value, bool) or (isinstance(value, str) and value != _NOT_CAUSAL)
         elif name == "window":
             fits = isinstance(value, (tuple, list)) and len(value) == 2 and all(
-                s is None or (type(s) is int and 0 <= s < 2 ** 63) for s in value)
+                s is None or (fits_int64(s) and s != _UNBOUNDED) for s in value)
         elif name in ("scale", "softcap", "dropout_p"):
-            fits = type(value) in (int, float) and -2.0 ** 1000 < value < 2.0 ** 1000
+            fits = type(value) is float or (type(value) is int and abs(value) < 2 ** 1000)  # float() holds it
         elif name in ("dropout_seed", "dropout_offset"):
-            fits = type(value) is int and 0 <= value < 2 ** 63
+            fits = fits_int64(value)
         else:  # layout, backend
             fits = isinstance(value, str)
         if not fits:
@@ -62,11 +87,11 @@ def fits_the_schema(arrays, keywords: dict, operator: str) -> bool:
 
 
 def _causal_in(causal) -> str:
-    return "" if causal is None or causal is False else "bottom_right" if causal is True else causal
+    return _NOT_CAUSAL if causal is None or causal is False else "bottom_right" if causal is True else causal
 
 
 def _causal_out(causal: str):
-    return causal or False
+    return False if causal == _NOT_CAUSAL else causal
 
 
 def _window_in(window):
@@ -77,15 +102,22 @@ def _window_out(window):
     return None if window is None else tuple(None if s == _UNBOUNDED else s for s in window)
 
 
+def varlen_operator_arguments(keywords: dict, backend: bool = True) -> dict:
+    """The varlen operator's keyword arguments for api.attention_varlen's ``keywords`` (which fit
+    the schema); without ``backend``, the part the attention operator shares."""
+    shared = dict(alibi_slopes=keywords.get("alibi_slopes"), causal=_causal_in(keywords.get("causal")),
+                  window=_window_in(keywords.get("window")),
+                  scale=None if keywords.get("scale") is None else float(keywords["scale"]),
+                  softcap=None if keywords.get("softcap") is None else float(keywords["softcap"]))
+    return dict(shared, backend=keywords.get("backend", "auto")) if backend else shared
+
+
 def operator_arguments(keywords: dict, drawn_seed: Tensor | None) -> dict:
     """The operator's keyword arguments for api.attention's ``keywords`` (which fit the schema),
     with ``drawn_seed`` (a 0-d int64 tensor) in place of dropout_seed when given."""
     return dict(
         {name: keywords.get(name) for name in TENSOR_KEYWORDS},
-        causal=_causal_in(keywords.get("causal")), window=_window_in(keywords.get("window")),
-        scale=None if keywords.get("scale") is None else float(keywords["scale"]),
-        softcap=None if keywords.get("softcap") is None else float(keywords["softcap"]),
-        dropout_p=float(keywords.get("dropout_p", 0.0)),
+        **varlen_operator_arguments(keywords, backend=False), dropout_p=float(keywords.get("dropout_p", 0.0)),
         dropout_seed=drawn_seed, dropout_seed_value=keywords.get("dropout_seed", 0),
         dropout_offset=keywords.get("dropout_offset", 0), layout=keywords.get("layout", "bhsd"),
         backend=keywords.get("backend", "auto"))
@@ -122,7 +154,7 @@ def refuse_create_graph() -> None:
 
 
 # ---- attention --------------------------------------------------------------------------------
-@torch.library.custom_op("cupy_attn::attention", mutates_args=())
+@torch.library.custom_op("cupy_attn::attention", mutates_args=(), tags=_TAGS)
 def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], q_lengths: Optional[Tensor],
                  kv_lengths: Optional[Tensor], alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
                  causal: str, window: Optional[list[int]], scale: Optional[float], softcap: Optional[float],
@@ -145,7 +177,7 @@ def _(q, k, v, mask, q_lengths, kv_lengths, alibi_slopes, sinks, causal, window,
     return out, q.new_empty((batch, heads, rows), dtype=_lse_dtype(q))
 
 
-@torch.library.custom_op("cupy_attn::attention_backward", mutates_args=())
+@torch.library.custom_op("cupy_attn::attention_backward", mutates_args=(), tags=_TAGS)
 def attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                           mask: Optional[Tensor], q_lengths: Optional[Tensor], kv_lengths: Optional[Tensor],
                           alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], causal: str,
@@ -190,7 +222,7 @@ attention_op.register_autograd(_attention_gradients, setup_context=_save_attenti
 
 
 # ---- attention_varlen -------------------------------------------------------------------------
-@torch.library.custom_op("cupy_attn::attention_varlen", mutates_args=())
+@torch.library.custom_op("cupy_attn::attention_varlen", mutates_args=(), tags=_TAGS)
 def attention_varlen_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                         max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor], causal: str,
                         window: Optional[list[int]], scale: Optional[float], softcap: Optional[float],
@@ -208,7 +240,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *_):
     return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
 
 
-@torch.library.custom_op("cupy_attn::attention_varlen_backward", mutates_args=())
+@torch.library.custom_op("cupy_attn::attention_varlen_backward", mutates_args=(), tags=_TAGS)
 def attention_varlen_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                                  cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                                  alibi_slopes: Optional[Tensor], causal: str, window: Optional[list[int]],
@@ -244,12 +276,3 @@ def _varlen_gradients(ctx, dout, _dlse):
 
 
 attention_varlen_op.register_autograd(_varlen_gradients, setup_context=_save_varlen)
-
-
-def varlen_operator_arguments(keywords: dict) -> dict:
-    """The varlen operator's keyword arguments for api.attention_varlen's ``keywords``."""
-    return dict(alibi_slopes=keywords.get("alibi_slopes"), causal=_causal_in(keywords.get("causal")),
-                window=_window_in(keywords.get("window")),
-                scale=None if keywords.get("scale") is None else float(keywords["scale"]),
-                softcap=None if keywords.get("softcap") is None else float(keywords["softcap"]),
-                backend=keywords.get("backend", "auto"))

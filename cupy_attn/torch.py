@@ -1,4 +1,5 @@
-"""cupy_attn for PyTorch: attention and attention_varlen as torch.autograd.Functions.
+"""cupy_attn for PyTorch: attention and attention_varlen, differentiable, and kept whole by
+torch.compile and torch.export.
 
     import cupy_attn.torch
     out = cupy_attn.torch.attention(q, k, v, causal=True)   # q, k, v torch tensors
@@ -10,10 +11,11 @@ tensors on the CUDA kernels, on PyTorch's current stream. Every keyword of
 `cupy_attn.attention` is accepted (mask and lengths may be tensors); ``deterministic`` is passed
 to the backward. Importing this module imports torch; importing cupy_attn does not.
 
-torch.compile: calls whose arguments are tensors and plain Python values run as the custom
-operators of cupy_attn._torch_ops, which stay in the compiled graph (fullgraph=True works).
-Calls with a score_mod, mask_mod or block_mask, or with NumPy arrays or lists among the
-arguments, run an autograd node that torch.compile leaves out of the graph (a graph break).
+Calls whose arguments are tensors and plain Python values run as the custom operators of
+cupy_attn._torch_ops, which stay in a compiled graph (fullgraph=True works). Calls with a
+score_mod, mask_mod or block_mask, NumPy arrays or lists among the arguments, or a generator=,
+run an autograd node (a torch.autograd.Function) that torch.compile leaves out of the graph (a
+graph break).
 """
 from __future__ import annotations
 
@@ -50,11 +52,23 @@ class _Attention(torch.autograd.Function):
         return grads[0], grads[1], grads[2], dsinks, None, None, None, None
 
 
-@torch.compiler.disable(reason="cupy_attn.torch: a score_mod, mask_mod, block_mask, NumPy array or list among "
-                                "the arguments, which no operator schema holds; pass tensors to keep the call in the graph")
+@torch.compiler.disable(reason="cupy_attn.torch: an argument its operators' schema does not hold (a score_mod, "
+                                "mask_mod or block_mask, a NumPy array or list, a keyword they do not take, a value of "
+                                "the wrong type or past int64): run the call eagerly, which also names a bad argument")
 def _eager(q, k, v, sinks, functions, args, keywords, deterministic):
     """The autograd node, out of torch.compile's graph: for arguments no operator schema holds."""
     return _Attention.apply(q, k, v, sinks, functions, args, keywords, deterministic)
+
+
+def _seed(generator) -> torch.Tensor:
+    device = "cpu" if generator is None else generator.device
+    return torch.randint(0, 2 ** 63 - 1, (), generator=generator, device=device, dtype=torch.int64)
+
+
+@torch.compiler.disable(reason="cupy_attn.torch: Dynamo cannot pass a torch.Generator (generator=) to the seed's "
+                                "draw; without generator=, the draw from torch's default generator stays in the graph")
+def _seed_from_generator(generator) -> torch.Tensor:
+    return _seed(generator)
 
 
 def _drawn_seed(keywords: dict, generator) -> torch.Tensor | None:
@@ -63,8 +77,7 @@ def _drawn_seed(keywords: dict, generator) -> torch.Tensor | None:
     reproducible); the backward gets the same seed, so it regenerates the forward's mask."""
     if not keywords.get("dropout_p", 0) or "dropout_seed" in keywords:
         return None
-    device = "cpu" if generator is None else generator.device
-    return torch.randint(0, 2 ** 63 - 1, (), generator=generator, device=device, dtype=torch.int64)
+    return _seed(None) if generator is None else _seed_from_generator(generator)
 
 
 def attention(q, k, v, *, return_lse=False, deterministic=False, generator=None, **keywords):
@@ -97,7 +110,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     Returns out, or (out, lse) with return_lse=True (lse is not differentiable).
     """
     api._check_flag("deterministic", deterministic)
-    lengths_fit = all(type(n) is int and 0 <= n < 2 ** 63 for n in (max_seqlen_q, max_seqlen_k))
+    lengths_fit = all(_torch_ops.fits_a_length(n) for n in (max_seqlen_q, max_seqlen_k))
     if lengths_fit and _torch_ops.fits_the_schema((q, k, v, cu_seqlens_q, cu_seqlens_k), keywords,
                                                   "attention_varlen"):
         out, lse = _torch_ops.attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

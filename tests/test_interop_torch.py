@@ -296,7 +296,7 @@ def test_torch_compile_breaks_the_graph_for_what_no_schema_holds():
             assert torch.equal(t.grad, g)
         q.grad = k.grad = v.grad = None
         torch._dynamo.reset()  # else the graph-broken compilation above is reused
-        with pytest.raises(Exception, match="no operator schema holds"):
+        with pytest.raises(Exception, match="schema does not hold"):
             torch.compile(loss, fullgraph=True)(q, k, v)
 
 
@@ -320,23 +320,76 @@ def test_operators_pass_torch_library_opcheck():
     packed = [t.detach()[0].transpose(0, 1).contiguous().requires_grad_() for t in (q, k[:, :, :7], v[:, :, :7])]
     varlen = _torch_ops.varlen_operator_arguments(dict(causal=True, window=(2, None)))
     torch.library.opcheck(_torch_ops.attention_varlen_op, (*packed, cu, cu, 4, 4), dict(varlen, deterministic=False))
+    out, lse = _torch_ops.attention_varlen_op(*packed, cu, cu, 4, 4, **varlen, deterministic=False)
+    constants = [t.detach() for t in packed]
+    torch.library.opcheck(_torch_ops.attention_varlen_backward_op,
+                          (torch.ones_like(out), *constants, out.detach(), lse, cu, cu, 4, 4),
+                          dict(varlen, deterministic=True))
+    for op in (_torch_ops.attention_op, _torch_ops.attention_backward_op, _torch_ops.attention_varlen_op,
+               _torch_ops.attention_varlen_backward_op):
+        assert torch.Tag.cudagraph_unsafe in op._opoverload.tags  # host checks: not for CUDA graphs
 
 
 def test_operator_path_validates_as_the_api_does():
-    """Bad values that fit the schema's types reach the API's own checks through the operator."""
+    """Values of the schema's types reach the API's own checks through the operator, eagerly and
+    compiled with fullgraph=True; values no schema holds take the eager node, whose API call
+    names them too."""
     q, k, v, _, _ = compile_case(requires_grad=False)
     for keywords, error, message in ((dict(causal="sideways"), ValueError, "causal must be"),
-                                     (dict(causal=""), ValueError, "causal must be"),
                                      (dict(window=(-1, 2)), ValueError, "window left"),
                                      (dict(scale=-1.0), ValueError, "scale"),
+                                     (dict(scale=float("nan")), ValueError, "scale"),
                                      (dict(layout="hsbd"), ValueError, "layout"),
                                      (dict(mask=torch.ones(3, 3, dtype=torch.bool)), ValueError, "mask"),
                                      (dict(dropout_p=1.5), ValueError, "dropout_p"),
+                                     (dict(dropout_p=0.1, dropout_seed=-1), ValueError, "dropout_seed"),
+                                     (dict(backend="gpu"), ValueError, "backend")):
+        torch._dynamo.reset()  # each case compiles anew, not as a recompilation of the last
+        for call in (cupy_attn.torch.attention, torch.compile(cupy_attn.torch.attention, fullgraph=True)):
+            with pytest.raises(error, match=message):
+                call(q, k, v, **keywords)
+    for keywords, error, message in ((dict(causal=""), ValueError, "causal must be"),
+                                     (dict(window=(-2 ** 63, 2)), ValueError, "window left"),
+                                     (dict(dropout_p=None), TypeError, "dropout_p must be"),
+                                     (dict(dropout_p=0.1, dropout_seed=None), TypeError, "dropout_seed must be"),
+                                     (dict(layout=None), ValueError, "layout"),
                                      (dict(bogus=1), TypeError, "bogus")):
         with pytest.raises(error, match=message):
             cupy_attn.torch.attention(q, k, v, **keywords)
     with pytest.raises(TypeError, match="deterministic must be a bool"):
         cupy_attn.torch.attention(q, k, v, deterministic="yes")
+
+
+def test_torch_compile_takes_none_for_a_mod_and_breaks_the_graph_only_where_it_must():
+    """score_mod=None (a model passing its optional block mask along) stays in the graph; a
+    generator= or a seed past int64 breaks it, with a reason naming it under fullgraph."""
+    q = torch.randn(1, 2, 9, 8)
+    for keywords in (dict(score_mod=None), dict(mask_mod=None, block_mask=None)):
+        torch.compile(lambda q: cupy_attn.torch.attention(q, q, q, **keywords), fullgraph=True)(q)
+    for keywords, reason in ((lambda: dict(generator=torch.Generator().manual_seed(1)), "torch.Generator"),
+                             (lambda: dict(dropout_seed=2 ** 63 + 1), "past int64")):
+        def call(q, keywords):
+            return cupy_attn.torch.attention(q, q, q, dropout_p=0.5, **keywords)
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(call)(q, keywords()), call(q, keywords()))  # the same mask either way
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=reason):
+            torch.compile(call, fullgraph=True)(q, keywords())
+
+
+def test_torch_compile_varlen_with_lengths_computed_in_the_graph():
+    """FlashAttention's pattern: max_seqlen from cu_seqlens inside the compiled function, a
+    symbolic int there (capture_scalar_outputs), stays in the graph."""
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    q = torch.randn(8, 2, 4)
+
+    def packed(q, cu):
+        longest = int((cu[1:] - cu[:-1]).max())
+        return cupy_attn.torch.attention_varlen(q, q, q, cu, cu, longest, longest, causal=True)
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        got = torch.compile(packed, fullgraph=True)(q, cu)
+    assert torch.equal(got, packed(q, cu))
 
 
 def test_torch_compile_reports_a_wrong_rank_as_the_api_does():
