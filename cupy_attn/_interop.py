@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
+import pkgutil
+import sys
 
 import numpy as np
 
@@ -20,10 +23,35 @@ from ._arrays import BFLOAT16, is_cupy_array, module_of
 _CPU, _CUDA = 1, 2  # DLPack device types
 
 
+# cupy_attn's modules that torch.compile should not trace: all but the torch adapter, which calls
+# its custom operators. Listed at import, so that the listing is not traced either.
+_NOT_TRACED_BY_DYNAMO = tuple(f"{__package__}.{module.name}" for module in pkgutil.iter_modules([os.path.dirname(__file__)])
+                              if module.name not in ("torch", "_torch_ops"))
+_dynamo_kept_out = False
+
+
+def keep_dynamo_out() -> None:
+    """Have torch.compile's Dynamo call cupy_attn's functions rather than trace into them (DLPack
+    exchange, NumPy backends, kernel launches: nothing a graph can hold, and Dynamo fails on some
+    of it with an internal error). A call of the plain API on tensors inside a compiled function
+    is then a graph break, run as it is eagerly; `cupy_attn.torch`'s operators stay in the graph.
+    Done at the first tensor seen once torch._dynamo has been imported (by torch.compile), not
+    before: importing it takes seconds. That may be while Dynamo traces the call: it then runs
+    this for real (it does not trace into torch._dynamo) and calls the rest of cupy_attn."""
+    global _dynamo_kept_out
+    from torch._dynamo import trace_rules  # PyTorch's list of modules Dynamo does not trace into
+
+    for name in _NOT_TRACED_BY_DYNAMO:
+        trace_rules.add(name)
+    _dynamo_kept_out = True
+
+
 def framework_of(x) -> str | None:
     """"torch" or "jax" for their arrays, None for anything else (NumPy, CuPy, lists, ...)."""
     root = type(x).__module__.split(".")[0]
     if root == "torch" and hasattr(x, "__dlpack__"):
+        if not _dynamo_kept_out and "torch._dynamo" in sys.modules:
+            keep_dynamo_out()
         return "torch"
     if root in ("jax", "jaxlib") and hasattr(x, "__dlpack__"):
         return "jax"

@@ -416,3 +416,27 @@ def test_torch_export_records_the_operator():
     calls = [node.target for node in program.graph.nodes if node.op == "call_function"]
     assert torch.ops.cupy_attn.attention.default in calls
     assert torch.equal(program.module()(q, k, v), Attend()(q, k, v))
+
+
+def test_the_plain_api_on_tensors_inside_a_compiled_function_is_a_graph_break():
+    """torch.compile does not trace into cupy_attn's plain functions (it failed inside Dynamo on
+    their DLPack exchange): each call is a graph break, run as eagerly, a KV cache written as
+    eagerly; under fullgraph=True the error names the function."""
+    q, k, v, _, keywords = compile_case(requires_grad=False)
+    attend = lambda q, k, v: cupy_attn.attention(q, k, v, **keywords) + 1  # noqa: E731
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(attend)(q, k, v), attend(q, k, v))
+    k_cache, v_cache = torch.zeros(2, 16, 2, 8, dtype=torch.float64), torch.zeros(2, 16, 2, 5, dtype=torch.float64)
+    new_k, new_v = k.transpose(1, 2)[:, :3], v.transpose(1, 2)[:, :3]
+
+    def decode(q):
+        return cupy_attn.attention_with_kvcache(q, k_cache, v_cache, new_k, new_v, cache_seqlens=torch.tensor(
+            [4, 0], dtype=torch.int32), causal=True)
+
+    got = torch.compile(decode)(q.transpose(1, 2)[:, :3])
+    for cache, new in ((k_cache, new_k), (v_cache, new_v)):  # entry 0 appends at 4, entry 1 at 0
+        assert torch.equal(cache[0, 4:7], new[0]) and torch.equal(cache[1, :3], new[1])
+    assert torch.equal(got, decode(q.transpose(1, 2)[:, :3]))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"function `attention` in file .*api\.py"):
+        torch.compile(attend, fullgraph=True)(q, k, v)
