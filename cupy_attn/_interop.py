@@ -11,9 +11,8 @@ or that is read-only.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
-import os
-import pkgutil
 import sys
 
 import numpy as np
@@ -23,35 +22,58 @@ from ._arrays import BFLOAT16, is_cupy_array, module_of
 _CPU, _CUDA = 1, 2  # DLPack device types
 
 
-# cupy_attn's modules that torch.compile should not trace: all but the torch adapter, which calls
-# its custom operators. Listed at import, so that the listing is not traced either.
-_NOT_TRACED_BY_DYNAMO = tuple(f"{__package__}.{module.name}" for module in pkgutil.iter_modules([os.path.dirname(__file__)])
-                              if module.name not in ("torch", "_torch_ops"))
-_dynamo_kept_out = False
+# Each function of `outside_torch_compile` and its torch.compiler.disable'd copy, made once
+# torch._dynamo is imported (importing it takes seconds, so not before).
+_OUTSIDE_TORCH_COMPILE: dict = {}
 
 
-def keep_dynamo_out() -> None:
-    """Have torch.compile's Dynamo call cupy_attn's functions rather than trace into them (DLPack
-    exchange, NumPy backends, kernel launches: nothing a graph can hold, and Dynamo fails on some
-    of it with an internal error). A call of the plain API on tensors inside a compiled function
-    is then a graph break, run as it is eagerly; `cupy_attn.torch`'s operators stay in the graph.
-    Done at the first tensor seen once torch._dynamo has been imported (by torch.compile), not
-    before: importing it takes seconds. That may be while Dynamo traces the call: it then runs
-    this for real (it does not trace into torch._dynamo) and calls the rest of cupy_attn."""
-    global _dynamo_kept_out
-    from torch._dynamo import trace_rules  # PyTorch's list of modules Dynamo does not trace into
+def outside_torch_compile(function):
+    """cupy_attn's public functions on tensors inside a torch.compile'd function run outside the
+    graph: DLPack exchange, NumPy backends and kernel launches are nothing a graph can hold, and
+    Dynamo stopped on some of them with an internal error. While Dynamo traces, the call goes to
+    a torch.compiler.disable'd copy of ``function``: a graph break, and everything the call does
+    (a score_mod's NumPy twin, CuPy) runs as it does eagerly. torch.export cannot take the call
+    at all (it needs the data): a TypeError pointing to cupy_attn.torch."""
+    _OUTSIDE_TORCH_COMPILE[function] = None
 
-    for name in _NOT_TRACED_BY_DYNAMO:
-        trace_rules.add(name)
-    _dynamo_kept_out = True
+    @functools.wraps(function)
+    def call(*args, **keywords):
+        if "torch._dynamo" in sys.modules:
+            compiler = sys.modules["torch"].compiler
+            if compiler.is_exporting():
+                raise TypeError(f"cupy_attn.{function.__name__} cannot be exported (torch.export): it runs outside "
+                                "PyTorch's graphs; cupy_attn.torch.attention and attention_varlen are operators that "
+                                "export")
+            disabled = _OUTSIDE_TORCH_COMPILE[function] or _disable(function)
+            if compiler.is_compiling():
+                return disabled(*args, **keywords)
+        return function(*args, **keywords)
+
+    return call
+
+
+def _disable(function):
+    import torch
+
+    _OUTSIDE_TORCH_COMPILE[function] = torch.compiler.disable(function, reason=(
+        f"cupy_attn.{function.__name__} runs outside the graph (a graph break); cupy_attn.torch.attention and "
+        "attention_varlen are operators that stay in it"))
+    return _OUTSIDE_TORCH_COMPILE[function]
+
+
+def prepare_for_torch_compile() -> None:
+    """Make every disable'd copy now (torch._dynamo imported), so that even a process's first
+    call, already inside a trace, is the graph break its reason explains (Dynamo cannot make one
+    while tracing under fullgraph=True)."""
+    for function, disabled in _OUTSIDE_TORCH_COMPILE.items():
+        if disabled is None:
+            _disable(function)
 
 
 def framework_of(x) -> str | None:
     """"torch" or "jax" for their arrays, None for anything else (NumPy, CuPy, lists, ...)."""
     root = type(x).__module__.split(".")[0]
     if root == "torch" and hasattr(x, "__dlpack__"):
-        if not _dynamo_kept_out and "torch._dynamo" in sys.modules:
-            keep_dynamo_out()
         return "torch"
     if root in ("jax", "jaxlib") and hasattr(x, "__dlpack__"):
         return "jax"

@@ -66,6 +66,7 @@ def _combine_numpy(out_parts, lse_parts, out_dtype):
     return out.astype(out_dtype, copy=False), lse
 
 
+@_interop.outside_torch_compile
 def merge_attention(outs, lses, *, layout="bhsd", backend="auto"):
     """Merge attention results computed over disjoint sets of keys into the result over their union.
 

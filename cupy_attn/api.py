@@ -67,6 +67,7 @@ def _check_flag(name: str, value) -> None:
         raise TypeError(f"{name} must be a bool, got {describe(value)}")
 
 
+@_interop.outside_torch_compile
 def attention(q, k, v, *, mask=None, causal=False, window=None, q_lengths=None, kv_lengths=None,
               scale=None, softcap=None, alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=0,
               dropout_offset=0, score_mod=None, mask_mod=None, block_mask=None, layout="bhsd", return_lse=False,
@@ -86,6 +87,7 @@ def attention(q, k, v, *, mask=None, causal=False, window=None, q_lengths=None, 
     return (out, lse) if return_lse else out
 
 
+@_interop.outside_torch_compile
 def attention_backward(dout, q, k, v, out, lse, *, mask=None, causal=False, window=None,
                        q_lengths=None, kv_lengths=None, scale=None, softcap=None,
                        alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=0, dropout_offset=0,
@@ -126,6 +128,7 @@ attention_backward.__doc__ = """Gradients (dq, dk, dv) of attention, from the fo
 """ + _SEMANTICS
 
 
+@_interop.outside_torch_compile
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      window=None, scale=None, softcap=None, alibi_slopes=None, return_lse=False, backend="auto"):
     framework, lead = _interop.lead(q, k, v)
@@ -140,6 +143,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return (out, lse) if return_lse else out
 
 
+@_interop.outside_torch_compile
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
                               backend="auto", deterministic=False):
@@ -191,6 +195,7 @@ attention_varlen_backward.__doc__ = """Gradients (dq, dk, dv) of `attention_varl
 """ + _VARLEN_SEMANTICS
 
 
+@_interop.outside_torch_compile
 def precompile(q, k, v, *, backward=True, deterministic=False, **keywords):
     """Build, without running them, the kernels `attention` (and with backward=True
     `attention_backward`) would launch for these inputs and keywords: q, k, v fix the dtype, head

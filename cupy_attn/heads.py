@@ -13,6 +13,7 @@ def _count(name: str, value) -> int:
     return int(value)
 
 
+@_interop.outside_torch_compile
 def split_heads(x, num_heads, layout="bhsd"):
     """(B, S, H·D) -> (B, H, S, D) for "bhsd" or (B, S, H, D) for "bshd"; a view, no copy."""
     framework, _ = _interop.lead(x)
@@ -32,6 +33,7 @@ def _split_heads(x, num_heads, layout):
     return x if layout == "bshd" else x.transpose(0, 2, 1, 3)
 
 
+@_interop.outside_torch_compile
 def merge_heads(x, layout="bhsd"):
     """The inverse of `split_heads`: (B, H, S, D) or (B, S, H, D) -> (B, S, H·D)."""
     framework, _ = _interop.lead(x)
@@ -61,6 +63,7 @@ def _projection(name: str, w, rows: int, heads: int, xp, dtype):
     return w
 
 
+@_interop.outside_torch_compile
 def multi_head_attention(x, w_q, w_k, w_v, w_o, num_heads, *, num_kv_heads=None, context=None,
                          **attention_keywords):
     """Multi-head (self- or cross-) attention with its projections.

@@ -4,6 +4,7 @@ from __future__ import annotations
 from . import _backends, _decode, _interop, _kvcache
 
 
+@_interop.outside_torch_compile
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, cache_batch_idx=None,
                            block_table=None, causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
                            layout="bshd", num_splits=0, return_lse=False, backend="auto"):

@@ -19,13 +19,14 @@ graph break).
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 8):
     raise ImportError(f"cupy_attn.torch needs PyTorch 2.8 or later (its custom operators), found {torch.__version__}")
 
-from . import _torch_ops, api  # noqa: E402
+from . import _interop, _torch_ops, api  # noqa: E402
+
+_interop.prepare_for_torch_compile()  # the decorators below import torch._dynamo anyway
 
 
 class _Attention(torch.autograd.Function):
@@ -61,12 +62,6 @@ def _eager(q, k, v, sinks, functions, args, keywords, deterministic):
     return _Attention.apply(q, k, v, sinks, functions, args, keywords, deterministic)
 
 
-def _check_deterministic(deterministic) -> None:
-    # api's check raises; called only then, since torch.compile does not trace into api (a graph break)
-    if not isinstance(deterministic, (bool, np.bool_)):
-        api._check_flag("deterministic", deterministic)
-
-
 def _seed(generator) -> torch.Tensor:
     device = "cpu" if generator is None else generator.device
     return torch.randint(0, 2 ** 63 - 1, (), generator=generator, device=device, dtype=torch.int64)
@@ -95,7 +90,7 @@ def attention(q, k, v, *, return_lse=False, deterministic=False, generator=None,
     default CPU generator when None) unless dropout_seed is given; each call gets a fresh mask.
     Returns out, or (out, lse) with return_lse=True (lse is not differentiable).
     """
-    _check_deterministic(deterministic)
+    api._check_flag("deterministic", deterministic)
     seed = _drawn_seed(keywords, generator)
     if _torch_ops.fits_the_schema((q, k, v), keywords, "attention"):
         out, lse = _torch_ops.attention_op(q, k, v, **_torch_ops.operator_arguments(keywords, seed),
@@ -116,7 +111,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
     Returns out, or (out, lse) with return_lse=True (lse is not differentiable).
     """
-    _check_deterministic(deterministic)
+    api._check_flag("deterministic", deterministic)
     lengths_fit = all(_torch_ops.fits_a_length(n) for n in (max_seqlen_q, max_seqlen_k))
     if lengths_fit and _torch_ops.fits_the_schema((q, k, v, cu_seqlens_q, cu_seqlens_k), keywords,
                                                   "attention_varlen"):

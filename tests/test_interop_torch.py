@@ -421,7 +421,8 @@ def test_torch_export_records_the_operator():
 def test_the_plain_api_on_tensors_inside_a_compiled_function_is_a_graph_break():
     """torch.compile does not trace into cupy_attn's plain functions (it failed inside Dynamo on
     their DLPack exchange): each call is a graph break, run as eagerly, a KV cache written as
-    eagerly; under fullgraph=True the error names the function."""
+    eagerly, a score_mod's NumPy twin run by Python, not compiled; under fullgraph=True the error
+    names the function; torch.export refuses it, pointing to cupy_attn.torch."""
     q, k, v, _, keywords = compile_case(requires_grad=False)
     attend = lambda q, k, v: cupy_attn.attention(q, k, v, **keywords) + 1  # noqa: E731
     torch._dynamo.reset()
@@ -437,6 +438,47 @@ def test_the_plain_api_on_tensors_inside_a_compiled_function_is_a_graph_break():
     for cache, new in ((k_cache, new_k), (v_cache, new_v)):  # entry 0 appends at 4, entry 1 at 0
         assert torch.equal(cache[0, 4:7], new[0]) and torch.equal(cache[1, :3], new[1])
     assert torch.equal(got, decode(q.transpose(1, 2)[:, :3]))
+
+    traced = []  # whether Dynamo was tracing the twin: it must run as plain Python
+    halve = cupy_attn.ScoreMod("score * 0.5f", lambda s, b, h, q_idx, kv_idx: traced.append(
+        torch.compiler.is_compiling()) or s * 0.5)
+    modded = lambda q: cupy_attn.attention(q, q, q, score_mod=halve) * 2  # noqa: E731
+    assert torch.equal(torch.compile(modded)(q), modded(q)) and traced and not any(traced)
+
     torch._dynamo.reset()
-    with pytest.raises(Exception, match=r"function `attention` in file .*api\.py"):
+    with pytest.raises(Exception, match=r"cupy_attn.attention runs outside the graph"):
         torch.compile(attend, fullgraph=True)(q, k, v)
+
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v):
+            return attend(q, k, v)
+
+    with pytest.raises(Exception, match=r"cupy_attn.attention cannot be exported"):
+        torch.export.export(Attend(), (q, k, v), strict=False)
+
+
+COLD_PROCESS = """
+import sys, torch, cupy_attn
+q = torch.randn(1, 2, 5, 4)
+attend = lambda q: cupy_attn.attention(q, q, q, causal=True) * 2
+if sys.argv[1] == "fullgraph":
+    import cupy_attn.torch  # makes the graph break's copies: its reason is the error
+    try:
+        torch.compile(attend, fullgraph=True)(q)
+    except Exception as e:
+        print("refused:", "cupy_attn.attention runs outside the graph" in str(e))
+else:
+    print("equal:", torch.equal(torch.compile(attend)(q), attend(q)))
+"""
+
+
+@pytest.mark.parametrize("mode", ["fullgraph", "graph break"])
+def test_a_process_whose_first_call_is_inside_torch_compile(mode):
+    """The first tensor cupy_attn ever sees may come while Dynamo traces: the call is still a
+    graph break (run as eagerly), and with cupy_attn.torch imported, fullgraph's error names it."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", COLD_PROCESS, mode], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == ("refused: True" if mode == "fullgraph" else "equal: True"), result.stderr[-3000:]
