@@ -25,47 +25,46 @@ _CPU, _CUDA = 1, 2  # DLPack device types
 # Each function of `outside_torch_compile` and its torch.compiler.disable'd copy, made once
 # torch._dynamo is imported (importing it takes seconds, so not before).
 _OUTSIDE_TORCH_COMPILE: dict = {}
+_wrapper_code = None  # the code object every wrapper of outside_torch_compile shares
 
 
 def outside_torch_compile(function):
     """cupy_attn's public functions on tensors inside a torch.compile'd function run outside the
     graph: DLPack exchange, NumPy backends and kernel launches are nothing a graph can hold, and
-    Dynamo stopped on some of them with an internal error. While Dynamo traces, the call goes to
-    a torch.compiler.disable'd copy of ``function``: a graph break, and everything the call does
-    (a score_mod's NumPy twin, CuPy) runs as it does eagerly. torch.export cannot take the call
-    at all (it needs the data): a TypeError pointing to cupy_attn.torch."""
+    Dynamo stopped on some of them with an internal error. Once torch._dynamo is imported, a call
+    goes to a torch.compiler.disable'd copy of ``function``: traced, a graph break; run, with
+    Dynamo off for everything it calls (a score_mod's NumPy twin, CuPy). The wrapper's own frame
+    is on Dynamo's skip list, so Dynamo never compiles it as a frame of its own (one code object
+    for every function: its guards would use up the recompile limit)."""
+    global _wrapper_code
     _OUTSIDE_TORCH_COMPILE[function] = None
 
     @functools.wraps(function)
     def call(*args, **keywords):
         if "torch._dynamo" in sys.modules:
-            compiler = sys.modules["torch"].compiler
-            if compiler.is_exporting():
-                raise TypeError(f"cupy_attn.{function.__name__} cannot be exported (torch.export): it runs outside "
-                                "PyTorch's graphs; cupy_attn.torch.attention and attention_varlen are operators that "
-                                "export")
-            disabled = _OUTSIDE_TORCH_COMPILE[function] or _disable(function)
-            if compiler.is_compiling():
-                return disabled(*args, **keywords)
+            return (_OUTSIDE_TORCH_COMPILE[function] or _disable(function))(*args, **keywords)
         return function(*args, **keywords)
 
+    _wrapper_code = call.__code__
     return call
 
 
 def _disable(function):
+    """``function``'s disable'd copy (no reason= in it: that needs PyTorch 2.8, and the plain API
+    takes tensors of any version); the first one also puts the wrappers' code on the skip list."""
     import torch
 
-    _OUTSIDE_TORCH_COMPILE[function] = torch.compiler.disable(function, reason=(
-        f"cupy_attn.{function.__name__} runs outside the graph (a graph break); cupy_attn.torch.attention and "
-        "attention_varlen are operators that stay in it"))
+    if not any(_OUTSIDE_TORCH_COMPILE.values()):
+        torch._dynamo.eval_frame.skip_code(_wrapper_code)
+    _OUTSIDE_TORCH_COMPILE[function] = torch.compiler.disable(function)
     return _OUTSIDE_TORCH_COMPILE[function]
 
 
 def prepare_for_torch_compile() -> None:
     """Make every disable'd copy now (torch._dynamo imported), so that even a process's first
-    call, already inside a trace, is the graph break its reason explains (Dynamo cannot make one
+    call, already inside a trace, is the graph break that names it (Dynamo cannot make the copy
     while tracing under fullgraph=True)."""
-    for function, disabled in _OUTSIDE_TORCH_COMPILE.items():
+    for function, disabled in list(_OUTSIDE_TORCH_COMPILE.items()):
         if disabled is None:
             _disable(function)
 
@@ -95,6 +94,12 @@ def to_backend(x, name: str = "an array", *, written: bool = False):
         raise TypeError(
             "cupy_attn.attention got a traced JAX value (inside jax.jit, vmap or grad); use "
             "cupy_attn.jax.attention, which supports jax.grad and, on the CPU, jax.jit"
+        )
+    if type(x).__name__ in ("FakeTensor", "FunctionalTensor") or getattr(x, "is_meta", False):
+        raise TypeError(
+            f"{name} is a {type(x).__name__} without data (torch.export, FakeTensorMode or the meta device): "
+            "cupy_attn's plain functions compute on real tensors; cupy_attn.torch.attention and attention_varlen "
+            "are operators that trace and export"
         )
     if framework == "torch":
         if str(x.layout) != "torch.strided":

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._arrays import describe, is_integer, is_real_number
+from ._interop import outside_torch_compile
 
 # Multipliers and Weyl key increments of Random123's philox4x32 and philox4x64.
 _CONSTANTS = {
@@ -109,6 +110,7 @@ def check_dropout(p, seed, offset, rows: int = 1) -> Dropout | None:
     return Dropout(float(p), int(seed), int(offset)) if p else None
 
 
+@outside_torch_compile
 def dropout_mask(shape, p, seed, offset=0):
     """The keep-mask (True = kept) that `attention` with dropout_p=p, dropout_seed=seed and
     dropout_offset=offset applies to the probabilities of a (B, H, Sq, Sk) problem (H the query
