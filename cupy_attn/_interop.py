@@ -92,8 +92,8 @@ def to_backend(x, name: str = "an array", *, written: bool = False):
         return x
     if "Tracer" in type(x).__name__:
         raise TypeError(
-            "cupy_attn.attention got a traced JAX value (inside jax.jit, vmap or grad); use "
-            "cupy_attn.jax.attention, which supports jax.grad and, on the CPU, jax.jit"
+            f"{name} is a traced JAX value (inside jax.jit, vmap or grad): cupy_attn's plain functions compute on "
+            "concrete arrays; use cupy_attn.jax.attention, which supports jax.grad and, on the CPU, jax.jit"
         )
     if type(x).__name__ in ("FakeTensor", "FunctionalTensor") or getattr(x, "is_meta", False):
         raise TypeError(

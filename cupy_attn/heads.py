@@ -17,7 +17,7 @@ def _count(name: str, value) -> int:
 def split_heads(x, num_heads, layout="bhsd"):
     """(B, S, H·D) -> (B, H, S, D) for "bhsd" or (B, S, H, D) for "bshd"; a view, no copy."""
     framework, _ = _interop.lead(x)
-    return _interop.to_framework(framework, _split_heads(_interop.to_backend(x), num_heads, layout))
+    return _interop.to_framework(framework, _split_heads(_interop.to_backend(x, "x"), num_heads, layout))
 
 
 def _split_heads(x, num_heads, layout):
@@ -37,7 +37,7 @@ def _split_heads(x, num_heads, layout):
 def merge_heads(x, layout="bhsd"):
     """The inverse of `split_heads`: (B, H, S, D) or (B, S, H, D) -> (B, S, H·D)."""
     framework, _ = _interop.lead(x)
-    return _interop.to_framework(framework, _merge_heads(_interop.to_backend(x), layout))
+    return _interop.to_framework(framework, _merge_heads(_interop.to_backend(x, "x"), layout))
 
 
 def _merge_heads(x, layout):

@@ -62,8 +62,10 @@ def test_jit_forward_and_vmap():
 
 def test_plain_attention_refuses_tracers_clearly():
     (_, (jq, jk, jv)) = arrays()
-    with pytest.raises(TypeError, match="use cupy_attn.jax.attention"):
+    with pytest.raises(TypeError, match="q is a traced JAX value .*use cupy_attn.jax.attention"):
         jax.jit(lambda q: cupy_attn.attention(q, jk, jv))(jq)
+    with pytest.raises(TypeError, match="x is a traced JAX value"):  # named, not called cupy_attn.attention
+        jax.jit(lambda x: cupy_attn.split_heads(x, 2))(jq[0])
 
 
 def test_return_lse_is_refused():
