@@ -5,7 +5,7 @@ into cupy_attn's Python. cupy_attn.torch calls them whenever a call's arguments 
 (tensors, Python numbers, bools and strings); see `fits_the_schema`.
 
 An operator's schema cannot hold None inside a list, so a window side of None (unbounded) travels
-as -1, and causal travels as a string ("" for no mask). A drawn dropout seed travels as a 0-d
+as int64's smallest value, and causal travels as a string ("" for no mask). A drawn dropout seed travels as a 0-d
 int64 tensor, so that a compiled graph draws a fresh one per call instead of baking one in.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from . import api
 
 Tensor = torch.Tensor
 
-# The keywords of api.attention that are tensors in the operator's schema, in its order.
+# The keywords of api.attention that are tensors in the operator's schema.
 TENSOR_KEYWORDS = ("mask", "q_lengths", "kv_lengths", "alibi_slopes", "sinks")
 # What no schema holds, for the unbounded window side and for no causal mask: a value of each
 # type the API refuses anyway, so a caller's own such value goes the eager way to that error.
@@ -62,13 +62,13 @@ def fits_the_schema(arrays, keywords: dict, operator: str) -> bool:
     seed past int64) takes the eager autograd node instead, where the API validates it."""
     if not all(isinstance(x, Tensor) for x in arrays):
         return False
-    tensors = TENSOR_KEYWORDS if operator == "attention" else ("alibi_slopes",)
+    taken = _OPERATOR_KEYWORDS[operator]
     for name, value in keywords.items():
-        if value is None and (name in _MODS or name in _OPTIONAL & _OPERATOR_KEYWORDS[operator]):
+        if value is None and (name in _MODS or (name in _OPTIONAL and name in taken)):
             continue
-        if name not in _OPERATOR_KEYWORDS[operator]:
+        if name not in taken:
             return False
-        if name in tensors:
+        if name in TENSOR_KEYWORDS:
             fits = isinstance(value, Tensor)
         elif name == "causal":
             fits = isinstance(value, bool) or (isinstance(value, str) and value != _NOT_CAUSAL)
@@ -102,25 +102,24 @@ def _window_out(window):
     return None if window is None else tuple(None if s == _UNBOUNDED else s for s in window)
 
 
-def varlen_operator_arguments(keywords: dict, backend: bool = True) -> dict:
+def varlen_operator_arguments(keywords: dict) -> dict:
     """The varlen operator's keyword arguments for api.attention_varlen's ``keywords`` (which fit
-    the schema); without ``backend``, the part the attention operator shares."""
-    shared = dict(alibi_slopes=keywords.get("alibi_slopes"), causal=_causal_in(keywords.get("causal")),
-                  window=_window_in(keywords.get("window")),
-                  scale=None if keywords.get("scale") is None else float(keywords["scale"]),
-                  softcap=None if keywords.get("softcap") is None else float(keywords["softcap"]))
-    return dict(shared, backend=keywords.get("backend", "auto")) if backend else shared
+    the schema); the attention operator takes them too."""
+    return dict(alibi_slopes=keywords.get("alibi_slopes"), causal=_causal_in(keywords.get("causal")),
+                window=_window_in(keywords.get("window")),
+                scale=None if keywords.get("scale") is None else float(keywords["scale"]),
+                softcap=None if keywords.get("softcap") is None else float(keywords["softcap"]),
+                backend=keywords.get("backend", "auto"))
 
 
 def operator_arguments(keywords: dict, drawn_seed: Tensor | None) -> dict:
     """The operator's keyword arguments for api.attention's ``keywords`` (which fit the schema),
     with ``drawn_seed`` (a 0-d int64 tensor) in place of dropout_seed when given."""
-    return dict(
-        {name: keywords.get(name) for name in TENSOR_KEYWORDS},
-        **varlen_operator_arguments(keywords, backend=False), dropout_p=float(keywords.get("dropout_p", 0.0)),
-        dropout_seed=drawn_seed, dropout_seed_value=keywords.get("dropout_seed", 0),
-        dropout_offset=keywords.get("dropout_offset", 0), layout=keywords.get("layout", "bhsd"),
-        backend=keywords.get("backend", "auto"))
+    return dict(varlen_operator_arguments(keywords), mask=keywords.get("mask"), q_lengths=keywords.get("q_lengths"),
+                kv_lengths=keywords.get("kv_lengths"), sinks=keywords.get("sinks"),
+                dropout_p=float(keywords.get("dropout_p", 0.0)), dropout_seed=drawn_seed,
+                dropout_seed_value=keywords.get("dropout_seed", 0), dropout_offset=keywords.get("dropout_offset", 0),
+                layout=keywords.get("layout", "bhsd"))
 
 
 def _api_keywords(mask, q_lengths, kv_lengths, alibi_slopes, sinks, causal, window, scale, softcap, dropout_p,
