@@ -3,13 +3,14 @@ kernels visit only those (cupy_attn.block_mask).
 
 The mask_mod's NumPy twin is evaluated where the arrays live (NumPy, or CuPy on the GPU) one band
 of query rows at a time, and reduced per (query tile, key tile) of a tile configuration. The
-kernels take, per (batch entry, head), the first and last non-empty key tile of each query tile
-(forward and dQ) and the first and last non-empty query tile of each key tile (dK/dV), and
-intersect them with the tiles causal, window and lengths leave: a mask whose non-empty tiles of
-each row are contiguous (documents of packed sequences, prefix-LM, chunked local attention) then
-costs time in proportion to its non-empty tiles, e.g. Σ len² for documents of lengths len, not the
-square of the total. Full tiles (every pair allowed) skip the mask_mod; the other tiles inside the
-range evaluate it element by element.
+kernels take, per (batch entry, head), for each query tile and each key tile, the first non-empty
+key tile at or after it (forward and dQ), and the same along the other axis (dK/dV: the first
+non-empty query tile at or after each query tile, per key tile), and step from one non-empty tile
+to the next inside the tiles causal, window and lengths leave. A mask then costs time in
+proportion to its non-empty tiles wherever they lie: Σ len² for documents of lengths len, not the
+square of the total; a sliding window with global tokens, the window's tiles and the global ones,
+not every tile between them. Full tiles (every pair allowed) skip the mask_mod; the other
+non-empty tiles evaluate it element by element.
 """
 from __future__ import annotations
 
@@ -23,19 +24,25 @@ from .mods import MaskMod
 
 
 class BlockMask:
-    """A mask_mod's tile structure for a (B, H, Sq, Sk) problem; ranges per tile configuration are
+    """A mask_mod's tile structure for a (B, H, Sq, Sk) problem; its tables per tile configuration are
     computed on first use and kept."""
 
     def __init__(self, mask_mod: MaskMod, shape: tuple, xp):
         self.mask_mod, self.shape, self.xp = mask_mod, shape, xp
-        self._ranges = {}
+        self._tiles, self._tables = {}, {}
 
     def __repr__(self) -> str:
         return f"BlockMask({self.mask_mod!r}, shape={self.shape})"
 
     def tiles(self, block_m: int, block_n: int):
         """Bool (B, H, query tiles, key tiles) twice: tiles holding at least one allowed pair, and
-        tiles whose pairs inside (Sq, Sk) are all allowed."""
+        tiles whose pairs inside (Sq, Sk) are all allowed (computed once per tile configuration)."""
+        key = (block_m, block_n)
+        if key not in self._tiles:
+            self._tiles[key] = self._evaluate(block_m, block_n)
+        return self._tiles[key]
+
+    def _evaluate(self, block_m: int, block_n: int):
         xp, (b, h, sq, sk) = self.xp, self.shape
         m_tiles, n_tiles = -(-sq // block_m), -(-sk // block_n)
         nonempty = xp.zeros((b, h, m_tiles, n_tiles), dtype=bool)
@@ -51,25 +58,30 @@ class BlockMask:
                 out[:, :, m] = reduce(padded.reshape(b, h, n_tiles, block_n), axis=-1)
         return nonempty, full
 
-    def ranges(self, block_m: int, block_n: int):
-        """For the kernels (kernels/block_info.cuh), flattened: int32 [first, last) key tiles per
-        query tile and [first, last) query tiles per key tile (pairs), and uint8 full tiles."""
+    def kernel_tables(self, block_m: int, block_n: int):
+        """For the kernels (kernels/block_info.cuh, TileWalk), flattened: int32 (B, H, query tiles,
+        key tiles), the first non-empty key tile at or after each key tile of each query tile;
+        int32 (B, H, key tiles, query tiles), the same for query tiles of each key tile; uint8
+        (B, H, query tiles, key tiles), 1 for full tiles."""
         key = (block_m, block_n)
-        if key not in self._ranges:
+        if key not in self._tables:
             nonempty, full = self.tiles(block_m, block_n)
-            self._ranges[key] = (_first_last(self.xp, nonempty), _first_last(self.xp, nonempty.swapaxes(2, 3)),
+            self._tables[key] = (_next_nonempty(self.xp, nonempty), _next_nonempty(self.xp, nonempty.swapaxes(2, 3)),
                                  self.xp.ascontiguousarray(full.astype(np.uint8).reshape(-1)))
-        return self._ranges[key]
+        return self._tables[key]
 
 
-def _first_last(xp, tiles):
-    """[first, last + 1) of the True entries along the last axis, (0, 0) where none, interleaved
-    as int32 pairs, flattened."""
+def _next_nonempty(xp, tiles):
+    """For each entry along the last axis, the index of the first True entry at or after it (the
+    axis's length where none is left), int32, flattened. Through a cumulative count and a scatter,
+    which CuPy has as NumPy does (a reversed minimum.accumulate would read more simply)."""
     count = tiles.shape[-1]
-    any_ = tiles.any(axis=-1)
-    first = xp.where(any_, tiles.argmax(axis=-1), 0)
-    last = xp.where(any_, count - tiles[..., ::-1].argmax(axis=-1), 0)
-    return xp.ascontiguousarray(xp.stack([first, last], axis=-1).astype(np.int32).reshape(-1))
+    rows = tiles.reshape(-1, count)
+    before = xp.cumsum(rows, axis=-1, dtype=np.int32) - rows  # True entries before each one
+    order = xp.full((rows.shape[0], count + 1), count, dtype=np.int32)  # per row, where its k-th True entry is
+    row, col = xp.nonzero(rows)
+    order[row, before[row, col]] = col.astype(np.int32)
+    return xp.ascontiguousarray(xp.take_along_axis(order, before, axis=-1).reshape(-1))
 
 
 _CACHE = weakref.WeakKeyDictionary()  # mask_mod -> {(shape, array module): BlockMask}
@@ -79,8 +91,8 @@ def block_mask(mask_mod, B, H, Sq, Sk, *, like=None) -> BlockMask:
     """The tile structure of ``mask_mod`` for a (B, H, Sq, Sk) problem (H the query heads),
     evaluated with NumPy, or with CuPy on the GPU when ``like`` is a CuPy array (the mask_mod's
     tensors must then be CuPy arrays too). Pass it to `attention` / `attention_backward` as
-    ``block_mask=`` with the same mask_mod: the kernels then visit, for each query tile, only the
-    key tiles from its first to its last non-empty one. Reused across calls: block_mask returns the
+    ``block_mask=`` with the same mask_mod: the kernels then visit, for each query tile, only its
+    non-empty key tiles (and, in the backward, for each key tile only its non-empty query tiles). Reused across calls: block_mask returns the
     same object for the same mask_mod (by identity), shape and array library."""
     if not isinstance(mask_mod, MaskMod):
         raise TypeError(f"mask_mod must be a cupy_attn.MaskMod, got {type(mask_mod).__name__}")

@@ -287,11 +287,12 @@ def _common_args(problem: Problem, q, k, v, fourth, tiles: tuple | None = None) 
 
 
 def _block_args(problem: Problem, block_m: int, block_n: int) -> tuple:
-    """A block mask's [first, last) tile ranges for a kernel's tile sizes, and the tile counts."""
+    """A block mask's tables for a kernel's tile sizes (the next non-empty tile along each axis, the
+    full tiles), and the tile counts."""
     if problem.block_mask is None:
         return ()
-    block_kv, block_q, block_full = problem.block_mask.ranges(block_m, block_n)
-    return block_kv, block_q, block_full, I32(_blocks(problem.seq_q, block_m)), I32(_blocks(problem.seq_k, block_n))
+    return (*problem.block_mask.kernel_tables(block_m, block_n), I32(_blocks(problem.seq_q, block_m)),
+            I32(_blocks(problem.seq_k, block_n)))
 
 
 def _blocks(n: int, per_block: int) -> int:

@@ -78,7 +78,7 @@ def _function(signature: str, expression: str, label: str, places, result: str) 
 
 def mod_source(score_mod, mask_mod, block_sparse: bool = False) -> ModSource:
     """The options and code a module needs for these mods (either may be None, not both), and with
-    ``block_sparse`` a block mask's tile ranges (kernels/block_info.cuh)."""
+    ``block_sparse`` a block mask's tables (kernels/block_info.cuh)."""
     functions, listings, at = [], [], 0
     if score_mod is not None:
         listings.append(numbered("score_mod", score_mod.cuda))

@@ -173,16 +173,12 @@ class _Tiles:
 
     def key_tiles(self, q_rows, i0: int, i1: int):
         """(j0, j1, scores, chain-rule factor) for every key tile this query tile may attend (with a
-        block mask, only from the first to the last key tile some (b, h) of it needs)."""
-        start, stop = 0, self.p.seq_k
+        block mask, only the key tiles some (b, h) of it needs)."""
+        starts = range(0, self.p.seq_k, BLOCK_N)
         if self.p.block_mask is not None:
-            ranges = self.p.block_mask.ranges(BLOCK_M, BLOCK_N)[0].reshape(self.p.batch * self.p.heads, -1, 2)
-            first, last = ranges[:, i0 // BLOCK_M, 0], ranges[:, i0 // BLOCK_M, 1]
-            live = last > first
-            if not live.any():
-                return
-            start, stop = int(first[live].min()) * BLOCK_N, min(int(last[live].max()) * BLOCK_N, stop)
-        for j0 in range(start, stop, BLOCK_N):
+            nonempty = self.p.block_mask.tiles(BLOCK_M, BLOCK_N)[0][:, :, i0 // BLOCK_M]
+            starts = [j0 for j0, needed in zip(starts, nonempty.any(axis=(0, 1))) if needed]
+        for j0 in starts:
             j1 = min(j0 + BLOCK_N, self.p.seq_k)
             tile = self.scores(q_rows, i0, i1, j0, j1)
             if tile is not None:

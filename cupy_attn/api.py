@@ -51,7 +51,8 @@ _SEMANTICS = """
             cupy_attn.MaskMod removing keys as the bool mask does (cupy_attn.mods). Indices are
             positions in the padded (B, H, Sq, Sk) problem, h the query head.
         block_mask: from cupy_attn.block_mask(mask_mod, B, H, Sq, Sk): the kernels then visit, for
-            each query tile, only the key tiles from its first to its last non-empty one.
+            each query tile, only its non-empty key tiles (the backward: each key tile's non-empty
+            query tiles).
         backend: "auto" (by where the inputs live), "numpy", "cuda" or "emulator".
 
     A row that can attend to nothing gives output 0 and lse −inf (never NaN), and zero gradients.

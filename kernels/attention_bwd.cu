@@ -59,10 +59,8 @@ __device__ __forceinline__ void dkdv_block(const Params& p, const T* q, const T*
     float dk[kKeyDims], dv[kKeyDims];
     for (int e = 0; e < kKeyDims; ++e) dk[e] = dv[e] = 0.f;
 
-    int m_begin, m_end;
-    b.row_tiles(p, n0, kBlockN, kBlockM, &m_begin, &m_end);
-    for (int m_block = m_begin; m_block < m_end; ++m_block) {
-        const int m0 = m_block * kBlockM;
+    for (TileWalk rows = b.row_walk(p, n0, kBlockN, kBlockM); rows.more(); rows.advance()) {
+        const int m0 = rows.tile * kBlockM;
         __syncthreads();  // the previous query tile's Q, dO, P and dS are no longer read
         stage_tile<kBlockM, kHeadDim, kHeadDim>(sQ, q + at.q, at.q_row, m0, b.q_rows(p), p.head_dim);
         stage_tile<kBlockM, kHeadDim, kHeadDim>(sDO, dout + at.o, at.o_row, m0, b.q_rows(p), p.head_dim_v);
@@ -153,10 +151,8 @@ __device__ __forceinline__ void dq_block(const Params& p, const T* q, const T* k
 
     float acc[kDims];
     for (int e = 0; e < kDims; ++e) acc[e] = 0.f;
-    int n_begin, n_end;
-    b.key_tiles(p, m0, kBlockM, kBlockN, &n_begin, &n_end);
-    for (int n_block = n_begin; n_block < n_end; ++n_block) {
-        const int n0 = n_block * kBlockN;
+    for (TileWalk keys = b.key_walk(p, m0, kBlockM, kBlockN); keys.more(); keys.advance()) {
+        const int n0 = keys.tile * kBlockN;
         __syncthreads();  // the previous K and V tiles are no longer read
         // K and V's offsets recomputed per tile, not held across the loop: a packed build reads
         // them from memory, and held they made ptxas spill (a padded build recomputes them anyway).

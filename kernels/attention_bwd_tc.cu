@@ -96,30 +96,29 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
         #pragma unroll
         for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = 0.f;
 
-    int m_begin, m_end;
-    b.row_tiles(p, n0, kBlockN, kBlockM, &m_begin, &m_end);
+    TileWalk rows = b.row_walk(p, n0, kBlockN, kBlockM);
     const TileSource<T, kHeadDim> q_source(q + at.q, at.q_row, b.q_rows(p), p.head_dim, vectorised & 1);
     const TileSource<T, kHeadDim> do_source(dout + at.o, at.o_row, b.q_rows(p), p.head_dim_v, vectorised & 8);
     const int whole_tiles = whole_rows_of(q_source, do_source) / kBlockM;
     // With two stages the next query tile loads while this one is worked on.
-    auto stage_queries = [&](int m_block) {
-        const int stage = pipeline_stage<kStages>(m_block), m0 = m_block * kBlockM;
+    auto stage_queries = [&](int m_block, int stage) {
+        const int m0 = m_block * kBlockM;
         stage_async_pair<kBlockM>(sQ(stage), q_source, sDO(stage), do_source, m0, m_block < whole_tiles);
         stage_row_stats(sLse2(stage), sDelta(stage), lse, delta, at.stats, m0, kBlockM, b.q_rows(p));
         ptx::cp_async_commit();
     };
-    if (kStages == 2 && m_begin < m_end) stage_queries(m_begin);
-    for (int m_block = m_begin; m_block < m_end; ++m_block) {
-        const int m0 = m_block * kBlockM, stage = pipeline_stage<kStages>(m_block);
+    if (kStages == 2 && rows.more()) stage_queries(rows.tile, rows.stage<kStages>());
+    for (; rows.more(); rows.advance()) {
+        const int m_block = rows.tile, m0 = m_block * kBlockM, stage = rows.stage<kStages>();
         if (kStages == 1) {
             __syncthreads();  // every warp is done with the previous Q, dO, statistics and dS
-            stage_queries(m_block);
+            stage_queries(m_block, stage);
         }
         ptx::cp_async_wait<0>();
         // K, V (first pass), this tile's Q, dO and row statistics are in place; with two stages
         // every warp is also done with the previous tile: its dS, and the stage loaded next.
         __syncthreads();
-        if (kStages == 2 && m_block + 1 < m_end) stage_queries(m_block + 1);
+        if (kStages == 2 && !rows.last()) stage_queries(rows.after(), rows.stage_after<kStages>());
         const T* tile_q = sQ(stage);
         const T* tile_do = sDO(stage);
         const float* tile_lse2 = sLse2(stage);
@@ -211,13 +210,12 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
     float dq[kDTiles][4];
 #pragma unroll
     for (int d = 0; d < kDTiles; ++d) dq[d][0] = dq[d][1] = dq[d][2] = dq[d][3] = 0.f;
-    int n_begin, n_end;
-    b.key_tiles(p, m0, kTcBlockM, kBlockN, &n_begin, &n_end);
+    TileWalk keys = b.key_walk(p, m0, kTcBlockM, kBlockN);
     const TileSource<T, kHeadDim> k_source(k + at.k, at.k_row, b.kv_rows(p), p.head_dim, vectorised & 2);
     const TileSource<T, kHeadDim> v_source(v + at.v, at.v_row, b.kv_rows(p), p.head_dim_v, vectorised & 4);
     const int whole_tiles = whole_rows_of(k_source, v_source) / kBlockN;
-    for (int n_block = n_begin; n_block < n_end; ++n_block) {
-        const int n0 = n_block * kBlockN;
+    for (; keys.more(); keys.advance()) {
+        const int n_block = keys.tile, n0 = n_block * kBlockN;
         __syncthreads();  // every warp is done with the previous K and V tiles
         stage_async_pair<kBlockN>(sK, k_source, sV, v_source, n0, n_block < whole_tiles);
         ptx::cp_async_commit();

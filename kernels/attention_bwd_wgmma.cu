@@ -111,8 +111,7 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
     const BlockInfo b(p, place.head, place.batch);
     const HeadView at = head_view(p, b, strides);  // .stats indexes lse, delta and dq rows
     const int n0 = place.tile * kBwdKeys;
-    int m_begin, m_end;
-    b.row_tiles(p, n0, kBwdKeys, kBlockM, &m_begin, &m_end);
+    const TileWalk rows = b.row_walk(p, n0, kBwdKeys, kBlockM);
     if (threadIdx.x == 0) {
         bars.queries.init(128 * kBwdConsumerGroups, 32);
         ptx::mbarrier_init(&bars.kv_landed, 1);
@@ -122,7 +121,7 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
 
     if (threadIdx.x < 128) {
         ptx::set_max_registers<kBwdProducerRegisters, false>();
-        if (threadIdx.x >= 32 || m_begin >= m_end) return;
+        if (threadIdx.x >= 32 || !rows.more()) return;
         // Whole boxes, zero-filled past the tensor (rows past seq_q or seq_k, dims past the head);
         // each barrier learns the whole boxes' bytes.
         const int lane = threadIdx.x;
@@ -136,8 +135,8 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
             }
         }
         StageCursor<kQueryStages> stage_at;
-        for (int m_block = m_begin; m_block < m_end; ++m_block, stage_at.advance()) {
-            const int m0 = m_block * kBlockM;
+        for (TileWalk loads = rows; loads.more(); loads.advance(), stage_at.advance()) {
+            const int m0 = loads.tile * kBlockM;
             float lse2[kStatsPerLane], row_delta[kStatsPerLane];  // loaded before the stage is free
 #pragma unroll
             for (int i = 0; i < kStatsPerLane; ++i)
@@ -202,17 +201,17 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
     float(&dk_flat)[4 * kDTiles] = reinterpret_cast<float(&)[4 * kDTiles]>(dk);
     float(&dv_flat)[4 * kDTiles] = reinterpret_cast<float(&)[4 * kDTiles]>(dv);
 
-    if (m_begin < m_end) ptx::mbarrier_wait(&bars.kv_landed, 0);
+    if (rows.more()) ptx::mbarrier_wait(&bars.kv_landed, 0);
     StageCursor<kQueryStages> stage_at;
-    for (int m_block = m_begin; m_block < m_end; ++m_block, stage_at.advance()) {
-        const int m0 = m_block * kBlockM, stage = stage_at.stage;
+    for (TileWalk at_tile = rows; at_tile.more(); at_tile.advance(), stage_at.advance()) {
+        const int m0 = at_tile.tile * kBlockM, stage = stage_at.stage;
         const unsigned long long q_desc = ptx::descriptor_plus(q_desc0, stage * kStageBytes);
         const unsigned long long do_desc = ptx::descriptor_plus(q_desc, kDoOffset);
         const unsigned long long q_mn_desc = ptx::descriptor_plus(q_mn_desc0, stage * kStageBytes);
         const unsigned long long do_mn_desc = ptx::descriptor_plus(q_mn_desc, kDoOffset);
         consumer_wait(bars.queries, stage_at);
 
-        const int ds_buffer = (m_block - m_begin) % 2;
+        const int ds_buffer = at_tile.visits() % 2;
         T* ds_tile = sDS + ds_buffer * kDsElements;
         // Checks for the block's 128 keys (a block mask's tiles are the block's).
         const int checks = b.tile_checks(p, m0, kBlockM, n0, kBwdKeys);

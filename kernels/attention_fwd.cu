@@ -59,10 +59,8 @@ __device__ __forceinline__ void forward_block(const Params& p, const T* q, const
     float acc[kDims];  // output row, dimensions part + kLanesPerRow · e
     for (int e = 0; e < kDims; ++e) acc[e] = 0.f;
 
-    int n_begin, n_end;
-    b.key_tiles(p, m0, kBlockM, kBlockN, &n_begin, &n_end);
-    for (int n_block = n_begin; n_block < n_end; ++n_block) {
-        const int n0 = n_block * kBlockN;
+    for (TileWalk keys = b.key_walk(p, m0, kBlockM, kBlockN); keys.more(); keys.advance()) {
+        const int n0 = keys.tile * kBlockN;
         __syncthreads();  // everyone is done reading the previous K, V (and P) tiles
         stage_tile<kBlockN, kHeadDim, Smem::kKStride>(sK, k + at.k, at.k_row, n0, b.kv_rows(p), p.head_dim);
         stage_tile<kBlockN, kHeadDim, kHeadDim>(sV, v + at.v, at.v_row, n0, b.kv_rows(p), p.head_dim_v);

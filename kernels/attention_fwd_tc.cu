@@ -116,32 +116,31 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
         for (int d = 0; d < kDTiles + kSumTiles; ++d) o[m][d][0] = o[m][d][1] = o[m][d][2] = o[m][d][3] = 0.f;
     TcSoftmaxOf<kSumTiles == 0> softmax[kRowTiles][2];  // rows row_lo + 64m and row_lo + 64m + 8
 
-    int n_begin, n_end;
-    b.key_tiles(p, m0, kBlockM, kBlockN, &n_begin, &n_end);
+    TileWalk keys = b.key_walk(p, m0, kBlockM, kBlockN);
     const TileSpan interior = b.interior_key_tiles(p, m0, kBlockM, kBlockN);
     const TileSource<T, kHeadDim> k_source(k + at.k, at.k_row, b.kv_rows(p), p.head_dim, vectorised & 2);
     const TileSource<T, kHeadDimV> v_source(v + at.v, at.v_row, b.kv_rows(p), p.head_dim_v, vectorised & 4);
     const int whole_tiles = whole_rows_of(k_source, v_source) / kBlockN;
-    auto stage_keys = [&](int n_block) {
-        const int stage = pipeline_stage<2>(n_block), n0 = n_block * kBlockN;
+    auto stage_keys = [&](int n_block, int stage) {
+        const int n0 = n_block * kBlockN;
         stage_async_pair<kBlockN>(stage_k(stage), k_source, stage_v(stage), v_source, n0, n_block < whole_tiles);
         ptx::cp_async_commit();
     };
-    if (n_begin < n_end) {  // Q only then: the epilogue stages O in Q's rows, where no copy may still land
+    if (keys.more()) {  // Q only then: the epilogue stages O in Q's rows, where no copy may still land
         const TileSource<T, kHeadDim> q_source(q + at.q, at.q_row, b.q_rows(p), p.head_dim, vectorised & 1);
         stage_async<kBlockM>(sQ, q_source, m0);
-        stage_keys(n_begin);
+        stage_keys(keys.tile, keys.stage<2>());
     }
-    for (int n_block = n_begin; n_block < n_end; ++n_block) {
-        const int n0 = n_block * kBlockN;
-        const int stage = pipeline_stage<2>(n_block);
+    for (; keys.more(); keys.advance()) {
+        const int n_block = keys.tile, n0 = n_block * kBlockN;
+        const int stage = keys.stage<2>();
         const T* sK = stage_k(stage);
         const T* sV = stage_v(stage);
         ptx::cp_async_wait<0>();  // this thread's copies of this tile (and of Q) have landed
         // Everyone's copies have landed, and every warp is done with the previous tile, whose
         // stage the next prefetch overwrites.
         __syncthreads();
-        if (n_block + 1 < n_end) stage_keys(n_block + 1);
+        if (!keys.last()) stage_keys(keys.after(), keys.stage_after<2>());
 
         // S = Q·Kᵀ for this warp's row tiles: s[m][j] holds rows (g, g+8) of row tile m x keys
         // (8j + 2t, 8j + 2t + 1).

@@ -101,8 +101,7 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse,
     const BlockPlace place = query_block_place(p);
     const BlockInfo b(p, place.head, place.batch);
     const int m0 = place.tile * kBlockM;
-    int n_begin, n_end;
-    b.key_tiles(p, m0, kBlockM, kBlockN, &n_begin, &n_end);
+    const TileWalk keys = b.key_walk(p, m0, kBlockM, kBlockN);
     if (threadIdx.x == 0) {
         bars.k.init(128 * kConsumerGroups);
         bars.v.init(128 * kConsumerGroups);
@@ -116,16 +115,16 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse,
         // Q, K and V go in whole boxes, zero-filled past the tensor (keys past seq_k, rows past
         // seq_q, dims past the head); keys between a batch entry's length and seq_k are read,
         // and masked, as the cp.async kernels do. Each full barrier learns the whole boxes' bytes.
-        if (threadIdx.x < 32 && ptx::elect_one() && n_begin < n_end) {
+        if (threadIdx.x < 32 && ptx::elect_one() && keys.more()) {
             ptx::mbarrier_arrive_expect_tx(&bars.q_landed, sizeof(T) * kBlockM * kHeadDim);
             load_tile<QTile, kHeadDim>(sQ, q_map, m0, b.bidh, b.bidb, &bars.q_landed);
             StageCursor<kKvStages> at;
-            for (int n_block = n_begin; n_block < n_end; ++n_block, at.advance()) {
+            for (TileWalk loads = keys; loads.more(); loads.advance(), at.advance()) {
                 producer_acquire(bars.k, at, sizeof(T) * kTileElements);
-                load_tile<KvTile, kHeadDim>(sK + at.stage * kTileElements, k_map, n_block * kBlockN, b.bidh_kv,
+                load_tile<KvTile, kHeadDim>(sK + at.stage * kTileElements, k_map, loads.tile * kBlockN, b.bidh_kv,
                                             b.bidb, &bars.k.full[at.stage]);
                 producer_acquire(bars.v, at, sizeof(T) * kTileElements);
-                load_tile<KvTile, kHeadDim>(sV + at.stage * kTileElements, v_map, n_block * kBlockN, b.bidh_kv,
+                load_tile<KvTile, kHeadDim>(sV + at.stage * kTileElements, v_map, loads.tile * kBlockN, b.bidh_kv,
                                             b.bidb, &bars.v.full[at.stage]);
             }
         }
@@ -167,8 +166,8 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse,
     // hands group 0 the first turn; group 1 skips its last hand-over (group 0 has no turn left to
     // take), so every barrier generation is complete when the block exits.
     auto take_turn = [&] { ptx::named_barrier_sync(kTurnBarrier + group, 256); };
-    auto pass_turn = [&](int n_block) {
-        if (group == 0 || n_block + 1 < n_end) ptx::named_barrier_arrive(kTurnBarrier + (group + 1) % 2, 256);
+    auto pass_turn = [&](const TileWalk& at_tile) {
+        if (group == 0 || !at_tile.last()) ptx::named_barrier_arrive(kTurnBarrier + (group + 1) % 2, 256);
     };
     auto issue_s = [&] {
         const unsigned long long k_desc = ptx::descriptor_plus(k_desc0, sizeof(T) * k_at.stage * kTileElements);
@@ -235,32 +234,33 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse,
         pv_done();
     };
 
-    if (n_begin < n_end) {
+    if (keys.more()) {
         if (group == 1) ptx::named_barrier_arrive(kTurnBarrier, 256);  // group 0 goes first
         ptx::mbarrier_wait(&bars.q_landed, 0);
         if constexpr (!kOverlap) {  // one tile after the other
-            for (int n_block = n_begin; n_block < n_end; ++n_block) {
+            for (TileWalk at_tile = keys; at_tile.more(); at_tile.advance()) {
                 start_s();
-                pass_turn(n_block);
+                pass_turn(at_tile);
                 ptx::wgmma_wait<0>();
-                softmax_of(n_block);
+                softmax_of(at_tile.tile);
                 rescale_rows(o, softmax);
                 pack_p();
                 finish_pv();
             }
         } else {  // S of each tile issued with P·V of the one before
+            TileWalk at_tile = keys;
             start_s();
-            pass_turn(n_begin);
+            pass_turn(at_tile);
             ptx::wgmma_wait<0>();
-            softmax_of(n_begin);  // O is 0: its rescale is moot
+            softmax_of(at_tile.tile);  // O is 0: its rescale is moot
             pack_p();
-            for (int n_block = n_begin + 1; n_block < n_end; ++n_block) {
+            for (at_tile.advance(); at_tile.more(); at_tile.advance()) {
                 start_s();
                 consumer_wait(bars.v, v_at);
                 issue_pv();
-                pass_turn(n_block);
+                pass_turn(at_tile);
                 ptx::wgmma_wait<1>();  // S is in; P·V of the previous tile may still run
-                softmax_of(n_block);
+                softmax_of(at_tile.tile);
                 ptx::wgmma_wait<0>();
                 pv_done();
                 rescale_rows(o, softmax);

@@ -1,5 +1,6 @@
 // Which rows and keys one thread block works on, and which key tiles it may skip.
 #pragma once
+#include "tile_io.cuh"
 
 namespace attn {
 
@@ -32,17 +33,18 @@ namespace attn {
 #define ATTN_MOD_FIELD
 #endif
 
-// Whether the module takes a block mask (cupy_attn.block_mask): per (batch entry, head), the
-// [first, last) key tiles of each query tile (block_kv) and query tiles of each key tile
-// (block_q), as int pairs, for this kernel's tile sizes; the tiles a block visits are
-// intersected with them. Other modules carry no trace of it.
+// Whether the module takes a block mask (cupy_attn.block_mask): per (batch entry, head), for this
+// kernel's tile sizes, the first non-empty key tile at or after each key tile of each query tile
+// (block_kv_next), the same for the query tiles of each key tile (block_q_next), and its full
+// tiles; a block's TileWalk steps over the empty ones. Other modules carry no trace of it.
 #ifndef ATTN_BLOCK_MASK
 #define ATTN_BLOCK_MASK 0
 #endif
 #if ATTN_BLOCK_MASK
 #define ATTN_BLOCK_PARAM \
-    , const int *block_kv, const int *block_q, const unsigned char *block_full, int block_m_tiles, int block_n_tiles
-#define ATTN_BLOCK_FIELD , block_kv, block_q, block_full, block_m_tiles, block_n_tiles
+    , const int *block_kv_next, const int *block_q_next, const unsigned char *block_full, int block_m_tiles, \
+        int block_n_tiles
+#define ATTN_BLOCK_FIELD , block_kv_next, block_q_next, block_full, block_m_tiles, block_n_tiles
 #else
 #define ATTN_BLOCK_PARAM
 #define ATTN_BLOCK_FIELD
@@ -79,8 +81,8 @@ struct Params {
     const long long* mod_words;  // the mods' tensor addresses and strides, and scalars
 #endif
 #if ATTN_BLOCK_MASK
-    const int* block_kv;         // (B, H, block_m_tiles, 2) [first, last) key tiles
-    const int* block_q;          // (B, H, block_n_tiles, 2) [first, last) query tiles
+    const int* block_kv_next;    // (B, H, block_m_tiles, block_n_tiles): the first non-empty key tile at or after each
+    const int* block_q_next;     // (B, H, block_n_tiles, block_m_tiles): the first non-empty query tile at or after each
     const unsigned char* block_full;  // (B, H, block_m_tiles, block_n_tiles): 1 where the mask_mod allows every pair
     int block_m_tiles, block_n_tiles;
 #endif
@@ -103,6 +105,65 @@ enum { kCheckStructure = 1, kCheckMods = 2 };
 struct Band {
     int begin, end;
     __device__ __forceinline__ bool contains(int x) const { return begin <= x && x < end; }
+};
+
+// The tiles one block visits along its row of tiles, in order: the key tiles of a query tile
+// (BlockInfo::key_walk) or the query tiles of a key tile (row_walk). The structure (causal, window,
+// lengths) leaves [begin, end); in a block-mask build the tiles inside it that the block mask finds
+// empty (no pair allowed, so skipping them changes nothing but the time) are stepped over through
+// its table of the next non-empty tile, one load per visit, so that a mask costs time in proportion
+// to its non-empty tiles wherever they lie. A plain build's walk is the counted loop over
+// [begin, end) it stands for, whose stages go by the tile's own index (pipeline_stage); a
+// block-mask build's visits are not consecutive tiles, so it counts them.
+struct TileWalk {
+    int tile;  // the tile visited now (end or more once none is left)
+    int begin, end;
+#if ATTN_BLOCK_MASK
+    const int* next;  // next[t]: the first non-empty tile at or after t (the row's tile count where none)
+    int visit;        // tiles visited before this one
+#endif
+
+    __device__ __forceinline__ bool more() const { return tile < end; }
+    // The tile visited after this one: end or more when none is left.
+    __device__ __forceinline__ int after() const {
+#if ATTN_BLOCK_MASK
+        return tile + 1 < end ? next[tile + 1] : end;
+#else
+        return tile + 1;
+#endif
+    }
+    __device__ __forceinline__ bool last() const { return after() >= end; }
+    __device__ __forceinline__ void advance() {
+        tile = after();
+#if ATTN_BLOCK_MASK
+        ++visit;
+#endif
+    }
+    // Tiles visited before this one.
+    __device__ __forceinline__ int visits() const {
+#if ATTN_BLOCK_MASK
+        return visit;
+#else
+        return tile - begin;
+#endif
+    }
+    // The buffer, of kStages taken in turn, of this tile and of the one after.
+    template <int kStages>
+    __device__ __forceinline__ int stage() const {
+#if ATTN_BLOCK_MASK
+        return pipeline_stage<kStages>(visit);
+#else
+        return pipeline_stage<kStages>(tile);
+#endif
+    }
+    template <int kStages>
+    __device__ __forceinline__ int stage_after() const {
+#if ATTN_BLOCK_MASK
+        return pipeline_stage<kStages>(visit + 1);
+#else
+        return pipeline_stage<kStages>(tile + 1);
+#endif
+    }
 };
 
 // Where a block of a tensor-core kernel works: its tile (of query rows or of keys), head and batch
@@ -236,38 +297,53 @@ struct BlockInfo {
         *end = max(*end, *begin);
     }
 
-#if ATTN_BLOCK_MASK
-    // [*begin, *end) narrowed to a block mask's [first, last) pair for tile `tile` of this (entry,
-    // head), from ranges laid out (B, H, tiles, 2).
-    __device__ __forceinline__ void intersect_block_range(const int* ranges, int heads, int tiles, int tile, int* begin,
-                                                          int* end) const {
-        const int* range = ranges + 2 * ((bidb * heads + bidh) * tiles + tile);
-        *begin = max(*begin, range[0]);
-        *end = max(*begin, min(*end, range[1]));
-    }
-#endif
-
-    // Key tiles [*begin, *end) of block_n keys that rows [m0, m0 + block_m) must visit.
+    // Key tiles [*begin, *end) of block_n keys that the structure leaves rows [m0, m0 + block_m).
     __device__ __forceinline__ void key_tiles(const Params& p, int m0, int block_m, int block_n, int* begin, int* end) const {
         int first, last;
         key_range(p, m0, block_m, &first, &last);
         *begin = first / block_n;
         *end = (last + block_n - 1) / block_n;
-#if ATTN_BLOCK_MASK
-        intersect_block_range(p.block_kv, p.heads, p.block_m_tiles, m0 / block_m, begin, end);
-#endif
     }
 
-    // Query tiles [*begin, *end) of block_m rows that keys [n0, n0 + block_n) must visit.
+    // Query tiles [*begin, *end) of block_m rows that the structure leaves keys [n0, n0 + block_n).
     __device__ __forceinline__ void row_tiles(const Params& p, int n0, int block_n, int block_m, int* begin, int* end) const {
         int first, last;
         row_range(p, n0, block_n, &first, &last);
         *begin = first / block_m;
         *end = (last + block_m - 1) / block_m;
+    }
+
+    // The key tiles of block_n keys that rows [m0, m0 + block_m) visit.
+    __device__ __forceinline__ TileWalk key_walk(const Params& p, int m0, int block_m, int block_n) const {
+        int begin, end;
+        key_tiles(p, m0, block_m, block_n, &begin, &end);
+        return walk(p, begin, end, true, m0 / block_m);
+    }
+
+    // The query tiles of block_m rows that keys [n0, n0 + block_n) visit.
+    __device__ __forceinline__ TileWalk row_walk(const Params& p, int n0, int block_n, int block_m) const {
+        int begin, end;
+        row_tiles(p, n0, block_n, block_m, &begin, &end);
+        return walk(p, begin, end, false, n0 / block_n);
+    }
+
+    // The walk over [begin, end) of tile `tile`'s key tiles (along_keys) or query tiles.
+    __device__ __forceinline__ TileWalk walk(const Params& p, int begin, int end, bool along_keys, int tile) const {
 #if ATTN_BLOCK_MASK
-        intersect_block_range(p.block_q, p.heads, p.block_n_tiles, n0 / block_n, begin, end);
+        const int* next = along_keys ? p.block_kv_next + block_row(p, p.block_m_tiles, tile) * p.block_n_tiles
+                                     : p.block_q_next + block_row(p, p.block_n_tiles, tile) * p.block_m_tiles;
+        return TileWalk{begin < end ? min(next[begin], end) : end, begin, end, next, 0};  // from the first it needs
+#else
+        return TileWalk{begin, begin, end};
 #endif
     }
+
+#if ATTN_BLOCK_MASK
+    // Row `row` of this (entry, head)'s rows of a block mask table with `rows` rows per head.
+    __device__ __forceinline__ long long block_row(const Params& p, int rows, int row) const {
+        return static_cast<long long>(bidb * p.heads + bidh) * rows + row;
+    }
+#endif
 
     // No structural mask inside the (block_m x block_n) tile at (m0, n0): every row valid and
     // every key inside the causal/window band of every row. Only boundary tiles pay for masking.
@@ -326,8 +402,7 @@ struct BlockInfo {
     // Whether the block mask knows tile (m_tile, n_tile) of this (entry, head) to be full (no
     // mask_mod to apply).
     __device__ __forceinline__ bool block_full(const Params& p, int m_tile, int n_tile) const {
-        return p.block_full[(static_cast<long long>(bidb * p.heads + bidh) * p.block_m_tiles + m_tile) *
-                                p.block_n_tiles + n_tile];
+        return p.block_full[block_row(p, p.block_m_tiles, m_tile) * p.block_n_tiles + n_tile];
     }
 #endif
 };

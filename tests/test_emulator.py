@@ -533,16 +533,35 @@ def test_red_add_pair_refuses_an_unaligned_address():
 
 @pytest.mark.parametrize("waits", [0, 1, 2])
 def test_cp_async_lands_only_after_its_wait(waits):
+    """In the reverse schedules a copy lands at the wait that covers it: reads before see poison."""
     mod = module("primitives.cu")
     x = np.random.default_rng(5).standard_normal(64 * 4).astype(np.float32)
     out = np.zeros_like(x)
-    mod.get_function("copy_async")(1, 32, (x, out, I32(waits)), shared_mem=64 * 16)
+    mod.get_function("copy_async")(1, 32, (x, out, I32(waits)), shared_mem=64 * 16, schedule="reverse")
     first, second = out[:128], out[128:]
     if waits == 2:
         assert np.isnan(out).all()
     else:
         np.testing.assert_array_equal(first, x[:128])
         assert np.isnan(second).all() if waits == 1 else np.array_equal(second, x[128:])
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_cp_async_lands_at_issue_in_some_schedules(schedule):
+    """In the forward and warp schedules a copy lands at issue: reloading a buffer before every
+    thread has read it (no barrier between) changes what some read there; reading, a barrier, then
+    reloading is right on every schedule."""
+    mod = module("primitives.cu")
+    x = np.random.default_rng(6).standard_normal(64 * 4).astype(np.float32)
+    for guarded in (1, 0):
+        out = np.full(32 * 4, np.nan, np.float32)
+        mod.get_function("reload_async")(1, 32, (x, out, I32(guarded)), shared_mem=32 * 16, schedule=schedule)
+        if guarded:
+            np.testing.assert_array_equal(out, x[:128])
+        elif schedule in ("forward", "warps"):
+            assert not np.array_equal(out, x[:128])
+        elif schedule in ("reverse", "warps_reverse"):  # landing at the waits, after every read
+            np.testing.assert_array_equal(out, x[:128])
 
 
 def test_ex2():

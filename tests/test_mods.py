@@ -220,7 +220,8 @@ def test_twins_may_return_scalars_and_minus_infinity(rng):
 
 def test_mods_compile_under_nvrtc_for_the_gpu_without_spills(rng):
     """What a GPU build compiles (NVRTC, CuPy's options): every kind of tensor and scalar a snippet
-    can read, in the tensor-core forward and dK/dV kernels, without spills."""
+    can read, in the tensor-core forward and dK/dV kernels, with a block mask and without (its
+    walk counts the tiles it visits), without spills."""
     from cupy_attn import _config, _mods_source, _nvrtc
 
     tensors = {"half_t": np.zeros((2, 3), np.float16), "bf_t": np.zeros(4, BF16), "int_t": np.zeros((1, 2, 3), np.int32),
@@ -228,12 +229,12 @@ def test_mods_compile_under_nvrtc_for_the_gpu_without_spills(rng):
     score = cupy_attn.ScoreMod("score * ratio + half_t(b, h) + bf_t(q_idx) + float_t(h) + (flag ? 1.0f : 0.0f)",
                                abs, tensors=tensors, scalars={"ratio": 0.5, "flag": True}, grad="ratio")
     mask = cupy_attn.MaskMod("bool_t(kv_idx) || int_t(0, b, h) < limit", abs, tensors=tensors, scalars={"limit": 3})
-    source = _mods_source.mod_source(score, mask)
-    for filename, name in (("attention_fwd_tc.cu", _config.TENSOR_CORE_TILES[1].name_expression(np.float16)),
-                           ("attention_bwd_tc.cu", _config.TENSOR_CORE_BACKWARD_TILES[1].name_expression(np.float16))):
-        c = _nvrtc.compile_kernel(_compile.kernel_source(filename) + source.code, name, "sm_80",
-                                  _compile.gpu_build_options(filename) + source.options)
-        assert c.spill_stores == c.spill_loads == 0 and "mods" not in c.log, (name, c.log)
+    for source in (_mods_source.mod_source(score, mask), _mods_source.mod_source(score, mask, True)):
+        for filename, name in (("attention_fwd_tc.cu", _config.TENSOR_CORE_TILES[1].name_expression(np.float16)),
+                               ("attention_bwd_tc.cu", _config.TENSOR_CORE_BACKWARD_TILES[1].name_expression(np.float16))):
+            c = _nvrtc.compile_kernel(_compile.kernel_source(filename) + source.code, name, "sm_80",
+                                      _compile.gpu_build_options(filename) + source.options)
+            assert c.spill_stores == c.spill_loads == 0 and "mods" not in c.log, (name, source.options, c.log)
 
 
 def test_precompile_builds_what_the_calls_then_use(rng):
@@ -287,17 +288,21 @@ def documents(rng, batch, seq, longest):
     return ids
 
 
-def test_block_mask_ranges_match_a_brute_force_count(rng):
+def test_block_mask_tables_match_a_brute_force_count(rng):
     doc = documents(rng, 2, 200, 40)
-    mod = cupy_attn.MaskMod("doc(b, q_idx) == doc(b, kv_idx) && (h % 2 == 0 || kv_idx <= q_idx)",
-                            lambda b, h, q_idx, kv_idx, doc: (doc[b, q_idx] == doc[b, kv_idx]) & ((h % 2 == 0) | (kv_idx <= q_idx)),
+    # Documents, causal in odd heads, and five global keys: rows of tiles with gaps.
+    mod = cupy_attn.MaskMod("doc(b, q_idx) == doc(b, kv_idx) && (h % 2 == 0 || kv_idx <= q_idx) || kv_idx < 5",
+                            lambda b, h, q_idx, kv_idx, doc:
+                            (doc[b, q_idx] == doc[b, kv_idx]) & ((h % 2 == 0) | (kv_idx <= q_idx)) | (kv_idx < 5),
                             tensors={"doc": doc})
     blocks = cupy_attn.block_mask(mod, 2, 3, 150, 200)
     assert cupy_attn.block_mask(mod, 2, 3, 150, 200) is blocks  # cached by mask_mod and shape
     i, j = np.arange(150)[:, None], np.arange(200)
-    dense = (doc[:, None, :150, None] == doc[:, None, None, :]) & ((np.arange(3)[:, None, None] % 2 == 0) | (j <= i))
+    dense = (doc[:, None, :150, None] == doc[:, None, None, :]) & ((np.arange(3)[:, None, None] % 2 == 0) | (j <= i)) \
+        | (j < 5)
+    gaps = 0  # rows of tiles with empty tiles between non-empty ones
     for bm, bn in ((64, 64), (16, 48)):
-        kv, q, full = blocks.ranges(bm, bn)
+        kv, q, full = blocks.kernel_tables(bm, bn)
         mt, nt = -(-150 // bm), -(-200 // bn)
         tiles = np.zeros((2, 3, mt * bm, nt * bn), bool)
         tiles[:, :, :150, :200] = dense
@@ -305,11 +310,12 @@ def test_block_mask_ranges_match_a_brute_force_count(rng):
         everywhere[:, :, :150, :200] = dense
         np.testing.assert_array_equal(full.reshape(2, 3, mt, nt), everywhere.reshape(2, 3, mt, bm, nt, bn).all(axis=(3, 5)))
         tiles = tiles.reshape(2, 3, mt, bm, nt, bn).any(axis=(3, 5))
-        for ranges, t in ((kv.reshape(2, 3, mt, 2), tiles), (q.reshape(2, 3, nt, 2), tiles.swapaxes(2, 3))):
-            for index in np.ndindex(t.shape[:3]):
-                hit = np.flatnonzero(t[index])
-                want = (hit[0], hit[-1] + 1) if hit.size else (0, 0)
-                assert tuple(ranges[index]) == want, (bm, bn, index)
+        gaps += sum(np.ptp(np.flatnonzero(r)) + 1 > r.sum() for r in tiles.reshape(-1, nt) if r.any())
+        for table, t in ((kv.reshape(2, 3, mt, nt), tiles), (q.reshape(2, 3, nt, mt), tiles.swapaxes(2, 3))):
+            for index in np.ndindex(t.shape):
+                hit = np.flatnonzero(t[index[:3]][index[3]:])
+                assert table[index] == (index[3] + hit[0] if hit.size else t.shape[3]), (bm, bn, index)
+    assert gaps > 0
 
 
 @pytest.mark.parametrize("capability, dtype", [(80, np.dtype(np.float32)), (80, np.dtype(np.float16)), (90, BF16)])
@@ -330,27 +336,71 @@ def test_block_mask_changes_which_tiles_run_not_the_result(rng, schedule, monkey
         check_forward_and_backward(backend, rng, q, k, v, kw, dtype, deterministic=capability == 80)
 
 
+@pytest.mark.parametrize("capability, dtype", [(80, np.dtype(np.float32)), (80, np.dtype(np.float16)), (90, BF16)])
+def test_a_block_mask_steps_over_gaps(rng, schedule, monkeypatch, capability, dtype):
+    """Documents with 8 global keys and 8 global queries (Longformer's pattern), 300 tokens: the
+    last document's query tiles need key tile 0 and their own, not those between, and its key
+    tiles query tile 0 and their own, at every family's tiles (up to 128 x 128); the kernels step
+    over the gaps, and the result is the reference's."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", capability)
+    doc = np.stack([np.repeat([0, 1, 2], [128, 128, 44]), np.repeat([0, 1], [20, 280])]).astype(np.int32)
+    mod = cupy_attn.MaskMod("doc(b, q_idx) == doc(b, kv_idx) || q_idx < 8 || kv_idx < 8",
+                            lambda b, h, q_idx, kv_idx, doc: (doc[b, q_idx] == doc[b, kv_idx]) | (q_idx < 8) | (kv_idx < 8),
+                            tensors={"doc": doc})
+    q, k, v = random_qkv(rng, b=2, h=2, hkv=1, sq=300, sk=300, d=64, dtype=dtype)
+    blocks = cupy_attn.block_mask(mod, 2, 2, 300, 300)
+    for bm, bn in ((128, 128), (64, 64)):  # the wgmma and mma.sync tiles
+        nonempty = blocks.tiles(bm, bn)[0][0, 0]
+        assert nonempty[-1].tolist() == [True] + [False] * (nonempty.shape[1] - 2) + [True]  # a gap each way
+        assert nonempty[:, -1].tolist() == [True] + [False] * (nonempty.shape[0] - 2) + [True]
+    for backend in ("numpy", "emulator"):
+        kw = dict(kv_lengths=[300, 217], block_mask=blocks)
+        check_forward_and_backward(backend, rng, q, k, v, kw, dtype, deterministic=capability == 80)
+
+
 def test_a_block_mask_skips_the_empty_tiles(rng):
-    """Documents of 32 tokens in 256: each query tile (block_m rows, 64 or 128) reads K and V of
-    the block_m / 64 key tiles of 64 its documents span with the block mask, of all four without
-    it (the emulator's global-memory counters)."""
-    tile = _config.forward_tile(64, 64, np.float16)
-    assert tile.block_n == 64 and tile.block_m in (64, 128)
-    query_tiles = 256 // tile.block_m
+    """Documents of 32 tokens in 256, with 8 global keys (forward) or 8 global queries (backward):
+    with the block mask, each query tile reads K and V of the key tiles of 64 its documents span
+    and of key tile 0, and each key tile reads Q and dO of its documents' query tiles and of query
+    tile 0, stepping over the tiles between; without it, of every tile (the emulator's counters of
+    the global sectors the mma.sync kernels stage)."""
     from cupy_attn.emulator._counters import counting
 
+    forward_tile, backward_tile = _config.forward_tile(64, 64, np.float16), _config.backward_tile(64, 64, np.float16)
+    assert forward_tile.block_n == 64 and forward_tile.block_m in (64, 128)
+    assert (backward_tile.block_m, backward_tile.block_n) == (64, 64)
+    # Key tiles of 64 each query tile needs: 0 and those of its rows (e.g. {0, 1}, {0, 2, 3} for 128 rows).
+    rows = forward_tile.block_m
+    needed_by_query_tiles = sum(len({0} | set(range(t * rows // 64, (t + 1) * rows // 64))) for t in range(256 // rows))
+    tile_sectors = 64 * 64 * 2 // 32  # one tile of 64 rows, D = 64, fp16
     doc = np.repeat(np.arange(8, dtype=np.int32), 32)[None]
-    mod = cupy_attn.MaskMod("doc(0, q_idx) == doc(0, kv_idx)",
-                            lambda b, h, q_idx, kv_idx, doc: doc[0, q_idx] == doc[0, kv_idx], tensors={"doc": doc})
+    same_doc = "doc(0, q_idx) == doc(0, kv_idx)"
+    global_keys = cupy_attn.MaskMod(same_doc + " || kv_idx < 8", lambda b, h, q_idx, kv_idx, doc:
+                                    (doc[0, q_idx] == doc[0, kv_idx]) | (kv_idx < 8), tensors={"doc": doc})
+    global_queries = cupy_attn.MaskMod(same_doc + " || q_idx < 8", lambda b, h, q_idx, kv_idx, doc:
+                                       (doc[0, q_idx] == doc[0, kv_idx]) | (q_idx < 8), tensors={"doc": doc})
     q, k, v = random_qkv(rng, b=1, h=1, sq=256, sk=256, d=64, dtype=np.float16)
-    staged = []
-    for blocks in (None, cupy_attn.block_mask(mod, 1, 1, 256, 256)):
-        with counting() as counters:
-            out = cupy_attn.attention(q, k, v, mask_mod=mod, block_mask=blocks, backend="emulator")
-        staged.append(sum(s.actual for s in counters.sites if s.space == "global" and s.site.startswith("tc_tile.cuh")))
-        np.testing.assert_allclose(out, cupy_attn.attention(q, k, v, mask_mod=mod), rtol=2e-3, atol=2e-3)
-    q_sectors, tile_sectors = 4 * 64 * 64 * 2 // 32, 2 * 64 * 64 * 2 // 32  # 4 query tiles; K and V of one key tile
-    assert staged == [q_sectors + query_tiles * 4 * tile_sectors, q_sectors + 4 * tile_sectors]
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    out, lse = cupy_attn.attention(q, k, v, mask_mod=global_queries, return_lse=True)
+
+    def forward(**kw):
+        return [cupy_attn.attention(q, k, v, mask_mod=global_keys, **kw)]
+
+    def backward(**kw):
+        return cupy_attn.attention_backward(dout, q, k, v, out, lse, mask_mod=global_queries, deterministic=False, **kw)
+
+    # (pass, its mask_mod, the block's own tiles of 64 rows read (Q; K and V), the tiles of 64 rows
+    # walked without the block mask and with it, 2 matrices each)
+    for run, mod, own, walked in ((forward, global_keys, 4, (4 * (256 // rows), needed_by_query_tiles)),
+                                  (backward, global_queries, 8, (16, 1 + 2 + 2 + 2))):
+        counts = []
+        for blocks in (None, cupy_attn.block_mask(mod, 1, 1, 256, 256)):
+            with counting() as counters:
+                result = run(block_mask=blocks, backend="emulator")
+            counts.append(sum(s.actual for s in counters.sites if s.space == "global" and s.site.startswith("tc_tile.cuh")))
+            for got, want in zip(result, run()):
+                np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+        assert counts == [(own + 2 * n) * tile_sectors for n in walked], (counts, walked)
 
 
 def test_bad_block_masks(rng):

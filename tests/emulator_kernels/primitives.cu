@@ -66,6 +66,29 @@ extern "C" __global__ void copy_async(const float4* in, float4* out, int waits) 
     out[32 + t] = staged[32 + t];
 }
 
+// Stage 32 float4 through cp.async, then reload the buffer from in[32..63], each thread into its
+// neighbour's slot, and return what each thread read of the first load: `guarded` reads before
+// a barrier and reloads after it (right); otherwise a thread reloads first and reads after, while
+// its neighbour may not have read yet (wrong: a stage reloaded while still read; every wait comes
+// after every read, so only a copy landing at issue shows it).
+extern "C" __global__ void reload_async(const float4* in, float4* out, int guarded) {
+    extern __shared__ float4 staged[];
+    const int t = threadIdx.x, neighbour = (t + 1) % 32;
+    ptx::cp_async<16>(&staged[t], &in[t]);
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<0>();
+    __syncthreads();
+    if (guarded) {
+        out[t] = staged[t];
+        __syncthreads();
+    }
+    ptx::cp_async<16>(&staged[neighbour], &in[32 + neighbour]);
+    ptx::cp_async_commit();
+    if (!guarded) out[t] = staged[t];
+    __syncthreads();  // every read done before any thread waits for its reload
+    ptx::cp_async_wait<0>();
+}
+
 extern "C" __global__ void ex2(const float* x, float* y) { y[threadIdx.x] = ptx::ex2_approx(x[threadIdx.x]); }
 
 // Each lane adds its pair (values[2 lane], values[2 lane + 1]) to dst's pair `slot[lane]` (lanes

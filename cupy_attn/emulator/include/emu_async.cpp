@@ -253,16 +253,6 @@ static const EmulatedTensorMap& tensor_map(const void* map, const char* what) {
     return *m;
 }
 
-static bool tma_now() {
-    Block* b = tl_block;
-    const int schedule = b->launch->schedule;
-    if (schedule == kForward || schedule == kWarps) return true;
-    if (schedule == kReverse || schedule == kWarpsReverse) return false;
-    unsigned long long h = (b->launch->seed + 7) * 0x9e3779b97f4a7c15ull + ++b->tma_issued;
-    h ^= h >> 31;
-    return h & 1;
-}
-
 // Visit every element of a copy's box: fn(shared byte offset, global address or null when outside).
 template <class Fn>
 static void for_each_box_element(const TmaCopy& c, Fn fn) {
@@ -339,7 +329,7 @@ void tma_load(void* smem, const void* map, const int* coords, void* bar) {
     mbarrier_at(c.bar, what);
     bool waited_on = false;
     for (const Fiber& f : tl_block->fibers) waited_on |= f.state == State::AtMbarrier && f.waits_on == c.bar;
-    if (waited_on || tma_now()) tma_land(c);
+    if (waited_on || copy_lands_at_issue()) tma_land(c);
     else tl_block->tma_loads.push_back(c);
 }
 
@@ -352,7 +342,7 @@ static void tma_store_now(const TmaCopy& c) {
 
 void tma_store(const void* map, const int* coords, const void* smem) {
     TmaCopy c = tma_copy(map, coords, const_cast<void*>(smem), "cp.async.bulk.tensor (store)");
-    if (tma_now()) {
+    if (copy_lands_at_issue()) {
         tma_store_now(c);
         c.done = true;
     }

@@ -32,8 +32,9 @@ enum class State : unsigned char { Ready, AtBarrier, AtWarp, AtMbarrier, AtNamed
 // as it can on hardware, which round-robin schedules keep in lockstep.
 enum Schedule { kForward = 0, kReverse = 1, kRandom = 2, kWarps = 3, kWarpsReverse = 4 };
 
-// A cp.async copy waits here until its group is waited for, so code that reads shared memory
-// before `cp.async.wait_group` sees the poison, as it could on hardware.
+// A cp.async copy that does not land at issue (copy_lands_at_issue) waits here until its group is
+// waited for, so code that reads shared memory before `cp.async.wait_group` sees the poison, as it
+// could on hardware.
 struct AsyncCopy {
     void* dst;
     const void* src;
@@ -178,7 +179,7 @@ struct Block {
     std::map<unsigned, Mbarrier> mbarriers;  // by shared offset
     NamedBarrier named[16];
     std::vector<TmaCopy> tma_loads;  // TMA loads issued and not yet landed
-    unsigned long long tma_issued = 0;
+    unsigned long long async_copies_issued = 0;  // cp.async and TMA loads and stores (copy_lands_at_issue)
     // setmaxnreg: each warp's registers per thread (0 until its first setmaxnreg: what ptxas
     // allocated, at most the launch's), and the count a warp waiting in setmaxnreg.inc asks for
     // (0: none waits). Empty until one runs.
@@ -229,7 +230,14 @@ void defer_warp_op(CollectiveFn fn, std::shared_ptr<void> operand, const char* w
 inline void deferred_commit() { tl_fiber->deferred_groups_committed++; }
 void deferred_wait(unsigned pending, const char* what);
 
-// cp.async: a copy lands at the wait for its group (struct AsyncCopy).
+// Whether an asynchronous copy (cp.async, a TMA load or store) issued now lands at once or only
+// when a wait needs it: at once in the forward and warp schedules, at the wait in the reverse ones,
+// either (seeded, per copy) in the random one. The two show different mistakes: landing late, a
+// read before the wait sees poison; landing at once, a copy into a buffer other threads still read
+// (a stage reloaded too early) changes what they read.
+bool copy_lands_at_issue();
+
+// cp.async: a copy lands at issue or at the wait for its group (struct AsyncCopy).
 void async_copy(void* dst, const void* src, unsigned bytes);
 inline void async_commit() { tl_fiber->async_groups_committed++; }
 // Complete every copy except those of the `pending` most recently committed groups (copies not
