@@ -332,6 +332,11 @@ struct BlockInfo {
 #if ATTN_BLOCK_MASK
         const int* next = along_keys ? p.block_kv_next + block_row(p, p.block_m_tiles, tile) * p.block_n_tiles
                                      : p.block_q_next + block_row(p, p.block_n_tiles, tile) * p.block_m_tiles;
+        // Inside the table's row: where the structure leaves a tile nothing (a tile of padding
+        // rows under a window, of padding keys under causal), key_tiles and row_tiles can give one
+        // tile past the tensor's, which a plain build visits and masks; read from the table, it
+        // would be another row's entry.
+        end = min(end, along_keys ? p.block_n_tiles : p.block_m_tiles);
         return TileWalk{begin < end ? min(next[begin], end) : end, begin, end, next, 0};  // from the first it needs
 #else
         return TileWalk{begin, begin, end};

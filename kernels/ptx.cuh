@@ -296,7 +296,9 @@ __device__ __forceinline__ void ldmatrix(u32 (&r)[Count], const void* row PTX_CA
 
 // cp.async: copy Bytes (4, 8 or 16) from global to shared memory without staging through
 // registers. The copy is only guaranteed to have landed after cp_async_wait covers its group.
-// The emulator defers it until then, so a missing wait reads poisoned shared memory.
+// The emulator lands it at issue or defers it until then, by schedule (emu::copy_lands_at_issue), so
+// a missing wait reads poisoned shared memory in some, and a reload of a buffer still read shows in
+// others.
 template <int Bytes>
 __device__ __forceinline__ void cp_async(void* shared_dst, const void* global_src PTX_CALL_SITE) {
     static_assert(Bytes == 4 || Bytes == 8 || Bytes == 16, "cp.async copies 4, 8 or 16 bytes");

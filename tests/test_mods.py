@@ -358,6 +358,21 @@ def test_a_block_mask_steps_over_gaps(rng, schedule, monkeypatch, capability, dt
         check_forward_and_backward(backend, rng, q, k, v, kw, dtype, deterministic=capability == 80)
 
 
+@pytest.mark.parametrize("kw", [dict(causal=True, kv_lengths=[100]), dict(window=(16, 0), q_lengths=[100])],
+                         ids=["causal_short_keys", "window_short_queries"])
+@pytest.mark.parametrize("capability, dtype", [(80, np.dtype(np.float32)), (80, np.dtype(np.float16)), (90, BF16)])
+def test_a_block_mask_where_the_structure_leaves_tiles_nothing(rng, monkeypatch, capability, dtype, kw):
+    """Key tiles of padding under causal, query tiles of padding under a window: the structure
+    leaves them no partner, and their range of tiles can start a tile past the tensor's last; the
+    walks stay inside the block mask's tables (before, they read another row's entries there, and
+    could visit excluded tiles in a cycle that never ended)."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", capability)
+    mod = cupy_attn.MaskMod("kv_idx < 128", lambda b, h, q_idx, kv_idx: kv_idx < 128)
+    q, k, v = random_qkv(rng, b=1, h=2, hkv=1, sq=256, sk=256, d=64, dtype=dtype)
+    kw = dict(kw, block_mask=cupy_attn.block_mask(mod, 1, 2, 256, 256))
+    check_forward_and_backward("emulator", rng, q, k, v, kw, dtype, deterministic=capability == 80)
+
+
 def test_a_block_mask_skips_the_empty_tiles(rng):
     """Documents of 32 tokens in 256, with 8 global keys (forward) or 8 global queries (backward):
     with the block mask, each query tile reads K and V of the key tiles of 64 its documents span
