@@ -2,10 +2,13 @@
 
     python bench/bench_mods.py [--quick] [--budget-s S] [--out DIR] [--device auto|gpu|cpu]
 
-Two cases, forward only, causal:
+Three cases, forward only, causal:
 - document masking over packed sequences: documents of random lengths packed into S tokens, a
   query attends the earlier keys of its own document (a MaskMod reading a (1, S) int32 document
   id tensor), with and without its block mask (cupy_attn.block_mask, built once);
+- a sliding window with global tokens (Longformer's pattern): a query attends the last W keys and
+  the first G (a MaskMod of two scalars), with and without its block mask, whose non-empty tiles
+  of a row have a gap between the global ones and the window's;
 - a relative-position bias table (T5): one bias per head and bucket of i − j (a ScoreMod reading
   an (H, 33) table and an (S, S) int32 bucket tensor, additive).
 Against PyTorch SDPA with the equivalent dense mask ((1, 1, S, S) bool, or (1, H, S, S) float), the
@@ -33,12 +36,14 @@ import cupy_attn  # noqa: E402
 from bench_attention import budgeted_main, report_failure, resolve_device, time_call  # noqa: E402
 
 BUCKETS = 33  # relative positions -16..16, clipped
+GLOBAL_TOKENS = 16  # the window case's global keys
 
 
 def shapes(device: str, quick: bool):
+    """(dims, sequence lengths, the window case's W)."""
     if device == "gpu":
-        return dict(H=16, D=128, dtype="bfloat16"), [4096] if quick else [4096, 16384]
-    return dict(H=4, D=64, dtype="float32"), [256] if quick else [256, 1024]
+        return dict(H=16, D=128, dtype="bfloat16"), [4096] if quick else [4096, 16384], 512
+    return dict(H=4, D=64, dtype="float32"), [256] if quick else [256, 1024], 64
 
 
 def documents(rng, total: int) -> np.ndarray:
@@ -51,11 +56,15 @@ def documents(rng, total: int) -> np.ndarray:
     return ids[None]
 
 
-def attended_pairs(case: str, doc: np.ndarray) -> int:
+def attended_pairs(case: str, doc: np.ndarray, window: int) -> int:
+    s = doc.shape[1]
     if case == "document":
         lengths = np.bincount(doc[0])
         return int((lengths * (lengths + 1) // 2).sum())
-    s = doc.shape[1]
+    if case == "window":  # row i: keys [max(0, i - W + 1), i] and those of the first G before them
+        i = np.arange(s)
+        in_window = np.minimum(i + 1, window)
+        return int((in_window + np.clip(np.minimum(i - window + 1, GLOBAL_TOKENS), 0, None)).sum())
     return s * (s + 1) // 2
 
 
@@ -63,18 +72,23 @@ def inputs(xp, rng, S: int, H: int, D: int, dtype):
     return tuple(xp.asarray(rng.standard_normal((1, H, S, D)).astype(np.float32)).astype(dtype) for _ in range(3))
 
 
-def mods_for(case: str, xp, doc: np.ndarray, table: np.ndarray, buckets: np.ndarray) -> dict:
+def mods_for(case: str, xp, doc: np.ndarray, table: np.ndarray, buckets: np.ndarray, window: int) -> dict:
     if case == "document":
         return dict(mask_mod=cupy_attn.MaskMod(
             "doc(0, q_idx) == doc(0, kv_idx)", lambda b, h, q_idx, kv_idx, doc: doc[0, q_idx] == doc[0, kv_idx],
             tensors={"doc": xp.asarray(doc)}))
+    if case == "window":
+        return dict(mask_mod=cupy_attn.MaskMod(
+            "q_idx - kv_idx < window || kv_idx < global_tokens",
+            lambda b, h, q_idx, kv_idx, window, global_tokens: (q_idx - kv_idx < window) | (kv_idx < global_tokens),
+            scalars={"window": window, "global_tokens": GLOBAL_TOKENS}))
     return dict(score_mod=cupy_attn.ScoreMod(
         "score + table(h, bucket(q_idx, kv_idx))",
         lambda s, b, h, q_idx, kv_idx, table, bucket: s + table[h, bucket[q_idx, kv_idx]],
         tensors={"table": xp.asarray(table), "bucket": xp.asarray(buckets)}, grad="additive"))
 
 
-def torch_calls(case: str, device: str, q, k, v, doc, table, buckets) -> dict:
+def torch_calls(case: str, device: str, q, k, v, doc, table, buckets, window: int) -> dict:
     """SDPA with the dense mask on each backend, and FlexAttention on the GPU: name -> call."""
     import torch
     import torch.nn.functional as F
@@ -85,8 +99,11 @@ def torch_calls(case: str, device: str, q, k, v, doc, table, buckets) -> dict:
     S = tq.shape[2]
     causal = torch.ones(S, S, dtype=torch.bool, device=dev).tril()
     doc_t = torch.as_tensor(doc, device=dev)
+    i, j = torch.arange(S, device=dev)[:, None], torch.arange(S, device=dev)[None, :]
     if case == "document":
         dense = (causal & (doc_t[0, :, None] == doc_t[0, None, :]))[None, None]
+    elif case == "window":
+        dense = (causal & ((i - j < window) | (j < GLOBAL_TOKENS)))[None, None]
     else:
         bias = torch.as_tensor(table, device=dev)[:, torch.as_tensor(buckets, device=dev).long()]
         dense = bias.masked_fill(~causal, float("-inf"))[None].to(tq.dtype)
@@ -107,6 +124,11 @@ def torch_calls(case: str, device: str, q, k, v, doc, table, buckets) -> dict:
                     return (kv_idx <= q_idx) & (doc_t[0, q_idx] == doc_t[0, kv_idx])
                 block = create_block_mask(mask_mod, 1, None, S, S, device=dev)
                 calls["flex"] = lambda: compiled(tq, tk, tv, block_mask=block)
+            elif case == "window":
+                def mask_mod(b, h, q_idx, kv_idx):
+                    return (kv_idx <= q_idx) & ((q_idx - kv_idx < window) | (kv_idx < GLOBAL_TOKENS))
+                block = create_block_mask(mask_mod, 1, None, S, S, device=dev)
+                calls["flex"] = lambda: compiled(tq, tk, tv, block_mask=block)
             else:
                 def score_mod(score, b, h, q_idx, kv_idx):
                     return score + table_t[h, buckets_t[q_idx, kv_idx]]
@@ -119,14 +141,14 @@ def torch_calls(case: str, device: str, q, k, v, doc, table, buckets) -> dict:
 
 def run(args) -> list[dict]:
     device, xp = resolve_device(args.device)
-    dims, seqs = shapes(device, args.quick)
+    dims, seqs, window = shapes(device, args.quick)
     dtype = cupy_attn._arrays.BFLOAT16 if dims["dtype"] == "bfloat16" else np.float32
     has_torch = importlib.util.find_spec("torch") is not None
     reps = 20 if device == "gpu" else 3
     rng = np.random.default_rng(0)
     records, started = [], time.perf_counter()
     for S in seqs:
-        for case in ("document", "bias"):
+        for case in ("document", "window", "bias"):
             if args.budget_s and time.perf_counter() - started > args.budget_s:
                 print("budget spent: remaining cases not run", file=sys.stderr)
                 return records
@@ -135,22 +157,23 @@ def run(args) -> list[dict]:
             i, j = np.arange(S)[:, None], np.arange(S)[None, :]
             buckets = (np.clip(i - j, -(BUCKETS // 2), BUCKETS // 2) + BUCKETS // 2).astype(np.int32)
             q, k, v = inputs(xp, rng, S, dims["H"], dims["D"], dtype)
-            mods = mods_for(case, xp, doc, table, buckets)
-            flops = 4.0 * dims["H"] * dims["D"] * attended_pairs(case, doc)
+            mods = mods_for(case, xp, doc, table, buckets, window)
+            flops = 4.0 * dims["H"] * dims["D"] * attended_pairs(case, doc, window)
             timings = {"cupy_attn": time_call(device, lambda: cupy_attn.attention(q, k, v, causal=True, **mods), reps)}
-            if case == "document":  # and with its block mask, built once (as FlexAttention's)
+            if "mask_mod" in mods:  # and with its block mask, built once (as FlexAttention's)
                 blocks = cupy_attn.block_mask(mods["mask_mod"], 1, dims["H"], S, S, like=q)
                 timings["cupy_attn+block_mask"] = time_call(
                     device, lambda: cupy_attn.attention(q, k, v, causal=True, block_mask=blocks), reps)
             if has_torch:
-                for name, call in torch_calls(case, device, q, k, v, doc, table, buckets).items():
+                for name, call in torch_calls(case, device, q, k, v, doc, table, buckets, window).items():
                     try:
                         timings[name] = time_call(device, call, reps)
                     except Exception as exc:
                         report_failure(name, exc)
             for name, ms in timings.items():
                 records.append(dict(case=case, S=S, device=device, impl=name, ms=ms,
-                                    tflops=flops / (ms * 1e-3) / 1e12, **dims))
+                                    tflops=flops / (ms * 1e-3) / 1e12, **dims,
+                                    **(dict(W=window, G=GLOBAL_TOKENS) if case == "window" else {})))
             (args.out / "results.json").write_text(json.dumps(records, indent=1))
             print(f"mods {case:<8} S={S:<6} " + "  ".join(f"{n} {ms:8.3f} ms ({flops / (ms * 1e-3) / 1e12:6.2f} TFLOP/s)"
                                                         for n, ms in timings.items()), flush=True)

@@ -18,8 +18,9 @@
 #             --bench-budget seconds)
 #   inference (only when named) bench/bench_inference.py: decode over contiguous and paged KV caches
 #             (achieved bandwidth) and packed prefill, against SDPA (stops after --bench-budget s)
-#   mods      (only when named) bench/bench_mods.py: a MaskMod document mask and a ScoreMod bias
-#             table against SDPA with the dense mask and FlexAttention (stops after --bench-budget s)
+#   mods      (only when named) bench/bench_mods.py: MaskMod document and window-with-global-token
+#             masks and a ScoreMod bias table against SDPA with the dense mask and FlexAttention
+#             (stops after --bench-budget s)
 # Each step has its own time limit, so a device call of "--only tests,sanitize" stays under about
 # 5 minutes and "--only bench" under --bench-budget + 2 minutes. Writes logs, results.json, PNGs and
 # the ncu report to OUTDIR and prints a one-screen summary last. Exits non-zero when a GPU test or

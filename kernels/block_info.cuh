@@ -317,33 +317,39 @@ struct BlockInfo {
     __device__ __forceinline__ TileWalk key_walk(const Params& p, int m0, int block_m, int block_n) const {
         int begin, end;
         key_tiles(p, m0, block_m, block_n, &begin, &end);
+#if ATTN_BLOCK_MASK
         return walk(p, begin, end, true, m0 / block_m);
+#else
+        return TileWalk{begin, begin, end};
+#endif
     }
 
     // The query tiles of block_m rows that keys [n0, n0 + block_n) visit.
     __device__ __forceinline__ TileWalk row_walk(const Params& p, int n0, int block_n, int block_m) const {
         int begin, end;
         row_tiles(p, n0, block_n, block_m, &begin, &end);
-        return walk(p, begin, end, false, n0 / block_n);
-    }
-
-    // The walk over [begin, end) of tile `tile`'s key tiles (along_keys) or query tiles.
-    __device__ __forceinline__ TileWalk walk(const Params& p, int begin, int end, bool along_keys, int tile) const {
 #if ATTN_BLOCK_MASK
-        const int* next = along_keys ? p.block_kv_next + block_row(p, p.block_m_tiles, tile) * p.block_n_tiles
-                                     : p.block_q_next + block_row(p, p.block_n_tiles, tile) * p.block_m_tiles;
-        // Inside the table's row: where the structure leaves a tile nothing (a tile of padding
-        // rows under a window, of padding keys under causal), key_tiles and row_tiles can give one
-        // tile past the tensor's, which a plain build visits and masks; read from the table, it
-        // would be another row's entry.
-        end = min(end, along_keys ? p.block_n_tiles : p.block_m_tiles);
-        return TileWalk{begin < end ? min(next[begin], end) : end, begin, end, next, 0};  // from the first it needs
+        return walk(p, begin, end, false, n0 / block_n);
 #else
         return TileWalk{begin, begin, end};
 #endif
     }
 
 #if ATTN_BLOCK_MASK
+    // The walk over [begin, end) of tile `tile`'s key tiles (along_keys) or query tiles, from the
+    // first the block mask calls non-empty. (A plain build's walk is built in place: through this
+    // function, unused arguments and all, ptxas lengthened the backwards' paths by 1-3 %, NVRTC 13.5.)
+    __device__ __forceinline__ TileWalk walk(const Params& p, int begin, int end, bool along_keys, int tile) const {
+        const int* next = along_keys ? p.block_kv_next + block_row(p, p.block_m_tiles, tile) * p.block_n_tiles
+                                     : p.block_q_next + block_row(p, p.block_n_tiles, tile) * p.block_m_tiles;
+        // Inside the table's row: where the structure leaves a tile of padding nothing (a window
+        // over short q_lengths, causal over short kv_lengths), key_tiles and row_tiles can give a
+        // tile past the tensor's, which a plain build visits and masks; read from the table, it
+        // would be another row's entry.
+        end = min(end, along_keys ? p.block_n_tiles : p.block_m_tiles);
+        return TileWalk{begin < end ? min(next[begin], end) : end, begin, end, next, 0};
+    }
+
     // Row `row` of this (entry, head)'s rows of a block mask table with `rows` rows per head.
     __device__ __forceinline__ long long block_row(const Params& p, int rows, int row) const {
         return static_cast<long long>(bidb * p.heads + bidh) * rows + row;

@@ -65,17 +65,19 @@ def test_inference_benchmark_cpu_mode(tmp_path):
 
 
 def test_mods_benchmark_cpu_mode(tmp_path):
-    """bench/bench_mods.py's CPU mode: the document mask and the bias table on the NumPy backend,
-    TFLOP/s over the attended pairs, and SDPA with the dense equivalent when PyTorch is here."""
+    """bench/bench_mods.py's CPU mode: the document mask, the window with global tokens and the bias
+    table on the NumPy backend, TFLOP/s over the attended pairs, and SDPA with the dense equivalent
+    when PyTorch is here."""
     result = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_mods.py"), "--device", "cpu", "--quick",
                              "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     records = json.loads((tmp_path / "results.json").read_text())
     ours = [r for r in records if r["impl"] == "cupy_attn"]
-    assert {r["case"] for r in ours} == {"document", "bias"} and all(r["ms"] > 0 and r["tflops"] > 0 for r in ours)
-    assert [r["case"] for r in records if r["impl"] == "cupy_attn+block_mask"] == ["document"]
+    assert {r["case"] for r in ours} == {"document", "window", "bias"}
+    assert all(r["ms"] > 0 and r["tflops"] > 0 for r in ours)
+    assert [r["case"] for r in records if r["impl"] == "cupy_attn+block_mask"] == ["document", "window"]
     if importlib.util.find_spec("torch"):
-        assert {r["case"] for r in records if r["impl"] == "sdpa-math"} == {"document", "bias"}
+        assert {r["case"] for r in records if r["impl"] == "sdpa-math"} == {"document", "window", "bias"}
 
 
 def test_emulator_build_timing_reports_every_asked_case():
