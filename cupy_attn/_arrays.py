@@ -103,3 +103,15 @@ def is_real_number(x) -> bool:
 
 def is_integer(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def count_argument(name: str, value, minimum: int = 0) -> int:
+    """``value`` as an int of at least ``minimum`` (0 or 1): a TypeError naming ``name`` unless it is
+    an integer (Python's or NumPy's: not a bool, a float, a string or a 0-d array or tensor), a
+    ValueError below ``minimum``."""
+    kind = "positive" if minimum == 1 else "non-negative"
+    if not is_integer(value):
+        raise TypeError(f"{name} must be a {kind} int, got {describe(value)}")
+    if value < minimum:
+        raise ValueError(f"{name} must be a {kind} int, got {value!r}")
+    return int(value)

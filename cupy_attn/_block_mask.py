@@ -18,7 +18,7 @@ import weakref
 
 import numpy as np
 
-from ._arrays import is_integer, module_of
+from ._arrays import count_argument, module_of
 from . import mods
 from .mods import MaskMod
 
@@ -92,13 +92,12 @@ def block_mask(mask_mod, B, H, Sq, Sk, *, like=None) -> BlockMask:
     evaluated with NumPy, or with CuPy on the GPU when ``like`` is a CuPy array (the mask_mod's
     tensors must then be CuPy arrays too). Pass it to `attention` / `attention_backward` as
     ``block_mask=`` with the same mask_mod: the kernels then visit, for each query tile, only its
-    non-empty key tiles (and, in the backward, for each key tile only its non-empty query tiles). Reused across calls: block_mask returns the
-    same object for the same mask_mod (by identity), shape and array library."""
+    non-empty key tiles (and, in the backward, for each key tile only its non-empty query tiles).
+    Reused across calls: block_mask returns the same object for the same mask_mod (by identity),
+    shape and array library."""
     if not isinstance(mask_mod, MaskMod):
         raise TypeError(f"mask_mod must be a cupy_attn.MaskMod, got {type(mask_mod).__name__}")
-    for name, n in (("B", B), ("H", H), ("Sq", Sq), ("Sk", Sk)):
-        if not is_integer(n) or n < 1:
-            raise ValueError(f"{name} must be a positive int, got {n!r}")
+    shape = tuple(count_argument(name, n, 1) for name, n in (("B", B), ("H", H), ("Sq", Sq), ("Sk", Sk)))
     xp = np if like is None else module_of(like)
     if xp is None:
         raise TypeError(f"like must be a NumPy or CuPy array (or None for NumPy), got {type(like).__name__}")
@@ -106,7 +105,6 @@ def block_mask(mask_mod, B, H, Sq, Sk, *, like=None) -> BlockMask:
         if module_of(x) is not xp:
             raise TypeError(f"mask_mod's tensor {name!r} must be a {xp.__name__} array to evaluate the block mask "
                             f"with {xp.__name__}")
-    shape = (int(B), int(H), int(Sq), int(Sk))
     per_mod = _CACHE.setdefault(mask_mod, {})
     key = (shape, xp.__name__)
     if key not in per_mod:

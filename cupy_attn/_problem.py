@@ -13,6 +13,7 @@ import numpy as np
 
 from ._arrays import (
     compute_dtype,
+    count_argument,
     describe,
     host_ints,
     is_integer,
@@ -368,8 +369,7 @@ def _cu_seqlens(name: str, cu, xp, total: int, total_name: str):
 
 
 def _max_seqlen(name: str, value, lengths, cu_name: str) -> int:
-    if not is_integer(value) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    value = count_argument(name, value)
     longest = int(lengths.max()) if lengths.size else 0
     if value < longest:
         raise ValueError(f"{name} = {value} is less than the longest sequence in {cu_name} ({longest})")

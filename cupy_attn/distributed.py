@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _backends, _merge, _ring
-from ._arrays import FLOAT_DTYPES, compute_dtype, describe, is_integer, require_array
+from ._arrays import FLOAT_DTYPES, compute_dtype, count_argument, describe, require_array
 from ._problem import check_backward_inputs, check_choice, make_problem
 from .api import attention, attention_backward
 
@@ -39,12 +39,9 @@ def positions(rank, size, seq_len, *, load_balance="zigzag") -> np.ndarray:
     "striped" (rank r holds positions r, r + size, r + 2·size, …); ValueError otherwise.
     """
     load_balance = check_choice("load_balance", load_balance, LOAD_BALANCES)
-    if not is_integer(size) or size < 1:
-        raise ValueError(f"size must be an int >= 1 (the number of ranks), got {size!r}")
-    if not is_integer(rank) or not 0 <= rank < size:
+    size, seq_len = count_argument("size", size, 1), count_argument("seq_len", seq_len)
+    if not count_argument("rank", rank) < size:
         raise ValueError(f"rank must be an int in [0, {size}), got {rank!r}")
-    if not is_integer(seq_len) or seq_len < 0:
-        raise ValueError(f"seq_len must be a non-negative int, got {seq_len!r}")
     chunks = 2 * size if load_balance == "zigzag" else size
     if seq_len % chunks:
         raise ValueError(f"a sequence of length {seq_len} cannot be sharded over {size} ranks with load_balance="

@@ -2,15 +2,11 @@
 from __future__ import annotations
 
 from . import _interop
-from ._arrays import is_integer, require_array
+from ._arrays import count_argument, require_array
 from ._problem import LAYOUTS, check_choice
 from .api import attention
 
 
-def _count(name: str, value) -> int:
-    if not is_integer(value) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
 
 
 @_interop.outside_torch_compile
@@ -23,7 +19,7 @@ def split_heads(x, num_heads, layout="bhsd"):
 def _split_heads(x, num_heads, layout):
     require_array("x", x)
     layout = check_choice("layout", layout, LAYOUTS)
-    num_heads = _count("num_heads", num_heads)
+    num_heads = count_argument("num_heads", num_heads, 1)
     if x.ndim != 3:
         raise ValueError(f"x must be 3-D (B, S, H·D), got shape {tuple(x.shape)}")
     b, s, width = x.shape
@@ -88,8 +84,8 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o, num_heads, *, num_kv_heads=None,
 
 def _multi_head_attention(x, w_q, w_k, w_v, w_o, context, num_heads, num_kv_heads, attention_keywords):
     xp = require_array("x", x)
-    num_heads = _count("num_heads", num_heads)
-    num_kv_heads = num_heads if num_kv_heads is None else _count("num_kv_heads", num_kv_heads)
+    num_heads = count_argument("num_heads", num_heads, 1)
+    num_kv_heads = num_heads if num_kv_heads is None else count_argument("num_kv_heads", num_kv_heads, 1)
     context = x if context is None else context
     require_array("context", context, xp)
     for name, a in (("x", x), ("context", context)):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._arrays import is_integer, module_of, require_array
+from ._arrays import count_argument, module_of, require_array
 from ._problem import CAUSAL_ALIGNMENTS, check_choice
 
 
@@ -26,10 +26,6 @@ def _module(xp, like):
     return xp
 
 
-def _size(name: str, value) -> int:
-    if not is_integer(value) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    return int(value)
 
 
 def _diagonal(sq: int, sk: int, align: str, xp):
@@ -51,7 +47,7 @@ def causal_mask(sq, sk, align="bottom_right", *, xp=None, like=None):
 
     With sq > sk under "bottom_right" the first sq - sk rows attend nothing.
     """
-    return _diagonal(_size("sq", sq), _size("sk", sk), align, _module(xp, like)) <= 0
+    return _diagonal(count_argument("sq", sq), count_argument("sk", sk), align, _module(xp, like)) <= 0
 
 
 def window_mask(sq, sk, left, right, align="bottom_right", *, xp=None, like=None):
@@ -60,19 +56,19 @@ def window_mask(sq, sk, left, right, align="bottom_right", *, xp=None, like=None
     ``left`` / ``right`` are non-negative ints or None (unbounded on that side); off as in
     `causal_mask`. ``window_mask(sq, sk, w, 0)`` is a causal sliding window of w + 1 keys.
     """
-    d = _diagonal(_size("sq", sq), _size("sk", sk), align, _module(xp, like))
+    d = _diagonal(count_argument("sq", sq), count_argument("sk", sk), align, _module(xp, like))
     keep = d == d  # all True, in the right library
     if left is not None:
-        keep &= d >= -_size("left", left)
+        keep &= d >= -count_argument("left", left)
     if right is not None:
-        keep &= d <= _size("right", right)
+        keep &= d <= count_argument("right", right)
     return keep
 
 
 def padding_mask(lengths, max_len, *, xp=None, like=None):
     """Bool (B, 1, 1, max_len) from key lengths (B,): key j of entry b may be attended iff
     j < lengths[b]. Broadcasts against (B, H, Sq, Sk) scores."""
-    max_len = _size("max_len", max_len)
+    max_len = count_argument("max_len", max_len)
     if module_of(lengths) is None:
         try:
             lengths = np.asarray(lengths)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import cupy_attn
-from cupy_attn import masks
+from cupy_attn import distributed, masks
 from helpers import random_qkv
 
 
@@ -165,6 +165,32 @@ def test_bad_multi_head_attention(rng):
         cupy_attn.multi_head_attention(x, w, w, w, w, 3, context=x[:1])
     with pytest.raises(ValueError, match="num_kv_heads must be a positive int"):
         cupy_attn.multi_head_attention(x, w, w, w, w, 3, num_kv_heads=0)
+
+
+COUNT = cupy_attn.MaskMod("kv_idx <= q_idx", lambda b, h, q_idx, kv_idx: kv_idx <= q_idx)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda x: cupy_attn.split_heads(x, 2.0), "num_heads"),
+    (lambda x: cupy_attn.split_heads(x, np.array(2)), "num_heads"),  # a 0-d array is not an int
+    (lambda x: cupy_attn.multi_head_attention(x, *[np.eye(12)] * 4, 3, num_kv_heads="1"), "num_kv_heads"),
+    (lambda x: masks.causal_mask(3.0, 3), "sq"),
+    (lambda x: masks.window_mask(2, 3, True, 0), "left"),
+    (lambda x: cupy_attn.block_mask(COUNT, 1, 2, "8", 8), "Sq"),
+    (lambda x: cupy_attn.attention_varlen(x[0], x[0], x[0], [0, 5], [0, 5], 5.0, 5), "max_seqlen_q"),
+    (lambda x: distributed.positions(0, 2.0, 8), "size"),
+    (lambda x: distributed.positions(None, 2, 8), "rank"),
+], ids=["float", "0-d array", "str", "mask size", "bool", "block mask", "max_seqlen", "ranks", "rank"])
+def test_counts_of_another_type_are_type_errors(rng, call, name):
+    x = rng.standard_normal((2, 5, 12))
+    with pytest.raises(TypeError, match=f"{name} must be a (positive|non-negative) int, got "):
+        call(x.reshape(2, 5, 3, 4) if name.startswith("max_seqlen") else x)
+
+
+def test_a_zero_d_tensor_as_a_count_is_a_type_error(rng):
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="num_heads must be a positive int, got torch.Tensor"):
+        cupy_attn.split_heads(torch.zeros(2, 5, 12), torch.tensor(2))
 
 
 def test_bad_mask_builder_input():
