@@ -147,8 +147,8 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
 #pragma unroll
             for (int i = 0; i < kStatsPerLane; ++i)
                 if (lane + 32 * i < kBlockM) {
-                    ATTN_COUNT_SHARED(sLse2(stage) + lane + 32 * i, 4);
-                    ATTN_COUNT_SHARED(sDelta(stage) + lane + 32 * i, 4);
+                    ATTN_STORE_SHARED(sLse2(stage) + lane + 32 * i, 4);
+                    ATTN_STORE_SHARED(sDelta(stage) + lane + 32 * i, 4);
                     sLse2(stage)[lane + 32 * i] = lse2[i];
                     sDelta(stage)[lane + 32 * i] = row_delta[i];
                 }
@@ -267,7 +267,7 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
 #pragma unroll
                     for (int r = 0; r < 4; ++r) {
                         T* slot = ds_tile + DsTile::swizzled(16 * warp + g + 8 * (r & 1), q0 + 16 * kk + 8 * (r >> 1) + 2 * t);
-                        ATTN_COUNT_SHARED(slot, 4);
+                        ATTN_STORE_SHARED(slot, 4);
                         *reinterpret_cast<unsigned*>(slot) = da[kk][r];
                     }
                 }
@@ -382,9 +382,9 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
             auto pick = [&](const float (&acc)[kDTiles][4], int e) { return other_half ? acc[d ^ 2][e] : acc[d][e]; };
             float* at_dk = s_dk + OutTile::swizzled(key, dim);
             float* at_dv = s_dv + OutTile::swizzled(key, dim);
-            ATTN_COUNT_SHARED(at_dk, 8);
+            ATTN_STORE_SHARED(at_dk, 8);
             *reinterpret_cast<float2*>(at_dk) = make_float2(pick(dk, 2 * r) * p.scale, pick(dk, 2 * r + 1) * p.scale);
-            ATTN_COUNT_SHARED(at_dv, 8);
+            ATTN_STORE_SHARED(at_dv, 8);
             *reinterpret_cast<float2*>(at_dv) = make_float2(pick(dv, 2 * r), pick(dv, 2 * r + 1));
         }
     store_staged(s_dk, s_dv, OutTile{});

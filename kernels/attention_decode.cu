@@ -174,7 +174,7 @@ __device__ __forceinline__ void decode_block(const Params& p, const T* q, const 
             const float rescale = softmax[t].update(col, score.softmax_scale());
 #pragma unroll
             for (int e = 0; e < kDimsPerLane; ++e) acc[t][e] *= rescale;
-            ATTN_COUNT_SHARED(sP + r * kBlockN + lane, 4);
+            ATTN_STORE_SHARED(sP + r * kBlockN + lane, 4);
             sP[r * kBlockN + lane] = col[0];
         }
         __syncwarp();  // the warp's rows of P, one key per lane, are visible to all its lanes

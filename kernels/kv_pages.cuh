@@ -40,7 +40,7 @@ __device__ __forceinline__ void stage_paged_rows(T* dst, const T* src, const Pag
         const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * kChunk;
         T* d = dst + r * kStride + c;
         if (row0 + r >= rows || c >= dims) {
-            ATTN_COUNT_SHARED(d, 16);
+            ATTN_STORE_SHARED(d, 16);
             *reinterpret_cast<uint4*>(d) = make_uint4(0u, 0u, 0u, 0u);
             continue;
         }

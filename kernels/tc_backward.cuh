@@ -63,7 +63,7 @@ __device__ __forceinline__ void store_ds_rows(T* ds_tile, const float (&dst)[kQT
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             T* at = ds_tile + (j * 8 + 2 * t + (e & 1)) * kSStride + key0 + g + 8 * (e / 2);
-            ATTN_COUNT_SHARED(at, sizeof(T));
+            ATTN_STORE_SHARED(at, sizeof(T));
             *at = from_float<T>(dst[j][e]);
         }
 }

@@ -194,7 +194,7 @@ __device__ __forceinline__ void stage_pairs(const float (&o)[kDTiles][4], const 
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
             T* dst = staging + offset(g + 8 * r, d * 8 + 2 * t);
-            ATTN_COUNT_SHARED(dst, 4);
+            ATTN_STORE_SHARED(dst, 4);
             *reinterpret_cast<unsigned*>(dst) = pack_pair<T>(o[d][2 * r] * inv[r], o[d][2 * r + 1] * inv[r]);
         }
 }

@@ -462,6 +462,15 @@ def test_wgmma_without_the_proxy_fence_reads_poison(schedule):
     assert np.isnan(D).all()
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_thread_fence_publishes_its_own_named_stores_only(schedule):
+    # Stores the kernels name (ATTN_STORE_SHARED) reach the async proxy at their own thread's fence.
+    product, C, D = run_wgmma_once(["-DNAMED_STORES"], schedule=schedule)
+    np.testing.assert_allclose(D, product + C, rtol=1e-5, atol=1e-5)
+    _, _, D = run_wgmma_once(["-DNAMED_STORES", "-DONE_THREAD_FENCES"], schedule=schedule)
+    assert np.isnan(D).all()  # every output row reads an operand some other thread stored
+
+
 def run_wgmma_once(options, a_from="shared", schedule="forward"):
     mod = module("wgmma.cu", options, names=WGMMA_NAMES)
     rng = np.random.default_rng(9)

@@ -99,13 +99,12 @@ def test_every_kernel_has_barriers():
     assert {f for f, _, _ in SITES} == set(KERNEL_FILES)
 
 
-@pytest.mark.parametrize("filename,at,barrier", SITES, ids=[f"{f}@{at}:{b[:-3]}" for f, at, b in SITES])
-def test_removing_a_barrier_breaks_a_kernel(monkeypatch, filename, at, barrier):
+def assert_breaks(monkeypatch, filename, mutated, what):
+    """The kernels of ``filename`` built from ``mutated`` give another result than the source's in
+    some schedule, or the emulator reports the misuse."""
     if "wgmma" in filename:  # the emulator stands in for an sm_90 device
         monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
     want = unmutated_results(filename)
-    source = _compile.kernel_source(filename)
-    mutated = source[:at] + source[at + len(barrier):]
     real_function = _compile.function
 
     def function(target, name, name_expression, features=_config.PLAIN_FEATURES, packed=False, mods=None):
@@ -123,6 +122,32 @@ def test_removing_a_barrier_breaks_a_kernel(monkeypatch, filename, at, barrier):
         except EmulatorError:  # the emulator caught the misuse itself (e.g. an mbarrier used before its init)
             return True
 
-    # the first schedule that shows the missing barrier is enough
+    # the first schedule that shows the mistake is enough
     assert any(breaks(s) for s in ("forward", "reverse", "random", "warps", "warps_reverse")), \
-        f"removing {barrier} at offset {at} of {filename} changed nothing in any schedule"
+        f"{what} changed nothing in any schedule"
+
+
+@pytest.mark.parametrize("filename,at,barrier", SITES, ids=[f"{f}@{at}:{b[:-3]}" for f, at, b in SITES])
+def test_removing_a_barrier_breaks_a_kernel(monkeypatch, filename, at, barrier):
+    source = _compile.kernel_source(filename)
+    assert_breaks(monkeypatch, filename, source[:at] + source[at + len(barrier):],
+                  f"removing {barrier} at offset {at} of {filename}")
+
+
+FENCE = "ptx::fence_proxy_async();"
+FENCE_SITES = [(f, at) for f, at, b in SITES if b == FENCE]
+
+
+@pytest.mark.parametrize("filename,at", FENCE_SITES, ids=[f"{f}@{at}" for f, at in FENCE_SITES])
+def test_a_fence_by_one_thread_of_each_warpgroup_breaks_a_kernel(monkeypatch, filename, at):
+    """A thread's fence.proxy.async orders its own stores only: every thread that stored what wgmma
+    or a TMA store reads must fence before the barrier, not one thread of the warpgroup after it
+    (the barrier orders the stores before that fence, but in the generic proxy only)."""
+    source = _compile.kernel_source(filename)
+    line_end = source.index("\n", at)
+    barrier = source.index("ptx::named_barrier_sync(", line_end)  # the fence's barrier, next
+    assert source[line_end:barrier].strip() == ""
+    barrier_end = source.index(";", barrier) + 1
+    mutated = source[:at] + source[barrier:barrier_end] + " if (threadIdx.x % 128 == 0) " + FENCE + source[barrier_end:]
+    assert_breaks(monkeypatch, filename, mutated, f"fencing after the barrier in one thread per warpgroup at offset {at} "
+                  f"of {filename}")

@@ -1,3 +1,4 @@
+#include "access_count.cuh"
 #include "ptx.cuh"
 // wgmma.mma_async m64nNk16 (N = 32, 64, 128) in both forms, one warpgroup. Operands are placed in shared
 // memory with plain C++ following the no-swizzle canonical layouts (A K-major, B K-major or MN-major),
@@ -10,7 +11,10 @@
 // wait, which the emulator must report; -DTWO_GROUPS issues the product twice in two groups
 // (D = 2·A·B + C), the second waited for after the first: legal, and must not be reported.
 // -DPER_WARP_A (SS form) gives each warp a descriptor of its own 16 rows of A, where PTX wants
-// the warpgroup's one descriptor in every warp: the emulator must report it.
+// the warpgroup's one descriptor in every warp: the emulator must report it. -DNAMED_STORES uses
+// the async proxy before the operands' stores (as a kernel's main loop has) and names the stores
+// (ATTN_STORE_SHARED), which only their own thread's fence publishes: with -DONE_THREAD_FENCES
+// thread 0 alone fences, and wgmma must read the other threads' operands as poison.
 constexpr unsigned kLboA = 256, kSboA = 512, kSboB = 128;
 template <int N>
 constexpr unsigned kLboB = N <= 64 ? 1024 : 16 * N;
@@ -50,13 +54,28 @@ __global__ void wgmma(const T* A, const T* B, const float* C, float* D, int wait
     unsigned char* sA = smem;          // 8 row groups x 512 bytes
     unsigned char* sB = smem + 4096;   // 8 row groups x 128 bytes, K halves 1024 bytes apart
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+#ifdef NAMED_STORES
+    ptx::fence_proxy_async();
+    __syncthreads();
+#define STORE(at) ATTN_STORE_SHARED(at, 2)
+#else
+#define STORE(at)
+#endif
     for (int i = tid; i < (N > 64 ? N : 64) * 16; i += 128) {
         const int m = i / 16, k = i % 16;
-        if (m < 64) memcpy(sA + k_major(m, k, kLboA, kSboA), &A[m * 16 + k], 2);
+        if (m < 64) {
+            STORE(sA + k_major(m, k, kLboA, kSboA));
+            memcpy(sA + k_major(m, k, kLboA, kSboA), &A[m * 16 + k], 2);
+        }
         // element (n = m, k) of B, at B[k][m]
-        if (m < N) memcpy(sB + (kMnMajorB ? mn_major : k_major)(m, k, kLboB<N>, kSboB), &B[k * N + m], 2);
+        if (m < N) {
+            STORE(sB + (kMnMajorB ? mn_major : k_major)(m, k, kLboB<N>, kSboB));
+            memcpy(sB + (kMnMajorB ? mn_major : k_major)(m, k, kLboB<N>, kSboB), &B[k * N + m], 2);
+        }
     }
-#ifndef NO_FENCE
+#if defined(ONE_THREAD_FENCES)
+    if (tid == 0) ptx::fence_proxy_async();  // wrong: every thread's stores need its own fence
+#elif !defined(NO_FENCE)
     ptx::fence_proxy_async();  // the stores above, for wgmma's reads through the async proxy
 #endif
     __syncthreads();

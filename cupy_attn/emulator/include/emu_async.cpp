@@ -2,6 +2,7 @@
 // runtime library with emu_runtime.cpp.
 #include "emu_async.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace emu {
@@ -10,9 +11,12 @@ namespace emu {
 // wgmma and TMA read shared memory through the async proxy, which sees generic-proxy writes
 // (plain stores, cp.async) only after a fence.proxy.async. The emulator keeps a second copy of the
 // block's dynamic shared memory for it: poison (0xff) until the first fence, and at each fence a
-// copy of the generic view. A thread's fence publishes every generic write made so far, also other
-// threads' not yet fenced ones; so a missing fence shows as poison only if no later fence covers
-// it, which the schedules vary (an under-approximation of the PTX memory model, never an excess).
+// copy of the generic view, except for the bytes of other threads' named stores (generic_store)
+// not yet fenced, which keep what the async proxy saw: a thread's fence orders its own writes
+// only. Writes the kernels do not name (cp.async, zero fills) are published by any thread's fence,
+// so a missing fence of those shows as poison only if no later fence covers it, which the
+// schedules vary (an under-approximation of the PTX memory model, never an excess); so are named
+// stores made before the block's first use of the async proxy.
 
 static std::vector<unsigned char>& async_view() {
     Block* b = tl_block;
@@ -21,8 +25,27 @@ static std::vector<unsigned char>& async_view() {
 }
 
 void fence_proxy_async() {
+    Block* b = tl_block;
     std::vector<unsigned char>& view = async_view();
-    std::memcpy(view.data(), tl_block->dynamic_shared, tl_block->launch->shared_bytes);
+    std::vector<unsigned char> kept;  // other threads' unfenced bytes, as the async proxy saw them
+    for (const Fiber& f : b->fibers)
+        if (&f != tl_fiber)
+            for (const auto& [at, n] : f.unfenced_stores) kept.insert(kept.end(), &view[at], &view[at] + n);
+    std::memcpy(view.data(), b->dynamic_shared, b->launch->shared_bytes);
+    const unsigned char* from = kept.data();
+    for (const Fiber& f : b->fibers)
+        if (&f != tl_fiber)
+            for (const auto& [at, n] : f.unfenced_stores) from = std::copy(from, from + n, &view[at]);
+    tl_fiber->unfenced_stores.clear();
+}
+
+void generic_store(const void* address, unsigned bytes, const char* file, int line) {
+    count_access(kShared, address, bytes, file, line);
+    Block* b = tl_block;
+    if (b->async_shared.empty()) return;  // the async proxy not used yet: the first fence publishes it
+    const uintptr_t at = reinterpret_cast<uintptr_t>(address) - reinterpret_cast<uintptr_t>(b->dynamic_shared);
+    if (at < b->launch->shared_bytes && bytes <= b->launch->shared_bytes - at)  // dynamic shared memory only
+        tl_fiber->unfenced_stores.emplace_back(static_cast<unsigned>(at), bytes);
 }
 
 // wgmma.fence: PTX requires one before a warpgroup's first wgmma.mma_async and between a thread's

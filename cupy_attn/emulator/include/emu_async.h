@@ -11,7 +11,11 @@ namespace emu {
 // ---- the async proxy's view of shared memory --------------------------------------------------
 // wgmma and TMA read shared memory through the async proxy, which sees generic-proxy writes
 // (plain stores, cp.async) only after a fence.proxy.async: until the first fence it reads poison.
+// A plain store the kernel names (ATTN_STORE_SHARED, kernels/access_count.cuh) becomes visible
+// there only at its own thread's next fence, once the block uses the async proxy; other generic
+// writes at any thread's fence.
 void fence_proxy_async();
+void generic_store(const void* address, unsigned bytes, const char* file, int line);
 // `bytes` of shared memory at `offset` as the async proxy reads them.
 const unsigned char* async_shared_pointer(size_t offset, size_t bytes, const char* what);
 

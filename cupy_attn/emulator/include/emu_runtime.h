@@ -100,6 +100,9 @@ struct Fiber {
     std::vector<TmaCopy> bulk_stores;  // TMA stores not yet waited for, by bulk group
     unsigned bulk_groups_committed = 0;
     bool wgmma_fenced = false;  // a wgmma.fence since the thread's start or its last wgmma.wait_group
+    // (shared offset, bytes) of this thread's named plain stores since its last fence.proxy.async
+    // (emu_async.h, generic_store), kept once the block uses the async proxy.
+    std::vector<std::pair<unsigned, unsigned>> unfenced_stores;
 };
 
 // An mbarrier object's state (PTX ISA, "mbarrier"): the arrivals each phase expects, those still
