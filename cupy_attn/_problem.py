@@ -146,10 +146,12 @@ def _window(window, reach: int):
     for side, value in zip(("left", "right"), window):
         if value is None:
             sides.append(None)
-        elif is_integer(value) and value >= 0:
-            sides.append(min(int(value), reach))
-        else:
+        elif not is_integer(value):
+            raise TypeError(f"window {side} must be a non-negative int or None, got {describe(value)}")
+        elif value < 0:
             raise ValueError(f"window {side} must be a non-negative int or None, got {value!r}")
+        else:
+            sides.append(min(int(value), reach))
     return None if sides == [None, None] else tuple(sides)
 
 

@@ -7,8 +7,6 @@ from ._problem import LAYOUTS, check_choice
 from .api import attention
 
 
-
-
 @_interop.outside_torch_compile
 def split_heads(x, num_heads, layout="bhsd"):
     """(B, S, H·D) -> (B, H, S, D) for "bhsd" or (B, S, H, D) for "bshd"; a view, no copy."""

@@ -26,8 +26,6 @@ def _module(xp, like):
     return xp
 
 
-
-
 def _diagonal(sq: int, sk: int, align: str, xp):
     """(sq, sk) int array of j - (i + off): 0 on the diagonal query i lines up with."""
     align = check_choice("align", align, CAUSAL_ALIGNMENTS)

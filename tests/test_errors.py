@@ -48,7 +48,7 @@ BAD_FORWARD = [
     ("window scalar", lambda q, k, v: dict(window=3), ValueError, "window must be a pair"),
     ("window triple", lambda q, k, v: dict(window=(1, 2, 3)), ValueError, "window must be a pair"),
     ("window negative", lambda q, k, v: dict(window=(-1, 0)), ValueError, "window left must be a non-negative int"),
-    ("window float", lambda q, k, v: dict(window=(1, 2.5)), ValueError, "window right must be"),
+    ("window float", lambda q, k, v: dict(window=(1, 2.5)), TypeError, "window right must be a non-negative int or None, got float"),
     ("q_lengths negative", lambda q, k, v: dict(q_lengths=[-1, 3]), ValueError, "q_lengths must be non-negative"),
     ("kv_lengths too long", lambda q, k, v: dict(kv_lengths=[9, 10]), ValueError, "kv_lengths must not exceed Sk = 9"),
     ("q_lengths too long", lambda q, k, v: dict(q_lengths=np.array([8, 1])), ValueError, "q_lengths must not exceed Sq = 7"),

@@ -140,9 +140,9 @@ FENCE_SITES = [(f, at) for f, at, b in SITES if b == FENCE]
 
 @pytest.mark.parametrize("filename,at", FENCE_SITES, ids=[f"{f}@{at}" for f, at in FENCE_SITES])
 def test_a_fence_by_one_thread_of_each_warpgroup_breaks_a_kernel(monkeypatch, filename, at):
-    """A thread's fence.proxy.async orders its own stores only: every thread that stored what wgmma
-    or a TMA store reads must fence before the barrier, not one thread of the warpgroup after it
-    (the barrier orders the stores before that fence, but in the generic proxy only)."""
+    """Every thread that stored what wgmma or a TMA store reads fences its own stores before the
+    barrier, not one thread of the warpgroup after it: the emulator holds the kernels to that
+    convention (the CUDA Programming Guide's and CUTLASS's; emu_async.cpp)."""
     source = _compile.kernel_source(filename)
     line_end = source.index("\n", at)
     barrier = source.index("ptx::named_barrier_sync(", line_end)  # the fence's barrier, next

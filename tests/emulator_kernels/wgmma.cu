@@ -74,6 +74,7 @@ __global__ void wgmma(const T* A, const T* B, const float* C, float* D, int wait
         }
     }
 #if defined(ONE_THREAD_FENCES)
+    __syncthreads();  // every store made (a barrier orders them in the generic proxy only)
     if (tid == 0) ptx::fence_proxy_async();  // wrong: every thread's stores need its own fence
 #elif !defined(NO_FENCE)
     ptx::fence_proxy_async();  // the stores above, for wgmma's reads through the async proxy

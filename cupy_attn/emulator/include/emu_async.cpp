@@ -12,31 +12,42 @@ namespace emu {
 // (plain stores, cp.async) only after a fence.proxy.async. The emulator keeps a second copy of the
 // block's dynamic shared memory for it: poison (0xff) until the first fence, and at each fence a
 // copy of the generic view, except for the bytes of other threads' named stores (generic_store)
-// not yet fenced, which keep what the async proxy saw: a thread's fence orders its own writes
-// only. Writes the kernels do not name (cp.async, zero fills) are published by any thread's fence,
-// so a missing fence of those shows as poison only if no later fence covers it, which the
-// schedules vary (an under-approximation of the PTX memory model, never an excess); so are named
-// stores made before the block's first use of the async proxy.
+// not yet fenced, which keep what the async proxy saw: each thread that stored must fence its own
+// stores, before the barrier that hands them to the thread issuing the wgmma or TMA store. That
+// is the CUDA Programming Guide's and CUTLASS's convention, which every kernel here follows; it
+// may be stricter than the PTX ISA, whose proxy fences compose with other synchronisation (one
+// fence after the barrier, in the issuing thread, may be enough there), as the mbarrier-init rule
+// is. Writes the kernels do not name (cp.async copies) and named stores made before the block's
+// first use of the async proxy are published by any thread's fence, so a missing fence of those
+// shows as poison only if no later fence covers it, which the schedules vary.
 
 static std::vector<unsigned char>& async_view() {
     Block* b = tl_block;
-    if (b->async_shared.empty()) b->async_shared.assign(std::max<size_t>(b->launch->shared_bytes, 1), 0xff);
+    if (b->async_shared.empty()) {
+        b->async_shared.assign(std::max<size_t>(b->launch->shared_bytes, 1), 0xff);
+        b->unfenced_owner.assign(b->async_shared.size(), -1);
+    }
     return b->async_shared;
 }
 
 void fence_proxy_async() {
     Block* b = tl_block;
+    Fiber* me = tl_fiber;
     std::vector<unsigned char>& view = async_view();
-    std::vector<unsigned char> kept;  // other threads' unfenced bytes, as the async proxy saw them
+    // Other threads' unfenced bytes keep what the async proxy saw: those each still owns (a later
+    // named store by another thread, this one's included, took the byte over).
+    std::vector<std::pair<unsigned, unsigned char>> kept;
     for (const Fiber& f : b->fibers)
-        if (&f != tl_fiber)
-            for (const auto& [at, n] : f.unfenced_stores) kept.insert(kept.end(), &view[at], &view[at] + n);
+        if (&f != me)
+            for (const auto& [at, n] : f.unfenced_stores)
+                for (unsigned i = at; i < at + n; ++i)
+                    if (b->unfenced_owner[i] == static_cast<int>(f.linear)) kept.emplace_back(i, view[i]);
     std::memcpy(view.data(), b->dynamic_shared, b->launch->shared_bytes);
-    const unsigned char* from = kept.data();
-    for (const Fiber& f : b->fibers)
-        if (&f != tl_fiber)
-            for (const auto& [at, n] : f.unfenced_stores) from = std::copy(from, from + n, &view[at]);
-    tl_fiber->unfenced_stores.clear();
+    for (const auto& [i, byte] : kept) view[i] = byte;
+    for (const auto& [at, n] : me->unfenced_stores)
+        for (unsigned i = at; i < at + n; ++i)
+            if (b->unfenced_owner[i] == static_cast<int>(me->linear)) b->unfenced_owner[i] = -1;
+    me->unfenced_stores.clear();
 }
 
 void generic_store(const void* address, unsigned bytes, const char* file, int line) {
@@ -44,8 +55,14 @@ void generic_store(const void* address, unsigned bytes, const char* file, int li
     Block* b = tl_block;
     if (b->async_shared.empty()) return;  // the async proxy not used yet: the first fence publishes it
     const uintptr_t at = reinterpret_cast<uintptr_t>(address) - reinterpret_cast<uintptr_t>(b->dynamic_shared);
-    if (at < b->launch->shared_bytes && bytes <= b->launch->shared_bytes - at)  // dynamic shared memory only
-        tl_fiber->unfenced_stores.emplace_back(static_cast<unsigned>(at), bytes);
+    if (at >= b->launch->shared_bytes || bytes > b->launch->shared_bytes - at) return;  // dynamic shared memory only
+    const int me = static_cast<int>(tl_fiber->linear);
+    bool taken = false;  // whether a byte was not already this thread's unfenced store (then listed once more)
+    for (uintptr_t i = at; i < at + bytes; ++i) {
+        taken |= b->unfenced_owner[i] != me;
+        b->unfenced_owner[i] = me;
+    }
+    if (taken) tl_fiber->unfenced_stores.emplace_back(static_cast<unsigned>(at), bytes);
 }
 
 // wgmma.fence: PTX requires one before a warpgroup's first wgmma.mma_async and between a thread's

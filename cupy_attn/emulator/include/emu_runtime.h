@@ -179,6 +179,9 @@ struct Block {
     // What the async proxy (wgmma and TMA reads of shared memory) sees: dynamic shared memory as of
     // the last fence.proxy.async, poison until the first (emu_async.h). Allocated on first use.
     std::vector<unsigned char> async_shared;
+    // Per byte of dynamic shared memory: the thread whose named store (emu_async.h, generic_store)
+    // wrote it last and has not fenced since, or -1. Allocated with async_shared.
+    std::vector<int> unfenced_owner;
     std::map<unsigned, Mbarrier> mbarriers;  // by shared offset
     NamedBarrier named[16];
     std::vector<TmaCopy> tma_loads;  // TMA loads issued and not yet landed
