@@ -167,7 +167,7 @@ def test_bad_multi_head_attention(rng):
         cupy_attn.multi_head_attention(x, w, w, w, w, 3, num_kv_heads=0)
 
 
-COUNT = cupy_attn.MaskMod("kv_idx <= q_idx", lambda b, h, q_idx, kv_idx: kv_idx <= q_idx)
+CAUSAL = cupy_attn.MaskMod("kv_idx <= q_idx", lambda b, h, q_idx, kv_idx: kv_idx <= q_idx)
 
 
 @pytest.mark.parametrize("call, name", [
@@ -176,7 +176,7 @@ COUNT = cupy_attn.MaskMod("kv_idx <= q_idx", lambda b, h, q_idx, kv_idx: kv_idx 
     (lambda x: cupy_attn.multi_head_attention(x, *[np.eye(12)] * 4, 3, num_kv_heads="1"), "num_kv_heads"),
     (lambda x: masks.causal_mask(3.0, 3), "sq"),
     (lambda x: masks.window_mask(2, 3, True, 0), "left"),
-    (lambda x: cupy_attn.block_mask(COUNT, 1, 2, "8", 8), "Sq"),
+    (lambda x: cupy_attn.block_mask(CAUSAL, 1, 2, "8", 8), "Sq"),
     (lambda x: cupy_attn.attention_varlen(x[0], x[0], x[0], [0, 5], [0, 5], 5.0, 5), "max_seqlen_q"),
     (lambda x: distributed.positions(0, 2.0, 8), "size"),
     (lambda x: distributed.positions(None, 2, 8), "rank"),
