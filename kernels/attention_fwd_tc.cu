@@ -52,6 +52,10 @@ __device__ __forceinline__ void store_rows(const Params& p, const BlockInfo& b, 
     const int g = lane / 4;
     float inv[2];
     finish_rows(p, b, at, lse, softmax, row_lo, lane % 4, inv);
+    // Every lane's ldmatrix reads of these rows of Q are done before any lane overwrites them: a
+    // warp's lanes are ordered by __syncwarp alone (compute-sanitizer's racecheck reported the
+    // staging stores against the Q reads without it, on an H200).
+    __syncwarp();
     stage_pairs<T>(o, inv, lane, staging, [](int row, int col) { return Staging::offset(row, col); });
     __syncwarp();  // the warp's rows are staged
     const bool chunks = reinterpret_cast<unsigned long long>(out + at.o) % 16 == 0 && at.o_row % 8 == 0;

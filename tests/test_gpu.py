@@ -177,15 +177,19 @@ def test_cupy_compiles_with_the_options_the_report_uses(monkeypatch, tmp_path):
     """CuPy's NVRTC call gets exactly _compile.gpu_build_options plus options that change no code
     (include paths, its -arch for this device, cache and PCH flags): a CuPy release that adds a
     code-changing option fails here, before the compile report drifts from the code that runs."""
-    from cupy.cuda import compiler
+    from cupy.cuda import _compiler_cache, compiler
 
     from cupy_attn import _compile
 
-    seen = []
+    seen = []  # (name expressions, options) of each NVRTC program CuPy compiles
     real_compile = compiler._NVRTCProgram.compile
-    monkeypatch.setattr(compiler._NVRTCProgram, "compile", lambda self, options=(), *a, **k: seen.append(options)
-                        or real_compile(self, options, *a, **k))
-    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))  # a cold cache: NVRTC must run
+    monkeypatch.setattr(compiler._NVRTCProgram, "compile", lambda self, options=(), *a, **k:
+                        seen.append((self.name_expressions or (), options)) or real_compile(self, options, *a, **k))
+    # A cold cache, so NVRTC must build the kernel: CuPy reads CUPY_CACHE_DIR once, at import, into
+    # its cache backend (cupy/cuda/_compiler_cache.py), and gpu_check.sh's precompile has filled
+    # that one. (With a warm cache the only compile seen was CuPy's empty-file version probe, which
+    # is built without --device-as-default-execution-space: the first H200 run failed on that.)
+    monkeypatch.setattr(compiler, "_kernel_cache_backend", _compiler_cache.DiskKernelCacheBackend(str(tmp_path)))
     _compile._function.cache_clear()
     filename = "attention_fwd_wgmma.cu" if int(cupy.cuda.Device().compute_capability) == 90 else "attention_fwd_tc.cu"
     name = (_config.HOPPER_TILES if "wgmma" in filename else _config.TENSOR_CORE_TILES)[1].name_expression(np.float16)
@@ -193,7 +197,9 @@ def test_cupy_compiles_with_the_options_the_report_uses(monkeypatch, tmp_path):
         _compile.function("cuda", filename, name)
     finally:
         _compile._function.cache_clear()
-    options = seen[-1]
+    builds = [options for names, options in seen if name in names]
+    assert len(builds) == 1, seen
+    options = builds[0]
     expected = _compile.gpu_build_options(filename)
     assert set(expected) <= set(options)
     no_code_change = ("-I", "-arch=sm_", "-arch=compute_", "--pch", "--std=", "-DCUPY_USE_JITIFY")

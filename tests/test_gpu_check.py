@@ -55,3 +55,67 @@ def test_arguments_that_would_run_the_real_check_are_refused(tmp_path):
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
+
+
+ISOLATED_CASES = '''
+import time
+import pytest
+def test_passes(): pass
+def test_fails(): assert 1 == 2, "one is not two"
+def test_hangs(): time.sleep(600)
+@pytest.mark.parametrize("n", [1, 2])
+def test_param(n): assert n
+'''
+
+
+def test_isolated_tests_give_each_test_its_own_result(tmp_path):
+    """bench/isolated_tests.py, which runs the GPU canary: one process per test, a failure and a hang
+    told apart (exit 2 for a hang, which makes gpu_check.sh leave the wgmma cases out)."""
+    (tmp_path / "test_cases.py").write_text(ISOLATED_CASES)
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "isolated_tests.py"), "--timeout", "20",
+                             "--log-dir", str(tmp_path / "logs"), "--", "test_cases.py"],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    lines = result.stdout.splitlines()
+    assert result.returncode == 2, result.stdout + result.stderr
+    for line in ("test_cases.py::test_passes PASSED", "test_cases.py::test_fails FAILED", "test_cases.py::test_hangs HUNG",
+                 "test_cases.py::test_param[1] PASSED", "test_cases.py::test_param[2] PASSED",
+                 "FAILED test_cases.py::test_fails - AssertionError: one is not two"):
+        assert line in lines, result.stdout
+    assert len(list((tmp_path / "logs").iterdir())) == 5
+    # without the hang: 1 (a failure)
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "isolated_tests.py"), "--", "test_cases.py",
+                             "-k", "not hangs"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 1 and "3 passed, 1 failed" in result.stdout, result.stdout
+
+
+LOST_CONTEXT_CASES = '''
+import pytest
+pytestmark = pytest.mark.gpu
+def test_a(): pass
+def test_b(): raise RuntimeError("cudaErrorIllegalInstruction: an illegal instruction was encountered" if LOSE else "a plain error")
+def test_c(): pass
+def test_d(): pass
+'''
+
+
+@pytest.mark.parametrize("lose", [True, False], ids=["fault", "plain_error"])
+def test_a_lost_context_skips_the_later_gpu_tests(tmp_path, lose):
+    """tests/gpu_context.py: after an error that ends the CUDA context, the process's later GPU tests
+    are skipped, naming the test that lost it, and listed for gpu_check.sh to run again; after any
+    other error they run."""
+    (tmp_path / "test_cases.py").write_text(f"LOSE = {lose}\n" + LOST_CONTEXT_CASES)
+    lost = tmp_path / "lost.txt"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+               CUPY_ATTN_CONTEXT_LOST=str(lost))
+    result = subprocess.run([sys.executable, "-m", "pytest", "test_cases.py", "-p", "gpu_context", "-v", "-rs",
+                             "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestUnknownMarkWarning"],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    out = result.stdout
+    assert "test_cases.py::test_a PASSED" in out and "test_cases.py::test_b FAILED" in out, out
+    if lose:
+        assert "test_cases.py::test_c SKIPPED" in out and "test_cases.py::test_d SKIPPED" in out, out
+        assert "the CUDA context was lost to test_cases.py::test_b (RuntimeError)" in out, out
+        assert lost.read_text().split() == ["test_cases.py::test_c", "test_cases.py::test_d"]
+    else:
+        assert "test_cases.py::test_c PASSED" in out and "test_cases.py::test_d PASSED" in out, out
+        assert not lost.exists()
