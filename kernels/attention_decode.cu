@@ -150,7 +150,7 @@ __device__ __forceinline__ void decode_block(const Params& p, const T* q, const 
 #pragma unroll
         for (int d0 = 0; d0 < kHeadDim; d0 += kChunk) {
             float kf[kChunk];
-            ATTN_COUNT_SHARED(sK + lane * kStride + d0, 16);
+            ATTN_LOAD_SHARED(sK + lane * kStride + d0, 16);
             load_floats(kf, sK + lane * kStride + d0);
 #pragma unroll
             for (int t = 0; t < kRowsPerWarp; ++t) {
@@ -182,7 +182,7 @@ __device__ __forceinline__ void decode_block(const Params& p, const T* q, const 
         // O += P·V
         for (int j = 0; j < kBlockN; ++j) {
             float vf[kDimsPerLane];
-            ATTN_COUNT_SHARED(sV + j * kStride + lane * kDimsPerLane, kDimsPerLane * sizeof(T));
+            ATTN_LOAD_SHARED(sV + j * kStride + lane * kDimsPerLane, kDimsPerLane * sizeof(T));
             load_floats(vf, sV + j * kStride + lane * kDimsPerLane);
 #pragma unroll
             for (int t = 0; t < kRowsPerWarp; ++t) {

@@ -69,13 +69,13 @@ __device__ __forceinline__ void store_rows(const Params& p, const BlockInfo& b, 
         const T* src = staging + Staging::offset(row, col);
         T* dst = out + at.o + i * at.o_row + col;
         if (chunks && col + 8 <= p.head_dim_v) {
-            ATTN_COUNT_SHARED(src, 16);
+            ATTN_LOAD_SHARED(src, 16);
             ATTN_COUNT_GLOBAL(dst, 16);
             *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
             continue;
         }
         for (int e = 0; e < 8 && col + e < p.head_dim_v; ++e) {
-            ATTN_COUNT_GLOBAL(dst + e, sizeof(T)); ATTN_COUNT_SHARED(src + e, sizeof(T));
+            ATTN_COUNT_GLOBAL(dst + e, sizeof(T)); ATTN_LOAD_SHARED(src + e, sizeof(T));
             dst[e] = src[e];
         }
     }

@@ -602,3 +602,34 @@ def test_address_sanitizer_catches_out_of_bounds_write():
 def test_sanitize_without_runtime_is_a_clear_error():
     with pytest.raises(EmulatorError, match="LD_PRELOAD"):
         RawModule((HERE / "basics.cu").read_text(), sanitize=True).get_function("oob_write")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_warps_lanes_are_ordered_by_syncwarp_alone(schedule):
+    """emu_lanes.h: one lane's store and another lane's load or store of the same shared byte need
+    a __syncwarp (or a barrier) between them, as compute-sanitizer's racecheck holds on the GPU:
+    each kernel of lanes.cu passes as written and fails without its __syncwarp, in every schedule
+    (the emulator cannot reorder the lanes of an ldmatrix, so only the check can see it)."""
+    rng = np.random.default_rng(21)
+    rows = rng.integers(0, 1 << 16, 64).astype(np.uint16)
+    matrix = rows.reshape(8, 8).astype(np.uint32)
+    lanes = np.arange(32)
+    want = matrix[lanes // 4, 2 * (lanes % 4)] | matrix[lanes // 4, 2 * (lanes % 4) + 1] << 16
+    good, bad = module("lanes.cu"), module("lanes.cu", ["-DNO_SYNC"])
+    out = np.zeros(32, np.uint32)
+    good.get_function("rows_then_restage")(1, 32, (rows, out), shared_mem=128, schedule=schedule)
+    np.testing.assert_array_equal(out, want)
+    out = np.zeros(32, np.int32)
+    good.get_function("store_then_load")(1, 32, (I32(77), out), shared_mem=16, schedule=schedule)
+    np.testing.assert_array_equal(out, np.where(lanes == 1, 77, -1))
+    out = np.zeros(32, np.int32)
+    good.get_function("across_warps")(1, 64, (out,), shared_mem=128, schedule=schedule)
+    np.testing.assert_array_equal(out, 100 + 31 - lanes)
+    with pytest.raises(EmulatorError, match=r"lane [0-7] of warp 0 stores to shared memory at offset \d+ \(<kernel source>:\d+\), "
+                                            r"which lane [0-7] of the same warp loaded \(.*\) since the warp's last "
+                                            r"__syncwarp or barrier"):
+        bad.get_function("rows_then_restage")(1, 32, (rows, np.zeros(32, np.uint32)), shared_mem=128, schedule=schedule)
+    # lane 0's store first (forward schedules: lane 1 then loads it) or lane 1's load (it then stores over it)
+    with pytest.raises(EmulatorError, match=r"lane [01] of warp 0 (loads|stores to) shared memory at offset 0 .*which "
+                                            r"lane [01] of the same warp (stored|loaded)"):
+        bad.get_function("store_then_load")(1, 32, (I32(77), np.zeros(32, np.int32)), shared_mem=16, schedule=schedule)

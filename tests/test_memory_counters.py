@@ -44,7 +44,7 @@ def counted(fn, *args, threads=32, shared=4096):
 def test_shared_wavefronts(counters_module, stride, bytes_, wavefronts, ideal):
     (site,) = counted(counters_module.get_function("shared_pattern"), np.int32(stride), np.int32(bytes_))
     assert (site.space, site.accesses, site.lanes, site.actual, site.ideal) == ("shared", 1, 32, wavefronts, ideal)
-    assert site.site == f"<kernel source>:{line_of('ATTN_COUNT_SHARED(sm + threadIdx.x * stride')}"
+    assert site.site == f"<kernel source>:{line_of('ATTN_LOAD_SHARED(sm + threadIdx.x * stride')}"
 
 
 @pytest.mark.parametrize("stride, bytes_, sectors, ideal", [

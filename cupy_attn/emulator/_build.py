@@ -15,7 +15,7 @@ from .._source import inline_local_includes
 
 INCLUDE_DIR = Path(__file__).resolve().parent / "include"
 SHIM = "cuda_emu.h"
-RUNTIME_SOURCES = (INCLUDE_DIR / "emu_runtime.cpp", INCLUDE_DIR / "emu_async.cpp")
+RUNTIME_SOURCES = (INCLUDE_DIR / "emu_runtime.cpp", INCLUDE_DIR / "emu_async.cpp", INCLUDE_DIR / "emu_lanes.cpp")
 
 # NVRTC options that change nothing on the CPU (architecture, fast-math and debug switches).
 _IGNORED = re.compile(
@@ -134,8 +134,8 @@ def _shared_key(sanitize: bool) -> str:
 
 
 def runtime_library(sanitize: bool = False) -> Path:
-    """The emulator's runtime (emu_runtime.cpp, emu_async.cpp: the launch, fibers, barriers, warp
-    collectives, mbarriers, TMA), compiled once per toolchain and mode into the cache: every kernel
+    """The emulator's runtime (emu_runtime.cpp, emu_async.cpp, emu_lanes.cpp: the launch, fibers,
+    barriers, warp collectives, mbarriers, TMA, the order of a warp's lanes), compiled once per toolchain and mode into the cache: every kernel
     module links it, so a kernel's build compiles only the kernel."""
     target = cache_dir() / f"libemu_runtime_{_shared_key(sanitize)}.so"
     _compile(target, [*_mode(sanitize), "-shared", f"-Wl,-soname,{target.name}", "-I", str(INCLUDE_DIR),

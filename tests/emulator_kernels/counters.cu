@@ -6,7 +6,7 @@
 // Lane l accesses `bytes` at shared offset (l * stride) % 4096.
 extern "C" __global__ void shared_pattern(int stride, int bytes) {
     extern __shared__ unsigned char sm[];
-    ATTN_COUNT_SHARED(sm + threadIdx.x * stride % 4096, bytes);
+    ATTN_LOAD_SHARED(sm + threadIdx.x * stride % 4096, bytes);
 }
 
 // Lane l accesses `bytes` at element l * stride of a global array.
@@ -27,5 +27,5 @@ extern "C" __global__ void ldmatrix_rows(int row_bytes, unsigned* out) {
 // A loop: every lane makes `n` accesses at one line, each iteration's a warp-wide access of its own.
 extern "C" __global__ void repeated(int n) {
     extern __shared__ unsigned char sm[];
-    for (int i = 0; i < n; ++i) ATTN_COUNT_SHARED(sm + 4 * threadIdx.x + 128 * i, 4);
+    for (int i = 0; i < n; ++i) ATTN_LOAD_SHARED(sm + 4 * threadIdx.x + 128 * i, 4);
 }

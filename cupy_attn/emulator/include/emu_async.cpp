@@ -52,6 +52,7 @@ void fence_proxy_async() {
 
 void generic_store(const void* address, unsigned bytes, const char* file, int line) {
     count_access(kShared, address, bytes, file, line);
+    lane_store(address, bytes, file, line);
     Block* b = tl_block;
     if (b->async_shared.empty()) return;  // the async proxy not used yet: the first fence publishes it
     const uintptr_t at = reinterpret_cast<uintptr_t>(address) - reinterpret_cast<uintptr_t>(b->dynamic_shared);
@@ -250,6 +251,7 @@ bool mbarrier_test_wait(const void* bar, unsigned parity) {
     if (meant >= m.phase) tma_land_for(offset);  // copies still in flight land before a wait that would fail
     if (meant >= m.phase) return false;
     tl_fiber->phase_seen[offset] = meant;
+    lane_synced(*tl_block, tl_fiber->linear >> 5);
     return true;
 }
 
@@ -274,6 +276,7 @@ void mbarrier_wait(const void* bar, unsigned parity) {
                         "before this thread, waiting for the first, ran again", what, offset, meant));
     }
     f->phase_seen[offset] = meant;
+    lane_synced(*tl_block, f->linear >> 5);
 }
 
 // ---- TMA (cp.async.bulk.tensor) ------------------------------------------------------------------
@@ -434,6 +437,8 @@ void named_barrier(unsigned id, unsigned count, bool wait) {
                 other.state = State::Ready;
             }
         publish_mbarriers(*b, &nb.arrivals, &waited);
+        for (unsigned t = 0; t < b->fibers.size(); ++t)
+            if (nb.arrivals[t] && (t % 32 == 0 || !nb.arrivals[t - 1])) lane_synced(*b, t / 32);
         return;
     }
     if (!wait) return;

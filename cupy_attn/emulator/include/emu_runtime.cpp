@@ -102,6 +102,7 @@ static void run_block(Launch& L, unsigned long long linear_block) {
     unsigned n = L.block.x * L.block.y * L.block.z;
     b.fibers.resize(n);
     b.warps.resize((n + 31) / 32);
+    lanes_synced(b);
     // Dynamic shared memory, filled with 0xff bytes: NaN as float, half and bfloat16, so reads
     // of unwritten shared memory show. Allocated per block at its exact size for AddressSanitizer.
     std::vector<unsigned char> shared(std::max<size_t>(L.shared_bytes, 1), 0xff);
@@ -157,6 +158,7 @@ static void run_block(Launch& L, unsigned long long linear_block) {
         if (waiting == b.live) {
             b.barrier_result = votes;
             publish_mbarriers(b, nullptr, nullptr);
+            lanes_synced(b);
             for (Fiber& f : b.fibers)
                 if (f.state == State::AtBarrier) f.state = State::Ready;
         } else if (!ran) {
@@ -392,6 +394,7 @@ unsigned vote(unsigned mask, int predicate, const char* what) {
 
 void syncwarp_fn(void* const*, unsigned mask) {
     Block* b = tl_block;
+    lane_synced(*b, tl_fiber->linear >> 5);
     if (b->mbarriers.empty()) return;  // nothing to publish
     std::vector<bool> took_part(b->fibers.size(), false);
     const unsigned first = tl_fiber->linear & ~31u;

@@ -19,6 +19,7 @@
 
 #include "emu_counters.h"
 #include "emu_fiber.h"
+#include "emu_lanes.h"
 #include "emu_types.h"
 
 namespace emu {
@@ -191,6 +192,9 @@ struct Block {
     // (0: none waits). Empty until one runs.
     std::vector<unsigned> warp_registers, warp_register_requests;
     std::map<std::pair<int, unsigned>, WarpgroupSequence> warpgroup_sequences;  // by (kind, warpgroup)
+    // Per warp: its synchronisation count, new at each __syncwarp, barrier or mbarrier wait that
+    // orders its lanes (emu_lanes.h).
+    std::vector<unsigned> warp_syncs;
     Context scheduler;
     unsigned live = 0;
     int barrier_result = 0;
