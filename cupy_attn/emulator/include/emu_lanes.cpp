@@ -14,9 +14,9 @@ namespace {
 // since, each with the synchronisation count of its warp then, and where.
 struct ByteHistory {
     int writer = -1;
-    unsigned write_sync = 0;
+    unsigned long long write_sync = 0;
     unsigned readers = 0;  // lanes, all of the warp whose count is read_sync
-    unsigned read_sync = 0;
+    unsigned long long read_sync = 0;
     int write_line = 0, read_line = 0;
     const char* write_file = "";
     const char* read_file = "";
@@ -26,7 +26,7 @@ struct ByteHistory {
 // start with new ones), so a byte's history from an earlier block or an earlier phase of this one
 // never matches a warp's count now.
 thread_local std::vector<ByteHistory> tl_history;
-thread_local unsigned tl_next_sync = 0;
+thread_local unsigned long long tl_next_sync = 0;
 
 ByteHistory* history(const void* address, unsigned bytes) {
     Block* b = tl_block;
@@ -50,42 +50,44 @@ ByteHistory* history(const void* address, unsigned bytes) {
 
 void lanes_synced(Block& b) {
     b.warp_syncs.resize(b.warps.size());
-    for (unsigned& sync : b.warp_syncs) sync = ++tl_next_sync;
+    for (unsigned long long& sync : b.warp_syncs) sync = ++tl_next_sync;
 }
 
 void lane_synced(Block& b, unsigned warp) { b.warp_syncs[warp] = ++tl_next_sync; }
 
-void lane_load(const void* address, unsigned bytes, const char* file, int line) {
+// A load checks the byte's last store; a store checks it and the loads since.
+static void lane_access(const void* address, unsigned bytes, const char* file, int line, bool store) {
     ByteHistory* h = history(address, bytes);
     if (!h) return;
-    const unsigned thread = tl_fiber->linear, lane = thread & 31u, sync = tl_block->warp_syncs[thread >> 5];
+    const unsigned thread = tl_fiber->linear, lane = thread & 31u;
+    const unsigned long long sync = tl_block->warp_syncs[thread >> 5];
     const unsigned offset = static_cast<unsigned>(static_cast<const unsigned char*>(address) - tl_block->dynamic_shared);
+    const char* access = store ? "stores to" : "loads";
     for (unsigned i = 0; i < bytes; ++i, ++h) {
         if (h->write_sync == sync && h->writer != static_cast<int>(thread))
-            unordered("loads", offset + i, file, line, static_cast<unsigned>(h->writer) & 31u, "stored", h->write_file,
+            unordered(access, offset + i, file, line, static_cast<unsigned>(h->writer) & 31u, "stored", h->write_file,
                       h->write_line);
-        if (h->read_sync != sync) h->readers = 0, h->read_sync = sync;
-        h->readers |= 1u << lane;
-        h->read_file = file, h->read_line = line;
-    }
-}
-
-void lane_store(const void* address, unsigned bytes, const char* file, int line) {
-    ByteHistory* h = history(address, bytes);
-    if (!h) return;
-    const unsigned thread = tl_fiber->linear, lane = thread & 31u, sync = tl_block->warp_syncs[thread >> 5];
-    const unsigned offset = static_cast<unsigned>(static_cast<const unsigned char*>(address) - tl_block->dynamic_shared);
-    for (unsigned i = 0; i < bytes; ++i, ++h) {
-        if (h->write_sync == sync && h->writer != static_cast<int>(thread))
-            unordered("stores to", offset + i, file, line, static_cast<unsigned>(h->writer) & 31u, "stored",
-                      h->write_file, h->write_line);
+        if (!store) {
+            if (h->read_sync != sync) h->readers = 0, h->read_sync = sync;
+            h->readers |= 1u << lane;
+            h->read_file = file, h->read_line = line;
+            continue;
+        }
         const unsigned others = h->read_sync == sync ? h->readers & ~(1u << lane) : 0u;
         if (others)
-            unordered("stores to", offset + i, file, line, static_cast<unsigned>(__builtin_ctz(others)), "loaded",
+            unordered(access, offset + i, file, line, static_cast<unsigned>(__builtin_ctz(others)), "loaded",
                       h->read_file, h->read_line);
         h->writer = static_cast<int>(thread), h->write_sync = sync, h->write_file = file, h->write_line = line;
         h->readers = 0;
     }
+}
+
+void lane_load(const void* address, unsigned bytes, const char* file, int line) {
+    lane_access(address, bytes, file, line, false);
+}
+
+void lane_store(const void* address, unsigned bytes, const char* file, int line) {
+    lane_access(address, bytes, file, line, true);
 }
 
 }  // namespace emu

@@ -194,7 +194,7 @@ struct Block {
     std::map<std::pair<int, unsigned>, WarpgroupSequence> warpgroup_sequences;  // by (kind, warpgroup)
     // Per warp: its synchronisation count, new at each __syncwarp, barrier or mbarrier wait that
     // orders its lanes (emu_lanes.h).
-    std::vector<unsigned> warp_syncs;
+    std::vector<unsigned long long> warp_syncs;
     Context scheduler;
     unsigned live = 0;
     int barrier_result = 0;
