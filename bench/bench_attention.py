@@ -315,10 +315,12 @@ IMPLS = [CupyAttnCuda(), CupyAttnWgmma(), *(TorchSdpa(b) for b in ("flash", "cud
 
 def time_gpu(calls, reps: int, detail: dict | None = None) -> tuple[float, int]:
     """(median ms of one call, from an event before it to one after, peak bytes). With `detail`,
-    also host_ms: the median time the call takes to return (its launches queued, not waited for),
-    and back_to_back_ms: the time per call of `reps` calls queued between one pair of events, where
-    the GPU sets the pace if the host keeps ahead. On the first H200 run the single calls took
-    about 0.6 ms longer than Nsight Compute's kernel times at S = 4k, in both kernel families."""
+    also host_ms: the median time the call takes to return (its launches queued, not waited for;
+    JAX's calls wait for their result, so theirs is the whole call), and back_to_back_ms: the time
+    per call of `reps` calls queued between one pair of events, where the GPU sets the pace if the
+    host keeps ahead (it doubles the timed calls of a case). On the 2026-12-04 H200 run single
+    calls took about 0.6 ms longer than Nsight Compute's kernel times at S = 4k, in both kernel
+    families."""
     import cupy
 
     hook = PeakMemoryHook()

@@ -108,7 +108,9 @@ if run tests; then
         [ $rc -eq 0 ] || [ $rc -eq 5 ] || status=1
         tail -n 1 "$out/gpu_tests.log" | tee -a "$out/summary.txt"
     else
-        timeout 100 $py bench/isolated_tests.py --jobs 8 --timeout 75 --log-dir "$out/canary" -- "${canary[@]}" \
+        # About 20 tests in 3 rounds of 8 at most 45 s each: the outer limit leaves the runner time to
+        # report; each result is logged as it comes, so even a cut-short canary says what finished.
+        timeout 160 $py bench/isolated_tests.py --jobs 8 --timeout 45 --log-dir "$out/canary" -- "${canary[@]}" \
             > "$out/gpu_tests_canary.log" 2>&1
         rc=$?
         note "canary: exit $rc ($(tail -n 1 "$out/gpu_tests_canary.log"))"
@@ -123,17 +125,18 @@ if run tests; then
         tail -n 1 "$out/gpu_tests.log" | tee -a "$out/summary.txt"
         if [ -s "$lost" ]; then
             note "$(sort -u "$lost" | wc -l) tests skipped after a fault ended their process's context: run again, each alone"
-            sort -u "$lost" > "$lost.rerun"
-            timeout 120 $py bench/isolated_tests.py --jobs 8 --timeout 75 --log-dir "$out/rerun" -- $(cat "$lost.rerun") \
+            mapfile -t rerun < <(sort -u "$lost")
+            timeout 150 $py bench/isolated_tests.py --jobs 8 --timeout 45 --log-dir "$out/rerun" -- "${rerun[@]}" \
                 > "$out/gpu_tests_rerun.log" 2>&1 || status=1
             grep -E "^(FAILED|ERROR|HUNG) " "$out/gpu_tests_rerun.log" | cut -c1-200 | tee -a "$out/summary.txt"
             tail -n 1 "$out/gpu_tests_rerun.log" | tee -a "$out/summary.txt"
         fi
-        # one line per module: passed / failed / errors / skipped / hung
+        # one line per module: passed / failed / errors / skipped / hung, of the canary and the main
+        # run (a test skipped there after a lost context counts as skipped; its rerun is listed above)
         # (pytest-xdist prints "[gw0] [ 1%] PASSED tests/m.py::t", plain pytest and the isolated runs
         # "tests/m.py::t PASSED")
-        cat "$out/gpu_tests_canary.log" "$out/gpu_tests.log" "$out/gpu_tests_rerun.log" 2>/dev/null \
-            | grep -oE "\] (PASSED|FAILED|ERROR|SKIPPED) tests/[a-z_]+\.py|^tests/[a-z_]+\.py::[^ ]+ (PASSED|FAILED|ERROR|SKIPPED|HUNG)$" \
+        cat "$out/gpu_tests_canary.log" "$out/gpu_tests.log" \
+            | grep -oE "\] (PASSED|FAILED|ERROR|SKIPPED) tests/[a-z_]+\.py|^tests/[a-z_]+\.py::[^ ]+ (PASSED|FAILED|ERROR|SKIPPED|HUNG)" \
             | sed -E 's/^\] //; s/::[^ ]+//' | sort | uniq -c | tee -a "$out/summary.txt"
     fi
 fi
@@ -184,16 +187,20 @@ if run bench; then
     elif [ -n "$ncu" ]; then
         timeout 150 "$ncu" --clock-control none -k 'regex:attention_(fwd|bwd_dkdv)' -c 4 \
             --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy --section SchedulerStats \
-            --section MemoryWorkloadAnalysis_Tables --section LaunchStats --section SourceCounters \
+            --section MemoryWorkloadAnalysis_Tables --section LaunchStats \
             -f -o "$out/ncu" $py bench/ncu_cases.py > "$out/ncu.log" 2>&1 || note "ncu exit $?"
         "$ncu" --import "$out/ncu.ncu-rep" --page raw --csv > "$out/ncu_raw.csv" 2>> "$out/ncu.log" \
             && $py bench/ncu_cases.py --summarize "$out/ncu_raw.csv" | tee -a "$out/summary.txt"
         "$ncu" --import "$out/ncu.ncu-rep" --page details > "$out/ncu_details.txt" 2>> "$out/ncu.log"
-        # Per SASS instruction (SourceCounters): which loads conflict on shared-memory banks and where
-        # warps stall. The first H200 run saw 16-19 M conflicts in both dK/dV kernels that the
-        # emulator's counters do not show; the offsets map to NVRTC 13.0's disassembly of the variant.
-        "$ncu" --import "$out/ncu.ncu-rep" --page source --print-source sass --csv > "$out/ncu_sass.csv" 2>> "$out/ncu.log" \
-            || note "ncu could not print the per-instruction page (see ncu.log)"
+        # Per SASS instruction (SourceCounters), in a run of its own so that its longer replay cannot
+        # cost the report above: which loads of the dK/dV kernels conflict on shared-memory banks
+        # and where warps stall. The first H200 run saw 16-19 M conflicts in both that the
+        # emulator's counters do not show; the offsets map to NVRTC 13.0's disassembly of each variant.
+        timeout 120 "$ncu" --clock-control none -k 'regex:attention_bwd_dkdv' -c 2 --section SourceCounters \
+            -f -o "$out/ncu_source" $py bench/ncu_cases.py >> "$out/ncu.log" 2>&1 \
+            && "$ncu" --import "$out/ncu_source.ncu-rep" --page source --print-source sass --csv > "$out/ncu_sass.csv" \
+                2>> "$out/ncu.log" \
+            || note "no per-instruction page of the dK/dV kernels (see ncu.log)"
     else
         note "ncu not found"
     fi

@@ -16,15 +16,21 @@ import re
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 OUTCOMES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
 
 
+class CollectionError(RuntimeError):
+    """pytest could not collect the selection (a module failed to import, say)."""
+
+
 def collect(python: str, selection: list[str]) -> list[str]:
     listing = subprocess.run([python, "-m", "pytest", *selection, "--collect-only", "-q", "-p", "no:cacheprovider"],
                              capture_output=True, text=True)
+    if listing.returncode not in (0, 5):  # 5: nothing collected
+        raise CollectionError(listing.stdout + listing.stderr)
     return [line.strip() for line in listing.stdout.splitlines() if "::" in line and not line.startswith(" ")]
 
 
@@ -57,7 +63,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     selection = [a for a in args.pytest_args if a != "--"]
     python = sys.executable
-    ids = collect(python, selection)
+    try:
+        ids = collect(python, selection)
+    except CollectionError as error:
+        print(f"pytest could not collect {' '.join(selection)}:\n{error}")
+        return 1
     if not ids:
         print(f"no tests collected by {' '.join(selection)}")
         return 3
@@ -71,11 +81,15 @@ def main(argv=None) -> int:
     # with the hung threads' stacks in the log.
     timeout_plugin = subprocess.run([python, "-c", "import pytest_timeout"], capture_output=True).returncode == 0
     extra = ["--timeout", f"{max(args.timeout - 15, 5):g}", "--timeout-method", "thread"] if timeout_plugin else []
-    names = [logs / (re.sub(r"[^A-Za-z0-9_.-]", "_", test_id)[-150:] + ".log") for test_id in ids]
+    names = [logs / (f"{n:03d}_" + re.sub(r"[^A-Za-z0-9_.-]", "_", test_id)[-150:] + ".log") for n, test_id in enumerate(ids)]
+    # Each result as it comes, so a run cut short by an outer time limit still says what finished.
+    results = {}
     with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda job: run_one(python, job[0], args.timeout, extra, job[1]), zip(ids, names)))
-    for test_id, (outcome, _) in zip(ids, results):
-        print(f"{test_id} {outcome}")
+        jobs = {pool.submit(run_one, python, test_id, args.timeout, extra, name): test_id for test_id, name in zip(ids, names)}
+        for done in as_completed(jobs):
+            results[jobs[done]] = done.result()
+            print(f"{jobs[done]} {results[jobs[done]][0]}", flush=True)
+    results = [results[test_id] for test_id in ids]
     for test_id, (outcome, reason) in zip(ids, results):
         if outcome in ("FAILED", "ERROR", "HUNG"):
             print(f"{outcome} {test_id} - {reason}")

@@ -437,8 +437,13 @@ void named_barrier(unsigned id, unsigned count, bool wait) {
                 other.state = State::Ready;
             }
         publish_mbarriers(*b, &nb.arrivals, &waited);
-        for (unsigned t = 0; t < b->fibers.size(); ++t)
-            if (nb.arrivals[t] && (t % 32 == 0 || !nb.arrivals[t - 1])) lane_synced(*b, t / 32);
+        // A warp whose every lane waited here (bar.sync, not bar.arrive) has its lanes ordered.
+        for (unsigned warp = 0; warp < b->warp_syncs.size(); ++warp) {
+            const unsigned first = 32 * warp, last = std::min<unsigned>(first + 32, b->fibers.size());
+            bool whole = true;
+            for (unsigned t = first; t < last && whole; ++t) whole = waited[t];
+            if (whole) lane_synced(*b, warp);
+        }
         return;
     }
     if (!wait) return;

@@ -2,6 +2,7 @@
 // emulator's runtime library with emu_runtime.cpp.
 #include "emu_lanes.h"
 
+#include <string>
 #include <vector>
 
 #include "emu_runtime.h"
@@ -17,6 +18,7 @@ struct ByteHistory {
     unsigned long long write_sync = 0;
     unsigned readers = 0;  // lanes, all of the warp whose count is read_sync
     unsigned long long read_sync = 0;
+    unsigned last_reader = 0;  // the lane of read_file:read_line
     int write_line = 0, read_line = 0;
     const char* write_file = "";
     const char* read_file = "";
@@ -36,14 +38,15 @@ ByteHistory* history(const void* address, unsigned bytes) {
     return tl_history.data() + (at - b->dynamic_shared);
 }
 
+// other_line 0: other_file says where in words (the site is not kept).
 [[noreturn]] void unordered(const char* access, unsigned offset, const char* file, int line, unsigned other_lane,
                             const char* other_access, const char* other_file, int other_line) {
     const unsigned thread = tl_fiber->linear;
-    fail(format("lane %u of warp %u %s shared memory at offset %u (%s:%d), which lane %u of the same warp %s (%s:%d) "
+    const std::string other_site = other_line ? format("%s:%d", other_file, other_line) : std::string(other_file);
+    fail(format("lane %u of warp %u %s shared memory at offset %u (%s:%d), which lane %u of the same warp %s (%s) "
                 "since the warp's last __syncwarp or barrier: a warp's lanes are ordered by __syncwarp, not by "
                 "program order or a warp-collective instruction (compute-sanitizer's racecheck reports this)",
-                thread & 31u, thread >> 5, access, offset, file, line, other_lane, other_access, other_file,
-                other_line));
+                thread & 31u, thread >> 5, access, offset, file, line, other_lane, other_access, other_site.c_str()));
 }
 
 }  // namespace
@@ -70,13 +73,15 @@ static void lane_access(const void* address, unsigned bytes, const char* file, i
         if (!store) {
             if (h->read_sync != sync) h->readers = 0, h->read_sync = sync;
             h->readers |= 1u << lane;
-            h->read_file = file, h->read_line = line;
+            h->last_reader = lane, h->read_file = file, h->read_line = line;
             continue;
         }
         const unsigned others = h->read_sync == sync ? h->readers & ~(1u << lane) : 0u;
-        if (others)
+        if (others >> h->last_reader & 1u)
+            unordered(access, offset + i, file, line, h->last_reader, "loaded", h->read_file, h->read_line);
+        if (others)  // the last load was this lane's own: another lane's was earlier, its site not kept
             unordered(access, offset + i, file, line, static_cast<unsigned>(__builtin_ctz(others)), "loaded",
-                      h->read_file, h->read_line);
+                      "an earlier load", 0);
         h->writer = static_cast<int>(thread), h->write_sync = sync, h->write_file = file, h->write_line = line;
         h->readers = 0;
     }

@@ -7,10 +7,16 @@
 // so it checks instead: every access the kernels name (ldmatrix, ATTN_LOAD_SHARED and
 // ATTN_STORE_SHARED, kernels/access_count.cuh) is recorded per byte with its lane and its warp's
 // synchronisation count, and a store to a byte that another lane of the warp loaded or stored,
-// or a load of one that another lane stored, since the warp's last __syncwarp, __syncthreads,
-// named barrier or mbarrier wait fails the block. Accesses of different warps are ordered by the
-// barriers and mbarriers that the emulator already checks through their results, and copies
-// (cp.async, TMA) by their waits: neither is recorded here.
+// or a load of one that another lane stored, since the warp's last synchronisation fails the
+// block. What renews a warp's count: a __syncwarp of all its lanes, __syncthreads, a named
+// barrier (bar.sync) all its lanes waited at, and any of its lanes' mbarrier waits: a wait orders
+// the accesses before the phase's arrivals before those after it, which may be another lane's
+// of the same warp; that the wait orders the whole warp is generous (lanes that only wait are not
+// ordered among themselves), so the check misses such pairs rather than report a right kernel.
+// A partial __syncwarp or named barrier renews nothing. Not checked either: accesses of different
+// warps (the barriers and mbarriers order those, and the emulator checks them through their
+// results), copies (cp.async, TMA: ordered by their waits), and a warp's pending loads once
+// another warp loads the byte (one warp's readers are kept per byte).
 #pragma once
 
 namespace emu {

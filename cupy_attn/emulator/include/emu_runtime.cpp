@@ -394,7 +394,9 @@ unsigned vote(unsigned mask, int predicate, const char* what) {
 
 void syncwarp_fn(void* const*, unsigned mask) {
     Block* b = tl_block;
-    lane_synced(*b, tl_fiber->linear >> 5);
+    const unsigned warp = tl_fiber->linear >> 5;
+    const unsigned lanes = std::min<size_t>(32, b->fibers.size() - 32 * warp);
+    if (mask == (lanes == 32 ? ~0u : (1u << lanes) - 1)) lane_synced(*b, warp);  // a partial mask orders only its lanes
     if (b->mbarriers.empty()) return;  // nothing to publish
     std::vector<bool> took_part(b->fibers.size(), false);
     const unsigned first = tl_fiber->linear & ~31u;
