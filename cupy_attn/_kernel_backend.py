@@ -88,11 +88,27 @@ def _bhs_strides(problem: Problem, x) -> list:
     return [I64(s[0]), I64(s[1]), I64(s[2])] if problem.layout == "bhsd" else [I64(s[0]), I64(s[2]), I64(s[1])]
 
 
+def _constant(xp, dtype, length: int = 1, value: int = 0):
+    """A read-only array of `length` entries of `value`: the arguments a launch takes but does not
+    use (no mask, ALiBi, sinks or packing) and the lengths of an unpadded batch. Made once per
+    device and kept (_constants), instead of an allocation and a fill kernel per argument and
+    launch (6 per forward launch on CuPy arrays); the kernels only read them (const pointers)."""
+    return _constants(xp, None if xp is np else xp.cuda.Device().id, np.dtype(dtype).str, length, value)
+
+
+@functools.lru_cache(maxsize=256)
+def _constants(xp, device, dtype: str, length: int, value: int):
+    array = xp.full(length, value, dtype=np.dtype(dtype))
+    if xp is np:  # the emulator refuses it for a pointer the kernel may write through
+        array.flags.writeable = False
+    return array
+
+
 def _packing_args(problem: Problem) -> tuple:
     """q_starts, kv_starts, packed, total_q, total_k of ATTN_PARAMS."""
     pack = problem.packing
     if pack is None:
-        unused = problem.xp.zeros(1, dtype=np.int32)
+        unused = _constant(problem.xp, np.int32)
         return unused, unused, I32(0), I32(0), I32(0)
     return pack.cu_seqlens_q[:-1], pack.cu_seqlens_k[:-1], I32(1), I32(pack.total_q), I32(pack.total_k)
 
@@ -101,7 +117,7 @@ def _mask_arguments(problem: Problem):
     """(mask array, 4 element strides with 0 on broadcast axes, kind) for the kernel."""
     xp, mask = problem.xp, problem.mask
     if mask is None:
-        return xp.zeros(1, dtype=np.uint8), [I64(0)] * 4, I32(0)
+        return _constant(xp, np.uint8), [I64(0)] * 4, I32(0)
     if mask.dtype == np.bool_:
         kind = 1
     else:
@@ -118,7 +134,7 @@ def _mask_arguments(problem: Problem):
 def _lengths(problem: Problem, lengths, full: int):
     xp = problem.xp
     if lengths is None:
-        return xp.full(problem.batch, full, dtype=np.int32)
+        return _constant(xp, np.int32, problem.batch, full)
     return xp.ascontiguousarray(lengths, dtype=np.int32)
 
 
@@ -268,8 +284,8 @@ def _common_args(problem: Problem, q, k, v, fourth, tiles: tuple | None = None) 
     tile, for a block mask's ranges (kernels that never take one, decoding, leave it None)."""
     p = problem
     mask, mask_strides, mask_kind = _mask_arguments(p)
-    slopes = p.xp.zeros(1, np.float32) if p.alibi_slopes is None else p.xp.ascontiguousarray(p.alibi_slopes, dtype=np.float32)
-    sinks = p.xp.zeros(1, np.float32) if p.sinks is None else p.xp.ascontiguousarray(p.sinks, dtype=np.float32)
+    slopes = _constant(p.xp, np.float32) if p.alibi_slopes is None else p.xp.ascontiguousarray(p.alibi_slopes, dtype=np.float32)
+    sinks = _constant(p.xp, np.float32) if p.sinks is None else p.xp.ascontiguousarray(p.sinks, dtype=np.float32)
     left, right = p.window if p.window is not None else (None, None)  # clamped to Sq + Sk (_problem._window)
     drop = p.dropout
     dropout = ((np.uint64(0), np.uint32(0), np.uint32(0), F32(1.0)) if drop is None else

@@ -311,6 +311,38 @@ def test_cuda_status_reports_nvrtc_and_headers_when_found(monkeypatch):
     assert _backends.cuda_status() == (False, "CuPy found no CUDA device")
 
 
+def test_a_call_asks_for_its_backend_alone_and_keeps_a_usable_gpu(monkeypatch):
+    """_backends.status: a call resolves its own backend only (the emulator's compiler search cost
+    every CuPy call 40 µs), and CUDA, once usable, stays so without asking again; an unusable
+    one is asked again each time, with the reason of now."""
+    from cupy_attn import _backends, emulator
+
+    monkeypatch.setattr(_backends, "_CUDA_USABLE", [])
+    monkeypatch.setattr(emulator, "available", lambda: pytest.fail("the emulator's status was asked for"))
+    asked = []
+    monkeypatch.setattr(_backends, "cuda_status", lambda: asked.append(1) or (False, "no GPU here"))
+    assert _backends.resolve("auto", np) == "numpy"
+    with pytest.raises(_backends.BackendUnavailableError, match="no GPU here"):
+        _backends.resolve("cuda", np)
+    assert _backends.status("cuda") == (False, "no GPU here") and len(asked) == 2
+    monkeypatch.setattr(_backends, "cuda_status", lambda: asked.append(1) or (True, "1 CUDA device(s)"))
+    assert _backends.status("cuda") == (True, "1 CUDA device(s)") and len(asked) == 3
+    monkeypatch.setattr(_backends, "cuda_status", lambda: pytest.fail("asked again"))
+    assert _backends.status("cuda") == (True, "1 CUDA device(s)")
+
+
+def test_the_unused_arguments_are_made_once_and_read_only():
+    """_kernel_backend._constant: the arguments a launch does not use and an unpadded batch's
+    lengths, one array per (device, dtype, length, value), which no kernel may write through."""
+    from cupy_attn import _kernel_backend
+
+    lengths = _kernel_backend._constant(np, np.int32, 3, 70)
+    assert lengths is _kernel_backend._constant(np, np.int32, 3, 70)
+    assert lengths.dtype == np.int32 and lengths.tolist() == [70, 70, 70] and not lengths.flags.writeable
+    assert _kernel_backend._constant(np, np.float32).tolist() == [0.0]
+    assert _kernel_backend._constant(np, np.int32, 3, 71) is not lengths
+
+
 def test_a_warp_specialised_kernel_built_with_other_registers_is_refused():
     """With fewer registers at launch than its setmaxnreg split hands on, a wgmma kernel's consumers
     would wait forever: the launcher refuses it, naming the kernel and both counts."""
