@@ -11,8 +11,8 @@
 #             per-test timeout, one line per module in the summary
 #   sanitize  compute-sanitizer memcheck, racecheck and synccheck over bench/sanitize_cases.py
 #   bench     bench/bench_attention.py against SDPA's flash/cuDNN/efficient and JAX (stops starting
-#             cases after --bench-budget seconds), then ncu on one forward and one dK/dV launch per
-#             kernel family (bench/ncu_cases.py)
+#             cases after --bench-budget seconds), the host time per call (bench/host_profile.py),
+#             then ncu on one forward and one dK/dV launch per kernel family (bench/ncu_cases.py)
 #   sweep     (only when named) bench/tile_sweep.py: candidate tiles of the default kernels, each
 #             checked against the reference, then timed (stops starting candidates after
 #             --bench-budget seconds)
@@ -178,6 +178,10 @@ if run bench; then
         || note "benchmark exit $?"
     grep -E "^budget|not run" "$out/bench.log" | tee -a "$out/summary.txt"
     sed -n '/relative to the best other/,$p' "$out/bench.log" | tee -a "$out/summary.txt"
+
+    note "== host time per call (bench/host_profile.py: cProfile of queued calls)"
+    timeout 120 $py bench/host_profile.py ${dry:+--dry-run} > "$out/host_profile.log" 2>&1 || note "host profile exit $?"
+    grep -E "^host " "$out/host_profile.log" | tee -a "$out/summary.txt"
 
     note "== Nsight Compute: one forward and one dK/dV launch per kernel family"
     ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1 || true)

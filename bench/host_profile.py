@@ -1,0 +1,91 @@
+"""Where a call's host time goes: cProfile over repeated forward and backward calls.
+
+    python bench/host_profile.py [--calls N] [--dry-run]
+
+On a GPU: bf16, B = 4, H = 16, S = 4096, D = 128 (the Nsight Compute case), the default kernels
+and, on compute capability 9.0, the wgmma ones. For each: the wall time per call with the calls
+queued (no synchronisation between them) and with a synchronisation after each, then the
+functions that took the most time of N queued calls, by own time and by cumulative time. On the
+2026-12-04 H200 run a single forward call took about 0.63 ms longer than its kernel at this size.
+--dry-run: the same on the emulator at a tiny size, to check the script where no GPU is.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
+import cupy_attn  # noqa: E402
+from cupy_attn import _arrays, _kernel_backend  # noqa: E402
+
+
+def per_call_ms(call, calls: int, sync) -> tuple[float, float]:
+    """(ms per call queued, ms per call each synchronised)."""
+    began = time.perf_counter()
+    for _ in range(calls):
+        call()
+    sync()
+    queued = (time.perf_counter() - began) / calls * 1e3
+    began = time.perf_counter()
+    for _ in range(calls):
+        call()
+        sync()
+    return queued, (time.perf_counter() - began) / calls * 1e3
+
+
+def profile(call, calls: int, sync) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        call()
+    sync()
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(15)
+    stats.sort_stats("cumulative").print_stats(25)
+    return text.getvalue()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the emulator")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        xp, backend, (b, h, s, d), calls = np, "emulator", (1, 1, 70, 128), 2  # ncu_cases.py's: its builds
+        sync = lambda: None  # noqa: E731
+    else:
+        import cupy
+
+        xp, backend, (b, h, s, d), calls = cupy, "auto", (4, 16, 4096, 128), args.calls
+        sync = cupy.cuda.Device().synchronize
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (xp.asarray(rng.standard_normal((b, h, s, d), dtype=np.float32).astype(_arrays.BFLOAT16))
+                     for _ in range(4))
+    hopper = xp is not np and int(xp.cuda.Device().compute_capability) == 90
+    for capability in (None, 90) if hopper else (None,):
+        _kernel_backend.CUDA_COMPUTE_CAPABILITY = capability
+        family = "wgmma" if capability else "default"
+        out, lse = cupy_attn.attention(q, k, v, return_lse=True, backend=backend)  # compiled here, not timed
+        cupy_attn.attention_backward(dout, q, k, v, out, lse, backend=backend)
+        sync()
+        passes = {"forward": lambda: cupy_attn.attention(q, k, v, backend=backend),
+                  "backward": lambda: cupy_attn.attention_backward(dout, q, k, v, out, lse, backend=backend)}
+        for name, call in passes.items():
+            queued, synced = per_call_ms(call, calls, sync)
+            print(f"host {family} {name}: {queued:.3f} ms per call queued, {synced:.3f} ms each synchronised "
+                  f"({calls} calls, B={b} H={h} S={s} D={d} bf16)", flush=True)
+            print(profile(call, calls, sync), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
