@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]  # a source checkout
 import cupy_attn  # noqa: E402
-from cupy_attn import _arrays, _kernel_backend  # noqa: E402
+import ncu_cases  # noqa: E402  (bench/: the profiled case and its kernel families)
 
 
 def per_call_ms(call, calls: int, sync) -> tuple[float, float]:
@@ -59,21 +59,11 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the emulator")
     args = parser.parse_args(argv)
-    if args.dry_run:
-        xp, backend, (b, h, s, d), calls = np, "emulator", (1, 1, 70, 128), 2  # ncu_cases.py's: its builds
-        sync = lambda: None  # noqa: E731
-    else:
-        import cupy
-
-        xp, backend, (b, h, s, d), calls = cupy, "auto", (4, 16, 4096, 128), args.calls
-        sync = cupy.cuda.Device().synchronize
-    rng = np.random.default_rng(0)
-    q, k, v, dout = (xp.asarray(rng.standard_normal((b, h, s, d), dtype=np.float32).astype(_arrays.BFLOAT16))
-                     for _ in range(4))
-    hopper = xp is not np and int(xp.cuda.Device().compute_capability) == 90
-    for capability in (None, 90) if hopper else (None,):
-        _kernel_backend.CUDA_COMPUTE_CAPABILITY = capability
-        family = "wgmma" if capability else "default"
+    xp, backend, q, k, v, dout = ncu_cases.case(args.dry_run)
+    calls = 2 if args.dry_run else args.calls
+    sync = xp.cuda.Device().synchronize if xp is not np else (lambda: None)
+    b, h, s, d = q.shape
+    for family in ncu_cases.kernel_families(xp):
         out, lse = cupy_attn.attention(q, k, v, return_lse=True, backend=backend)  # compiled here, not timed
         cupy_attn.attention_backward(dout, q, k, v, out, lse, backend=backend)
         sync()

@@ -22,6 +22,30 @@ import cupy_attn  # noqa: E402
 from cupy_attn import _arrays, _kernel_backend  # noqa: E402
 
 
+def case(dry_run: bool):
+    """(array module, backend, q, k, v, dout) of the profiled case, or of its tiny emulated twin."""
+    if dry_run:
+        xp, backend, (b, h, s, d) = np, "emulator", (1, 1, 70, 128)
+    else:
+        import cupy
+
+        xp, backend, (b, h, s, d) = cupy, "auto", (4, 16, 4096, 128)
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (xp.asarray(rng.standard_normal((b, h, s, d), dtype=np.float32).astype(_arrays.BFLOAT16))
+                     for _ in range(4))
+    return xp, backend, q, k, v, dout
+
+
+def kernel_families(xp):
+    """Runs the loop body under each kernel family this device has, in turn: its default, then on
+    compute capability 9.0 the wgmma kernels; yields the family's name."""
+    hopper = xp is not np and int(xp.cuda.Device().compute_capability) == 90
+    for capability in (None, 90) if hopper else (None,):
+        _kernel_backend.CUDA_COMPUTE_CAPABILITY = capability
+        yield "wgmma" if capability else "default"
+    _kernel_backend.CUDA_COMPUTE_CAPABILITY = None
+
+
 # Substrings of the raw metric names worth a line each: time, tensor pipes, issue slots, achieved
 # occupancy, shared-memory bank conflicts and wavefronts, DRAM throughput, registers.
 TRACKED = ("gpu__time_duration.sum", "pipe_tensor", "issue_active.avg.pct", "warps_active.avg.pct_of_peak",
@@ -50,23 +74,13 @@ def main(argv=None) -> int:
     if args.summarize:
         print(summarize(args.summarize))
         return 0
-    if args.dry_run:
-        xp, backend, (b, h, s, d) = np, "emulator", (1, 1, 70, 128)
-    else:
-        import cupy
-
-        xp, backend, (b, h, s, d) = cupy, "auto", (4, 16, 4096, 128)
-    rng = np.random.default_rng(0)
-    q, k, v, dout = (xp.asarray(rng.standard_normal((b, h, s, d), dtype=np.float32).astype(_arrays.BFLOAT16))
-                     for _ in range(4))
-    hopper = xp is not np and int(xp.cuda.Device().compute_capability) == 90
-    for capability in (None, 90) if hopper else (None,):
-        _kernel_backend.CUDA_COMPUTE_CAPABILITY = capability
+    xp, backend, q, k, v, dout = case(args.dry_run)
+    for family in kernel_families(xp):
         out, lse = cupy_attn.attention(q, k, v, return_lse=True, backend=backend)
         cupy_attn.attention_backward(dout, q, k, v, out, lse, backend=backend)
         if xp is not np:
             xp.cuda.Device().synchronize()
-        print(f"ran forward and backward with the {'wgmma' if capability else 'default'} kernels", flush=True)
+        print(f"ran forward and backward with the {family} kernels", flush=True)
     return 0
 
 
