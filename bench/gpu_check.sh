@@ -23,10 +23,10 @@
 #             (stops after --bench-budget s)
 # Each step has its own time limits. On the 2026-12-04 H200 run "--only tests" took about 2
 # minutes, "--only bench --bench-budget 70" with Nsight Compute about 2 and "--only sanitize" about
-# 1.5 (from the summaries' start times); the limits add up to more (tests: precompile 150 s, canary 160, the rest 180, reruns 150;
-# sanitize: 100 per tool; bench: --bench-budget + 150, host profile 120, ncu 150 + 120), so wrap a
-# device call in `timeout` and write OUTDIR outside $OUT, copying it back after. Writes logs, results.json, PNGs and
-# the ncu report to OUTDIR and prints a one-screen summary last. Exits non-zero when a GPU test or
+# 1.5 (from the summaries' start times); the limits add up to more (tests: precompile 150 s,
+# canary 160, the rest 180, reruns 150; sanitize: 100 per tool; bench: --bench-budget + 150, host
+# profile 120, ncu 150 + 120), so wrap a device call in `timeout` and write OUTDIR outside $OUT,
+# copying it back after. Writes logs, results.json, PNGs and the ncu report to OUTDIR and prints a one-screen summary last. Exits non-zero when a GPU test or
 # a sanitizer fails (the other steps still run, so one call gives all the evidence).
 #
 # --dry-run runs every step's CPU twin (NVRTC instead of CuPy, test collection, the emulator, the

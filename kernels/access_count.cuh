@@ -13,9 +13,7 @@
 #define ATTN_STORE_SHARED(address, bytes)
 #define ATTN_COUNT_GLOBAL(address, bytes)
 #else
-#define ATTN_LOAD_SHARED(address, bytes) \
-    (::emu::count_access(::emu::kShared, (address), (bytes), __FILE__, __LINE__), \
-     ::emu::lane_load((address), (bytes), __FILE__, __LINE__))
+#define ATTN_LOAD_SHARED(address, bytes) ::emu::generic_load((address), (bytes), __FILE__, __LINE__)
 #define ATTN_STORE_SHARED(address, bytes) ::emu::generic_store((address), (bytes), __FILE__, __LINE__)
 #define ATTN_COUNT_GLOBAL(address, bytes) ::emu::count_access(::emu::kGlobal, (address), (bytes), __FILE__, __LINE__)
 #endif

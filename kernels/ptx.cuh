@@ -287,10 +287,7 @@ __device__ __forceinline__ void ldmatrix(u32 (&r)[Count], const void* row PTX_CA
         else asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
     }
 #else
-    if (::emu::lane_id() < 8u * Count) {
-        ::emu::count_access(::emu::kShared, row, 16, site_file, site_line);
-        ::emu::lane_load(row, 16, site_file, site_line);
-    }
+    if (::emu::lane_id() < 8u * Count) ::emu::generic_load(row, 16, site_file, site_line);
     emulated::LdmatrixOperand op{static_cast<const unsigned short*>(row), {}};
     ::emu::warp_collective(0xffffffffu, &op, emulated::ldmatrix_fn<Count, Trans>, Trans ? "ldmatrix.trans" : "ldmatrix");
     for (int m = 0; m < Count; ++m) r[m] = op.r[m];

@@ -135,8 +135,9 @@ def _shared_key(sanitize: bool) -> str:
 
 def runtime_library(sanitize: bool = False) -> Path:
     """The emulator's runtime (emu_runtime.cpp, emu_async.cpp, emu_lanes.cpp: the launch, fibers,
-    barriers, warp collectives, mbarriers, TMA, the order of a warp's lanes), compiled once per toolchain and mode into the cache: every kernel
-    module links it, so a kernel's build compiles only the kernel."""
+    barriers, warp collectives, mbarriers, TMA, the order of a warp's lanes), compiled once per
+    toolchain and mode into the cache: every kernel module links it, so a kernel's build compiles
+    only the kernel."""
     target = cache_dir() / f"libemu_runtime_{_shared_key(sanitize)}.so"
     _compile(target, [*_mode(sanitize), "-shared", f"-Wl,-soname,{target.name}", "-I", str(INCLUDE_DIR),
                       *map(str, RUNTIME_SOURCES)], "the emulator's runtime")

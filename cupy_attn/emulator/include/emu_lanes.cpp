@@ -49,17 +49,8 @@ ByteHistory* history(const void* address, unsigned bytes) {
                 thread & 31u, thread >> 5, access, offset, file, line, other_lane, other_access, other_site.c_str()));
 }
 
-}  // namespace
-
-void lanes_synced(Block& b) {
-    b.warp_syncs.resize(b.warps.size());
-    for (unsigned long long& sync : b.warp_syncs) sync = ++tl_next_sync;
-}
-
-void lane_synced(Block& b, unsigned warp) { b.warp_syncs[warp] = ++tl_next_sync; }
-
 // A load checks the byte's last store; a store checks it and the loads since.
-static void lane_access(const void* address, unsigned bytes, const char* file, int line, bool store) {
+void lane_access(const void* address, unsigned bytes, const char* file, int line, bool store) {
     ByteHistory* h = history(address, bytes);
     if (!h) return;
     const unsigned thread = tl_fiber->linear, lane = thread & 31u;
@@ -87,12 +78,22 @@ static void lane_access(const void* address, unsigned bytes, const char* file, i
     }
 }
 
-void lane_load(const void* address, unsigned bytes, const char* file, int line) {
-    lane_access(address, bytes, file, line, false);
+}  // namespace
+
+void lanes_synced(Block& b) {
+    b.warp_syncs.resize(b.warps.size());
+    for (unsigned long long& sync : b.warp_syncs) sync = ++tl_next_sync;
 }
+
+void lane_synced(Block& b, unsigned warp) { b.warp_syncs[warp] = ++tl_next_sync; }
 
 void lane_store(const void* address, unsigned bytes, const char* file, int line) {
     lane_access(address, bytes, file, line, true);
+}
+
+void generic_load(const void* address, unsigned bytes, const char* file, int line) {
+    count_access(kShared, address, bytes, file, line);
+    lane_access(address, bytes, file, line, false);
 }
 
 }  // namespace emu

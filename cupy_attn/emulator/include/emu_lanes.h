@@ -27,9 +27,12 @@ struct Block;
 void lanes_synced(Block& b);
 void lane_synced(Block& b, unsigned warp);
 
-// The calling lane loads or stores `bytes` of shared memory at `address` (dynamic shared memory;
-// anything else is not recorded).
-void lane_load(const void* address, unsigned bytes, const char* file, int line);
+// The calling lane stores `bytes` of shared memory at `address` (dynamic shared memory; anything
+// else is not recorded): generic_store (emu_async.h) checks its named stores here.
 void lane_store(const void* address, unsigned bytes, const char* file, int line);
+
+// A load of shared memory the kernels name (ldmatrix, ATTN_LOAD_SHARED): counted (count_access)
+// and checked against the warp's other lanes, as generic_store does for stores.
+void generic_load(const void* address, unsigned bytes, const char* file, int line);
 
 }  // namespace emu
