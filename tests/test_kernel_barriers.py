@@ -26,10 +26,12 @@ BARRIERS = ("__syncthreads();", "__syncwarp();", "ptx::cp_async_wait<0>();", "pt
             "ptx::named_barrier_sync(kStagedBarrier + group, 128);", "ptx::bulk_wait_read<0>();",
             "ptx::named_barrier_sync(kTurnBarrier + group, 256);",
             # the warp-specialised wgmma dK/dV: K and V landed; a consumer group's dS stored
-            # before its warps read it for dQ (and its dK, dV staged before the TMA store); both
-            # groups done with K, V and the stages before either stages dK, dV over them
+            # before the warps that read it for dQ do (its own; from D = 128 both groups'); its
+            # dK, dV staged before the TMA store; both groups done with K, V and the stages before
+            # either stages dK, dV over them
             "ptx::mbarrier_wait(&bars.kv_landed, 0);", "ptx::named_barrier_sync(kDsBarrier + group, 128);",
-            "ptx::named_barrier_sync(kLoopDoneBarrier, 128 * kBwdConsumerGroups);",
+            "ptx::named_barrier_sync(dq_barrier, kDqBarrierThreads);",
+            "ptx::named_barrier_sync(kGroupsBarrier, 128 * kBwdConsumerGroups);",
             # both warp-specialised kernels: the producer's registers, which the consumers take
             "ptx::set_max_registers<kProducerRegisters, false>();",
             "ptx::set_max_registers<kBwdProducerRegisters, false>();",
