@@ -20,15 +20,15 @@
 //   Pᵀ, dSᵀ                     in registers
 //   dV += Pᵀ·dO, dK += dSᵀ·Q    wgmma RS: Pᵀ and dSᵀ from registers, dO and Q MN-major from the
 //                               same boxes (no transpose); up to 128 head dims per instruction
-//   dQ += dS·K                  wgmma SS: dS as the packed dSᵀ registers store it (keys x
-//                               queries, one swizzled box per group, two buffers), an MN-major
-//                               A operand; K MN-major; float32 reductions of pairs (unscaled:
-//                               the launcher's conversion multiplies by the scale), unless the
-//                               deterministic dQ kernel runs after. At D = 128 each group takes
-//                               64 of the head dims over the block's 128 keys, once both groups'
-//                               dS are stored (a barrier of both per tile), so each element of a
-//                               tile's dQ is reduced once per block; at D = 64 each group takes
-//                               every dim over its own 64 keys (a barrier of its own per tile).
+//   dQ += dS·K                  wgmma SS over the block's 128 keys, once both groups stored
+//                               their dS (a barrier of both per tile): dS as the packed dSᵀ
+//                               registers store it (keys x queries, one swizzled box per group,
+//                               two buffers), an MN-major A operand; K MN-major; 64 head dims
+//                               per product, at D = 128 one product per group, at D = 64 the
+//                               groups in turn, so each element of a tile's dQ is reduced once
+//                               per block; float32 reductions of pairs (unscaled: the
+//                               launcher's conversion multiplies by the scale), unless the
+//                               deterministic dQ kernel runs after
 // and releases the stage once its dK, dV products are in. At the end each group stages its dK
 // and dV (swizzled; in the input type, or float32 where a GQA group's heads are summed after) in
 // shared memory the loop no longer needs and one of its threads stores them with TMA.
@@ -51,11 +51,11 @@ constexpr int kBwdConsumerGroups = 2;                       // warpgroups comput
 constexpr int kBwdKeys = 64 * kBwdConsumerGroups;           // keys per block
 constexpr int kBwdThreads = 128 * (1 + kBwdConsumerGroups);  // and the producer's
 constexpr int kQueryStages = 2;
-// Named barriers (0 is __syncthreads'): consumer group g's dS is in shared memory (and, at the
-// end, its dK and dV staged for TMA); both groups' dS are (dQ split by head dims), and at the end
-// both groups are done with K, V and every stage. All eight consumer warps pass the same sequence
-// of the latter (one per tile, then one), so one id serves both uses.
-constexpr unsigned kDsBarrier = 1, kGroupsBarrier = kDsBarrier + kBwdConsumerGroups;
+// Named barriers (0 is __syncthreads'): consumer group g's dK and dV are staged for TMA; both
+// groups' dS are in shared memory (for dQ), and at the end both groups are done with K, V and
+// every stage. All eight consumer warps pass the same sequence of the latter (one per tile, then
+// one), so one id serves both uses.
+constexpr unsigned kStagedBarrier = 1, kGroupsBarrier = kStagedBarrier + kBwdConsumerGroups;
 // The register split of attention_fwd_wgmma.cu: 24 + 2 x 240 per lane-triple, from a launch of
 // 168 per thread.
 constexpr int kBwdProducerRegisters = 24, kBwdConsumerRegisters = 240;
@@ -88,15 +88,14 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
     constexpr int kSubM = ScoreTransform::kPlain || kHeadDim < 128 ? kBlockM : 32;
     constexpr int kQTiles = kSubM / 8, kDTiles = kHeadDim / 8;
     constexpr int kQueryRowTiles = kBlockM / 64;  // M = 64 query rows per dQ instruction
-    constexpr int kDqDims = 64;                   // and N = 64 head dims
-    // dQ split by head dims (from D = 128): each group computes half the dims over the block's 128
-    // keys, so a tile's dQ leaves the block once (one reduction per element per block, as
-    // FlashAttention-2 and 3 do), not once per group; its half is whole 64-dim boxes of K, an
-    // MN-major B operand starting a swizzle atom. At D = 64 a half would start mid-atom: each
-    // group then computes every dim over its own 64 keys (a reduction per group).
-    constexpr bool kDqByDims = kHeadDim / kBwdConsumerGroups >= kDqDims;
-    static_assert((kDqByDims ? kHeadDim / kBwdConsumerGroups : kHeadDim) == kDqDims, "one dQ product per group");
-    constexpr int kDqKeySteps = (kDqByDims ? kBwdKeys : 64) / 16;
+    constexpr int kDqDims = 64;                   // and N = 64 head dims: a whole box of K
+    // A tile's dQ is kHeadDim / 64 products of 64 head dims over the block's 128 keys (both
+    // groups' dSᵀ), shared out between the groups: at D = 128 one each, at D = 64 the one to each
+    // group in turn. So each element of a tile's dQ is reduced once per block, as FlashAttention-2
+    // and 3 reduce it, not once per group (half the reductions); and a product's B operand, 64
+    // dims of K, is a whole box (MN-major from the start of a swizzle atom; 32 dims would not be).
+    constexpr int kDqProducts = kHeadDim / kDqDims;
+    static_assert(kDqProducts <= kBwdConsumerGroups, "at most one dQ product per group and tile");
     constexpr int kStatsPerLane = (kBlockM + 31) / 32;
     using KvTile = SwizzledBoxLayout<kBwdKeys, kHeadDim>;  // K, V: keys x head dims
     using QTile = SwizzledBoxLayout<kBlockM, kHeadDim>;    // Q, dO: query rows x head dims
@@ -197,17 +196,12 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
     const unsigned long long q_mn_desc0 =
         ptx::wgmma_descriptor(sQ(0), QTile::kMnMajorLbo, QTile::kMnMajorSbo, ptx::Swizzle::B128);
     // dQ's operands: the dSᵀ buffers (group g's two at 2g, 2g + 1) and K, both MN-major (keys
-    // reduced): split by dims, every group's dSᵀ and keys, the group's dims; else the group's own
-    // dSᵀ and keys, every dim.
+    // reduced).
     T* sDS = sDS0 + 2 * group * kDsElements;
-    const unsigned long long ds_desc0 = ptx::wgmma_descriptor(kDqByDims ? sDS0 : sDS, DsTile::kMnMajorLbo,
-                                                              DsTile::kMnMajorSbo, ptx::Swizzle::B128);
-    const int dq_dim0 = kDqByDims ? group * kDqDims : 0;
-    const unsigned dq_barrier = kDqByDims ? kGroupsBarrier : kDsBarrier + group;  // whose dS it reads
-    constexpr unsigned kDqBarrierThreads = kDqByDims ? 128 * kBwdConsumerGroups : 128;
-    const unsigned long long k_mn_desc = ptx::wgmma_descriptor(sK + KvTile::offset(kDqByDims ? 0 : 64 * group, dq_dim0),
-                                                               KvTile::kMnMajorLbo,
-                                                               KvTile::kMnMajorSbo, ptx::Swizzle::B128);
+    const unsigned long long ds_desc0 =
+        ptx::wgmma_descriptor(sDS0, DsTile::kMnMajorLbo, DsTile::kMnMajorSbo, ptx::Swizzle::B128);
+    const unsigned long long k_mn_desc =
+        ptx::wgmma_descriptor(sK, KvTile::kMnMajorLbo, KvTile::kMnMajorSbo, ptx::Swizzle::B128);
     constexpr unsigned kDoOffset = sizeof(T) * kQElements, kStageBytes = 2 * kDoOffset;
 
     float dk[kDTiles][4], dv[kDTiles][4];
@@ -274,8 +268,8 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
             // parity as they are: register r of 16-query step kk holds key 16·warp + g (+ 8 for
             // odd r), queries q0 + 16kk + 2t, + 1 (+ 8 from r = 2), one 4-byte store each, without
             // bank conflicts in the swizzled box. A warp writes a buffer again two tiles on, past
-            // the dQ barrier of the tile between, which every warp reading the buffer (its
-            // group's; at D = 128 both groups') reaches only once its dQ product of it is complete.
+            // the dQ barrier of the tile between, which every warp reaches only once its dQ
+            // product of the buffer (if it had one) is complete.
 #pragma unroll
             for (int kk = 0; kk < kSubM / 16; ++kk) {
                 accumulators_as_a<T>(pa[kk], st[2 * kk], st[2 * kk + 1]);
@@ -303,27 +297,33 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
             ptx::wgmma_commit();
         }
 
-        // dQ of kBlockM queries, split by dims (the group's half, the block's 128 keys reduced)
-        // or by keys (every dim, the group's 64 keys), once every warp whose dS it reads stored
-        // it and made it visible to wgmma; added once it is in. Its wait also brings in dK and
-        // dV: Pᵀ, dSᵀ and the stage's Q, dO are then free. No wgmma.fence before it: since the
-        // one before dV and dK this thread touched none of the registers it writes (new ones,
-        // written with scale-d 0) or reads (none: both operands are in shared memory).
+        // This group's dQ product of the tile (kBlockM queries, 64 dims, the block's 128 keys
+        // reduced), if it has one: product j goes to group (j + visits · kDqProducts) mod 2, once
+        // both groups stored their dS and made it visible to wgmma; added once it is in. Its wait
+        // also brings in dK and dV: Pᵀ, dSᵀ and the stage's Q, dO are then free. No wgmma.fence
+        // before it: since the one before dV and dK this thread touched none of the registers it
+        // writes (new ones, written with scale-d 0) or reads (none: both operands are in shared
+        // memory). dq_product is lane 0's, so that ptxas knows the branch to be uniform in the
+        // warp (at D = 64 it serialised the dropout build's wgmma in a divergent path otherwise).
+        const int dq_product = __shfl_sync(0xffffffffu, (group + at_tile.visits() * kDqProducts) % kBwdConsumerGroups, 0);
         if constexpr (kAccumulateDq) {
             ptx::fence_proxy_async();
-            ptx::named_barrier_sync(dq_barrier, kDqBarrierThreads);
+            ptx::named_barrier_sync(kGroupsBarrier, 128 * kBwdConsumerGroups);
+        }
+        if (kAccumulateDq && dq_product < kDqProducts) {
             const unsigned long long ds_desc = ptx::descriptor_plus(ds_desc0, ds_buffer * sizeof(T) * kDsElements);
             // At D = 128 the k-steps' descriptors of K for dQ, hoisted out of the loop, spilled 12
             // bytes (NVRTC 13.5); recomputed per tile they cost a uniform add each.
-            const unsigned long long k_dq = kHeadDim >= 128 ? ptx::opaque(k_mn_desc) : k_mn_desc;
+            const unsigned long long k_dq = ptx::descriptor_plus(kHeadDim >= 128 ? ptx::opaque(k_mn_desc) : k_mn_desc,
+                                                                 sizeof(T) * KvTile::offset(0, kDqDims * dq_product));
             float dq[kQueryRowTiles][kDqDims / 8][4];
             float(&dq_flat)[kQueryRowTiles * kDqDims / 2] = reinterpret_cast<float(&)[kQueryRowTiles * kDqDims / 2]>(dq);
 #pragma unroll
             for (int r = 0; r < kQueryRowTiles; ++r)
 #pragma unroll
-                for (int kk = 0; kk < kDqKeySteps; ++kk) {
-                    // keys 16kk..: split by dims, those of group kk / 4's dSᵀ (its buffers 2 apart)
-                    const unsigned ds_at = (kDqByDims ? 2 * (kk / 4) * kDsElements : 0) + DsTile::offset(16 * (kk % 4), 64 * r);
+                for (int kk = 0; kk < kBwdKeys / 16; ++kk) {
+                    // keys 16kk..: those of group kk / 4's dSᵀ (its buffers 2 apart)
+                    const unsigned ds_at = 2 * (kk / 4) * kDsElements + DsTile::offset(16 * (kk % 4), 64 * r);
                     ptx::wgmma_m64k16_ss<T, kDqDims, ptx::Major::MN, ptx::Major::MN>(
                         reinterpret_cast<float(&)[kDqDims / 2]>(dq_flat[r * kDqDims / 2]),
                         ptx::descriptor_plus(ds_desc, sizeof(T) * ds_at),
@@ -335,7 +335,7 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
             const DqTile dq_tile(p, b, at, dq_accum, m0);
 #pragma unroll
             for (int r = 0; r < kQueryRowTiles; ++r)
-                add_dq_fragments<kHeadDim, kBlockM>(p, dq_tile, dq[r], 64 * r + 16 * warp, dq_dim0, g, t);
+                add_dq_fragments<kHeadDim, kBlockM>(p, dq_tile, dq[r], 64 * r + 16 * warp, kDqDims * dq_product, g, t);
         }
         ptx::wgmma_wait<0>();  // (without dQ) dK and dV are in registers
         ptx::fence_operands(dk_flat);
@@ -355,7 +355,7 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
     auto store_staged = [&](auto* s_dk, auto* s_dv, auto layout) {
         using Layout = decltype(layout);
         ptx::fence_proxy_async();  // the group's stores, visible to the TMA store
-        ptx::named_barrier_sync(kDsBarrier + group, 128);
+        ptx::named_barrier_sync(kStagedBarrier + group, 128);
         if (threadIdx.x % 128 == 0) {
             for (int c = 0; c < kHeadDim / Layout::kBoxCols; ++c) {
                 const int box[4] = {c * Layout::kBoxCols, group_n0, b.bidh, b.bidb};

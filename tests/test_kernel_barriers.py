@@ -25,12 +25,11 @@ BARRIERS = ("__syncthreads();", "__syncwarp();", "ptx::cp_async_wait<0>();", "pt
             "ptx::mbarrier_wait(&ring.empty[at.stage], at.phase ^ 1);",
             "ptx::named_barrier_sync(kStagedBarrier + group, 128);", "ptx::bulk_wait_read<0>();",
             "ptx::named_barrier_sync(kTurnBarrier + group, 256);",
-            # the warp-specialised wgmma dK/dV: K and V landed; a consumer group's dS stored
-            # before the warps that read it for dQ do (its own; from D = 128 both groups'); its
-            # dK, dV staged before the TMA store; both groups done with K, V and the stages before
-            # either stages dK, dV over them
-            "ptx::mbarrier_wait(&bars.kv_landed, 0);", "ptx::named_barrier_sync(kDsBarrier + group, 128);",
-            "ptx::named_barrier_sync(dq_barrier, kDqBarrierThreads);",
+            # the warp-specialised wgmma dK/dV: K and V landed; both consumer groups' dS stored
+            # before either reads them for dQ, and both done with K, V and the stages before
+            # either stages dK, dV over them (its dK, dV staged before the TMA store: the
+            # forward's kStagedBarrier line above)
+            "ptx::mbarrier_wait(&bars.kv_landed, 0);",
             "ptx::named_barrier_sync(kGroupsBarrier, 128 * kBwdConsumerGroups);",
             # both warp-specialised kernels: the producer's registers, which the consumers take
             "ptx::set_max_registers<kProducerRegisters, false>();",
@@ -63,8 +62,8 @@ def results(filename):
             outs.append(cupy_attn.attention(q, k, v, softcap=5.0, backend="emulator"))
         return outs
     # D = 256 too: its tensor-core dK/dV tile splits key groups over two warps, which exchange
-    # partial sums through shared memory; the wgmma dK/dV at D = 128, whose dQ goes in two chunks
-    # of 64 head dims (the second's wgmma.fence orders the first's reads of the registers).
+    # partial sums through shared memory; the wgmma dK/dV at D = 128, where each consumer group
+    # takes one of dQ's two products of 64 head dims every tile (at D = 32 they take turns).
     extra = {"attention_bwd_tc.cu": [dict(sq=40, sk=70, d=256)], "attention_bwd_wgmma.cu": [dict(sq=40, sk=70, d=128)]}
     cases = [dict(sq=150, sk=200, d=32)] + extra.get(filename, [])
     grads = []
