@@ -53,8 +53,8 @@ constexpr int kBwdThreads = 128 * (1 + kBwdConsumerGroups);  // and the producer
 constexpr int kQueryStages = 2;
 // Named barriers (0 is __syncthreads'): consumer group g's dK and dV are staged for TMA; both
 // groups' dS are in shared memory (for dQ), and at the end both groups are done with K, V and
-// every stage. All eight consumer warps pass the same sequence of the latter (one per tile, then
-// one), so one id serves both uses.
+// every stage. All eight consumer warps pass the same sequence of the latter (one per tile where
+// the block reduces dQ, then one), so one id serves both uses.
 constexpr unsigned kStagedBarrier = 1, kGroupsBarrier = kStagedBarrier + kBwdConsumerGroups;
 // The register split of attention_fwd_wgmma.cu: 24 + 2 x 240 per lane-triple, from a launch of
 // 168 per thread.
@@ -305,11 +305,12 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
         // writes (new ones, written with scale-d 0) or reads (none: both operands are in shared
         // memory). dq_product is lane 0's, so that ptxas knows the branch to be uniform in the
         // warp (at D = 64 it serialised the dropout build's wgmma in a divergent path otherwise).
-        const int dq_product = __shfl_sync(0xffffffffu, (group + at_tile.visits() * kDqProducts) % kBwdConsumerGroups, 0);
         if constexpr (kAccumulateDq) {
             ptx::fence_proxy_async();
             ptx::named_barrier_sync(kGroupsBarrier, 128 * kBwdConsumerGroups);
         }
+        const int dq_product =
+            kAccumulateDq ? __shfl_sync(0xffffffffu, (group + at_tile.visits() * kDqProducts) % kBwdConsumerGroups, 0) : 0;
         if (kAccumulateDq && dq_product < kDqProducts) {
             const unsigned long long ds_desc = ptx::descriptor_plus(ds_desc0, ds_buffer * sizeof(T) * kDsElements);
             // At D = 128 the k-steps' descriptors of K for dQ, hoisted out of the loop, spilled 12

@@ -93,12 +93,12 @@ def spy_launches(monkeypatch):
     (64, 600, 130, {}),
     (128, 610, 200, dict(causal=True, kv_lengths=[200, 77])),
     (64, 503, 257, dict(causal="top_left", softcap=3.0, q_lengths=[503, 390])),
-    # dQ split by head dims: the second group's dS (keys 192.. of 130: none) read by the first
+    # D = 128, a dQ product per group: the second group's dSᵀ (its keys 192.. of 130: none) read by the first
     (128, 300, 130, dict(q_lengths=[300, 190])),
 ])
 def test_wgmma_backward_over_many_query_tiles(monkeypatch, schedule, d, sq, sk, kw):
-    """Five to ten query tiles per block: the producer's stage ring goes round three to five times,
-    on every schedule, the producer far ahead of the consumers (warps) and starving them
+    """Up to ten query tiles per block: the producer's stage ring goes round up to five times, on
+    every schedule, the producer far ahead of the consumers (warps) and starving them
     (warps_reverse); key blocks whose second consumer group has a few keys or none (130, 257
     keys), causal both alignments, lengths, softcap; atomic and deterministic dQ."""
     monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
