@@ -194,7 +194,7 @@ if run bench; then
     elif [ -n "$ncu" ]; then
         timeout 150 "$ncu" --clock-control none -k 'regex:attention_(fwd|bwd_dkdv)' -c 4 \
             --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy --section SchedulerStats \
-            --section MemoryWorkloadAnalysis_Tables --section LaunchStats \
+            --section WarpStateStats --section MemoryWorkloadAnalysis_Tables --section LaunchStats \
             -f -o "$out/ncu" $py bench/ncu_cases.py > "$out/ncu.log" 2>&1 || note "ncu exit $?"
         "$ncu" --import "$out/ncu.ncu-rep" --page raw --csv > "$out/ncu_raw.csv" 2>> "$out/ncu.log" \
             && $py bench/ncu_cases.py --summarize "$out/ncu_raw.csv" | tee -a "$out/summary.txt"

@@ -47,11 +47,14 @@ def kernel_families(xp):
 
 
 # Substrings of the raw metric names worth a line each: time, tensor pipes, issue slots, achieved
-# occupancy, shared-memory bank conflicts and wavefronts, DRAM throughput, registers.
+# occupancy, shared-memory bank conflicts and wavefronts, DRAM throughput, registers; what the
+# warps wait on (WarpStateStats: per reason, the warps stalled on it per issued instruction) and
+# the global reductions (dQ's red.global) at L1 and L2, which the dK/dV kernels issue per query
+# tile: whether those hold the dK/dV kernels back is the question the first H200 run left.
 TRACKED = ("gpu__time_duration.sum", "pipe_tensor", "issue_active.avg.pct", "warps_active.avg.pct_of_peak",
            "data_bank_conflicts_pipe_lsu_mem_shared", "data_pipe_lsu_wavefronts_mem_shared.sum",
            "dram__throughput.avg.pct_of_peak_sustained_elapsed", "launch__registers_per_thread",
-           "launch__occupancy_limit")
+           "launch__occupancy_limit", "_per_issue_active.ratio", "op_red")
 
 
 def summarize(path: Path) -> str:
