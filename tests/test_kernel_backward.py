@@ -110,6 +110,28 @@ def test_wgmma_backward_over_many_query_tiles(monkeypatch, schedule, d, sq, sk, 
     assert any(name.startswith("attention_bwd_dkdv_wgmma<") for name in launched), launched
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_wgmma_dq_is_reduced_once_per_key_block(monkeypatch, d):
+    """Each element of a query tile's dQ leaves a block of 128 keys in one float32 reduction (the
+    groups share the dQ product out by head dims, or by turns at D = 64), not one per consumer
+    group: the emulator's global sectors at the reductions (tc_backward.cuh, whole 32-byte sectors
+    of a tile whose rows are all inside) are 2 key blocks x 2 query tiles x 64 rows x D floats."""
+    from cupy_attn import emulator
+
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
+    rng = np.random.default_rng(d)
+    q, k, v = random_qkv(rng, b=1, h=1, sq=128, sk=256, d=d, dtype=np.float16)
+    out, lse = cupy_attn.attention(q, k, v, return_lse=True)
+    dout = rng.standard_normal(out.shape).astype(np.float16)
+    with emulator.counting() as counters:
+        grads = cupy_attn.attention_backward(dout, q, k, v, out, lse, backend="emulator")
+    assert_close(grads[0], reference.attention_gradients(dout, q, k, v)[0], np.float16, grad=True, what="dq")
+    reductions = [s for s in counters.sites if s.kernel.startswith("attention_bwd_dkdv_wgmma<")
+                  and s.space == "global" and s.site.startswith("tc_backward.cuh:")]
+    assert reductions, counters.sites
+    assert sum(s.actual for s in reductions) == 2 * 2 * 64 * d * 4 // 32
+
+
 @pytest.mark.parametrize("case,kernel", [
     ("padded_rows", "attention_bwd_dkdv_wgmma<__half, 64, 64>"),       # rows 144 bytes apart: TMA reads them
     ("unaligned_k", "attention_bwd_dkdv_tc<__half, 64, 64, 64, 2>"),   # k's rows 136 bytes apart
