@@ -308,35 +308,35 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
         if constexpr (kAccumulateDq) {
             ptx::fence_proxy_async();
             ptx::named_barrier_sync(kGroupsBarrier, 128 * kBwdConsumerGroups);
-        }
-        const int dq_product =
-            kAccumulateDq ? __shfl_sync(0xffffffffu, (group + at_tile.visits() * kDqProducts) % kBwdConsumerGroups, 0) : 0;
-        if (kAccumulateDq && dq_product < kDqProducts) {
-            const unsigned long long ds_desc = ptx::descriptor_plus(ds_desc0, ds_buffer * sizeof(T) * kDsElements);
-            // At D = 128 the k-steps' descriptors of K for dQ, hoisted out of the loop, spilled 12
-            // bytes (NVRTC 13.5); recomputed per tile they cost a uniform add each.
-            const unsigned long long k_dq = ptx::descriptor_plus(kHeadDim >= 128 ? ptx::opaque(k_mn_desc) : k_mn_desc,
-                                                                 sizeof(T) * KvTile::offset(0, kDqDims * dq_product));
-            float dq[kQueryRowTiles][kDqDims / 8][4];
-            float(&dq_flat)[kQueryRowTiles * kDqDims / 2] = reinterpret_cast<float(&)[kQueryRowTiles * kDqDims / 2]>(dq);
+            const int dq_product =
+                __shfl_sync(0xffffffffu, (group + at_tile.visits() * kDqProducts) % kBwdConsumerGroups, 0);
+            if (dq_product < kDqProducts) {
+                const unsigned long long ds_desc = ptx::descriptor_plus(ds_desc0, ds_buffer * sizeof(T) * kDsElements);
+                // At D = 128 the k-steps' descriptors of K for dQ, hoisted out of the loop, spilled 12
+                // bytes (NVRTC 13.5); recomputed per tile they cost a uniform add each.
+                const unsigned long long k_dq = ptx::descriptor_plus(kHeadDim >= 128 ? ptx::opaque(k_mn_desc) : k_mn_desc,
+                                                                     sizeof(T) * KvTile::offset(0, kDqDims * dq_product));
+                float dq[kQueryRowTiles][kDqDims / 8][4];
+                float(&dq_flat)[kQueryRowTiles * kDqDims / 2] = reinterpret_cast<float(&)[kQueryRowTiles * kDqDims / 2]>(dq);
 #pragma unroll
-            for (int r = 0; r < kQueryRowTiles; ++r)
+                for (int r = 0; r < kQueryRowTiles; ++r)
 #pragma unroll
-                for (int kk = 0; kk < kBwdKeys / 16; ++kk) {
-                    // keys 16kk..: those of group kk / 4's dSᵀ (its buffers 2 apart)
-                    const unsigned ds_at = 2 * (kk / 4) * kDsElements + DsTile::offset(16 * (kk % 4), 64 * r);
-                    ptx::wgmma_m64k16_ss<T, kDqDims, ptx::Major::MN, ptx::Major::MN>(
-                        reinterpret_cast<float(&)[kDqDims / 2]>(dq_flat[r * kDqDims / 2]),
-                        ptx::descriptor_plus(ds_desc, sizeof(T) * ds_at),
-                        ptx::descriptor_plus(k_dq, sizeof(T) * KvTile::offset(16 * kk, 0)), kk > 0);
-                }
-            ptx::wgmma_commit();
-            ptx::wgmma_wait<0>();
-            ptx::fence_operands(dq_flat);
-            const DqTile dq_tile(p, b, at, dq_accum, m0);
+                    for (int kk = 0; kk < kBwdKeys / 16; ++kk) {
+                        // keys 16kk..: those of group kk / 4's dSᵀ (its buffers 2 apart)
+                        const unsigned ds_at = 2 * (kk / 4) * kDsElements + DsTile::offset(16 * (kk % 4), 64 * r);
+                        ptx::wgmma_m64k16_ss<T, kDqDims, ptx::Major::MN, ptx::Major::MN>(
+                            reinterpret_cast<float(&)[kDqDims / 2]>(dq_flat[r * kDqDims / 2]),
+                            ptx::descriptor_plus(ds_desc, sizeof(T) * ds_at),
+                            ptx::descriptor_plus(k_dq, sizeof(T) * KvTile::offset(16 * kk, 0)), kk > 0);
+                    }
+                ptx::wgmma_commit();
+                ptx::wgmma_wait<0>();
+                ptx::fence_operands(dq_flat);
+                const DqTile dq_tile(p, b, at, dq_accum, m0);
 #pragma unroll
-            for (int r = 0; r < kQueryRowTiles; ++r)
-                add_dq_fragments<kHeadDim, kBlockM>(p, dq_tile, dq[r], 64 * r + 16 * warp, kDqDims * dq_product, g, t);
+                for (int r = 0; r < kQueryRowTiles; ++r)
+                    add_dq_fragments<kHeadDim, kBlockM>(p, dq_tile, dq[r], 64 * r + 16 * warp, kDqDims * dq_product, g, t);
+            }
         }
         ptx::wgmma_wait<0>();  // (without dQ) dK and dV are in registers
         ptx::fence_operands(dk_flat);
