@@ -15,8 +15,12 @@ Timing: warm-up calls first (compilation is never timed), then the median of man
 cache. FLOPs follow FlashAttention's convention: 4·B·H·Sq·Sk·D forward (halved when causal),
 2.5× that backward. Peak memory is what the call allocates beyond its inputs.
 
+Each cupy_attn implementation's first result of a case and pass is checked against attention in
+float32 (bench/reference_check.py: PyTorch's SDPA math backend); each record holds its errors,
+and a result off by more than 5 % of an output's largest magnitude is reported as wrong.
+
 Writes results.json (a list of records) and one PNG per pass into --out, and prints a table of
-cupy_attn's speed relative to the best other implementation last.
+cupy_attn's speed relative to the best other implementation last, then the result checks.
 """
 from __future__ import annotations
 
@@ -36,6 +40,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
 import cupy_attn  # noqa: E402
 from cupy_attn import _backends  # noqa: E402
+
+import reference_check  # noqa: E402  (bench/)
 
 L2_BYTES = 64 * 2**20  # a little above an H100/H200's L2
 
@@ -485,8 +491,13 @@ def run(args) -> list[dict]:
                     calls = impl.prepare(case, pass_, sets)
                     if isinstance(calls, str):
                         continue
-                    for call in calls[:2]:  # warm-up: compilation and autotuning stay out of the timing
+                    # warm-up (compilation and autotuning stay out of the timing); cupy_attn's first
+                    # result is checked against float32 attention
+                    first = calls[0]()
+                    for call in calls[1:2]:
                         call()
+                    check = checked(case, pass_, device, first) if isinstance(impl, CupyAttnCuda) else {}
+                    first = None
                     detail = {}
                     ms, peak = time_gpu(calls, reps, detail) if device == "gpu" else time_cpu(calls, reps)
                 except Exception as exc:  # an implementation that rejects a case is reported, not fatal
@@ -497,13 +508,14 @@ def run(args) -> list[dict]:
                 finally:
                     calls = None
                 record = dict(asdict(case), impl=impl.name, device=device, ms_median=ms,
-                              tflops=case.flops(pass_) / (ms * 1e-3) / 1e12, peak_bytes=int(peak), reps=reps, **detail)
+                              tflops=case.flops(pass_) / (ms * 1e-3) / 1e12, peak_bytes=int(peak), reps=reps, **detail, **check)
                 record["pass"] = pass_
                 records.append(record)
                 (args.out / "results.json").write_text(json.dumps(records, indent=1))
                 print(f"{impl.name:<28} {case.name:<12} {case.dtype:<8} B={case.B:<3} H={case.H:<3} S={case.Sq:>5}/{case.Sk:<5} "
                       f"D={case.D:<3} causal={case.causal!s:<5} {pass_} {ms:9.3f} ms {record['tflops']:8.3f} TFLOP/s"
-                      + (f"  host {detail['host_ms']:.3f} ms, back to back {detail['back_to_back_ms']:.3f} ms" if detail else ""),
+                      + (f"  host {detail['host_ms']:.3f} ms, back to back {detail['back_to_back_ms']:.3f} ms" if detail else "")
+                      + (f"  error {max(check['rel_max_error'].values()):.1e}" if "rel_max_error" in check else ""),
                       flush=True)
     return records
 
@@ -534,6 +546,49 @@ def plot(records: list[dict], out: Path):
         fig.tight_layout()
         fig.savefig(out / f"{pass_}.png", dpi=110)
         plt.close(fig)
+
+
+@lru_cache(maxsize=1)  # the cupy_attn implementations of a case and pass run one after the other
+def _reference(case: Case, pass_: str, device: str) -> dict:
+    return reference_check.reference(*host_inputs(case, 0), causal=case.causal, pass_=pass_, device=device)
+
+
+def checked(case: Case, pass_: str, device: str, result) -> dict:
+    """reference_check.relative_errors of a result of the first input set against float32
+    attention, or {"unchecked": why} where that cannot be computed."""
+    if importlib.util.find_spec("torch") is None:
+        return {"unchecked": "PyTorch is not installed"}
+    try:
+        return reference_check.relative_errors(result, _reference(case, pass_, device))
+    except Exception as exc:  # the reference is a check on the timing, never a reason to lose it
+        return {"unchecked": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"}
+
+
+def result_summary(records: list[dict]) -> str:
+    """The checks of cupy_attn's results against float32 attention: a count, every wrong result
+    (reference_check.wrong), and the largest errors of each implementation and pass."""
+    rows = [r for r in records if "rel_max_error" in r]
+    wrong = [r for r in rows if reference_check.wrong(r)]
+    unchecked = sorted({r["unchecked"] for r in records if "unchecked" in r})
+    lines = [f"cupy_attn results against float32 attention: {len(rows)} checked, {len(wrong)} wrong (an error above "
+             f"{reference_check.WRONG_ABOVE} of the output's largest magnitude)"
+             + (f"; unchecked: {'; '.join(unchecked)}" if unchecked else "")]
+
+    def line(label: str, r: dict) -> str:
+        errors = " ".join(f"{name} {r['rel_max_error'][name]:.1e} (RMS {r['rel_rms_error'][name]:.1e})"
+                          for name in r["rel_max_error"])
+        return (f"{label:<8} {r['impl']:<18} {r['name']:<12} {r['dtype']:<9} S={r['Sq']}/{r['Sk']} D={r['D']} "
+                f"causal={r['causal']!s:<5} {r['pass']}: {errors}")
+
+    lines += [line("WRONG", r) for r in wrong]
+    largest: dict = {}
+    for r in rows:
+        if r not in wrong:
+            key, error = (r["impl"], r["pass"]), max(r["rel_max_error"].values())
+            if error >= largest.get(key, (-1.0, None))[0]:
+                largest[key] = (error, r)
+    lines += [line("largest", largest[key][1]) for key in sorted(largest)]
+    return "\n".join(lines)
 
 
 def summary(records: list[dict]) -> str:
@@ -622,6 +677,7 @@ def main(argv=None) -> int:
     else:
         print("matplotlib is not installed (pip install 'cupy_attn[bench]'): no plots", file=sys.stderr)
     print(summary(records))
+    print(result_summary(records))
     return 0 if records else 1
 
 

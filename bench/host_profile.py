@@ -1,20 +1,26 @@
-"""Where a call's host time goes: cProfile over repeated forward and backward calls.
+"""Where a call's time goes: its kernels' GPU times, and cProfile over repeated calls for the host.
 
     python bench/host_profile.py [--calls N] [--dry-run]
 
 On a GPU: bf16, B = 4, H = 16, S = 4096, D = 128 (the Nsight Compute case), the default kernels
 and, on compute capability 9.0, the wgmma ones. For each: the wall time per call with the calls
-queued (no synchronisation between them) and with a synchronisation after each, then the
-functions that took the most time of N queued calls, by own time and by cumulative time. On the
-2026-12-04 H200 run a single forward call took about 0.63 ms longer than its kernel at this size.
+queued (no synchronisation between them) and with a synchronisation after each; the median time
+of a whole call between two CUDA events, as the benchmark times it, beside each of its kernels'
+(cupy_attn's launches, each between two events) and what is left (CuPy's fills and conversions,
+and the host's gaps between launches); then the functions that took the most time of N queued
+calls, by own time and by cumulative time. On the 2026-12-04 H200 run a single forward call took
+about 0.63 ms longer than Nsight Compute's time of its kernel at this size, and a backward call
+about 1.1 ms longer than its dK/dV kernel.
 --dry-run: the same on the emulator at a tiny size, to check the script where no GPU is.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,6 +30,7 @@ import numpy as np
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]  # a source checkout
 import cupy_attn  # noqa: E402
 import ncu_cases  # noqa: E402  (bench/: the profiled case and its kernel families)
+from cupy_attn import _kernel_backend  # noqa: E402
 
 
 def per_call_ms(call, calls: int, sync) -> tuple[float, float]:
@@ -38,6 +45,62 @@ def per_call_ms(call, calls: int, sync) -> tuple[float, float]:
         call()
         sync()
     return queued, (time.perf_counter() - began) / calls * 1e3
+
+
+class Stamp:
+    """A point in a call's time: a CUDA event recorded on the current stream, or on the emulator
+    the host's clock."""
+
+    def __init__(self, xp):
+        self.event = xp.cuda.Event() if xp is not np else None
+        if self.event is not None:
+            self.event.record()
+        self.at = time.perf_counter()
+
+    def ms_to(self, later: "Stamp") -> float:
+        if self.event is None:
+            return (later.at - self.at) * 1e3
+        import cupy
+
+        return cupy.cuda.get_elapsed_time(self.event, later.event)
+
+
+@contextlib.contextmanager
+def timed_launches(xp):
+    """Every kernel cupy_attn launches inside (_kernel_backend._launch) between two stamps:
+    yields the list of (kernel name, start, stop) it fills."""
+    launch, timed = _kernel_backend._launch, []
+
+    def timed_launch(target, filename, name, *args, **keywords):
+        start = Stamp(xp)
+        launch(target, filename, name, *args, **keywords)
+        timed.append((name, start, Stamp(xp)))
+
+    _kernel_backend._launch = timed_launch
+    try:
+        yield timed
+    finally:
+        _kernel_backend._launch = launch
+
+
+def kernel_times(call, calls: int, sync, xp) -> str:
+    """The median time of a whole call (synchronised before and after, as the benchmark times one)
+    and of each of its launches, in ms, and the rest: what the launches do not cover."""
+    whole, kernels = [], {}
+    for _ in range(calls):
+        with timed_launches(xp) as timed:
+            sync()
+            start = Stamp(xp)
+            call()
+            stop = Stamp(xp)
+            sync()
+        whole.append(start.ms_to(stop))
+        for name, began, ended in timed:
+            kernels.setdefault(name, []).append(began.ms_to(ended))
+    call_ms = statistics.median(whole)
+    parts = {name: statistics.median(times) for name, times in kernels.items()}
+    return f"{call_ms:.3f} ms per call: " + ", ".join(f"{name} {ms:.3f}" for name, ms in parts.items()) \
+        + f", the rest {call_ms - sum(parts.values()):.3f}"
 
 
 def profile(call, calls: int, sync) -> str:
@@ -73,6 +136,7 @@ def main(argv=None) -> int:
             queued, synced = per_call_ms(call, calls, sync)
             print(f"host {family} {name}: {queued:.3f} ms per call queued, {synced:.3f} ms each synchronised "
                   f"({calls} calls, B={b} H={h} S={s} D={d} bf16)", flush=True)
+            print(f"host {family} {name} kernels: {kernel_times(call, calls, sync, xp)}", flush=True)
             print(profile(call, calls, sync), flush=True)
     return 0
 

@@ -24,6 +24,15 @@ def test_quick_cpu_benchmark_writes_json_and_plots(tmp_path):
     assert all(r["ms_median"] > 0 and r["tflops"] > 0 for r in records)
     assert (tmp_path / "fwd.png").stat().st_size > 1000 and (tmp_path / "bwd.png").exists()
     assert "relative to the best other implementation" in result.stdout
+    # cupy_attn's results were checked against float32 attention (PyTorch's math backend)
+    checked = [r for r in records if r["impl"] == "cupy_attn_numpy"]
+    if importlib.util.find_spec("torch"):
+        errors = [e for r in checked for kind in ("rel_rms_error", "rel_max_error") for e in r[kind].values()]
+        assert errors and all(0 < e < 1e-5 for e in errors), checked
+        assert {tuple(r["rel_max_error"]) for r in checked} == {("out",), ("dq", "dk", "dv")}
+        assert f"{len(checked)} checked, 0 wrong" in result.stdout
+    else:
+        assert all(r["unchecked"] == "PyTorch is not installed" for r in checked)
     # report.py turns it into a table of numbers: the NumPy backend is "ours" without a GPU
     report = subprocess.run([sys.executable, str(ROOT / "bench" / "report.py"), str(tmp_path / "results.json"),
                              "--pass", "fwd"], capture_output=True, text=True, timeout=60)
@@ -87,3 +96,47 @@ def test_emulator_build_timing_reports_every_asked_case():
     lines = result.stdout.splitlines()
     assert len(lines) == 2 and lines[0].startswith("runtime library ") and "precompiled header" in lines[0]
     assert lines[1].startswith("fwd_fp32   first call") and "(build and run)" in lines[1]
+
+
+def test_the_reference_check_tells_a_wrong_result_from_rounding():
+    """bench/reference_check.py against the NumPy backend (GQA, a padding mask, causal), then the
+    same results with one kv head's dk doubled and one query row of out taken from another."""
+    pytest.importorskip("torch")
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import bench_attention
+        import reference_check
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    import numpy as np
+
+    import cupy_attn
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 4, 37, 16), dtype=np.float32)
+    k, v = (rng.standard_normal((2, 2, 37, 16), dtype=np.float32) for _ in range(2))
+    dout = rng.standard_normal(q.shape, dtype=np.float32)
+    mask = (np.arange(37) < np.array([[30], [37]]))[:, None, None, :]
+    out, lse = cupy_attn.attention(q, k, v, mask=mask, causal=True, return_lse=True, backend="numpy")
+    grads = cupy_attn.attention_backward(dout, q, k, v, out, lse, mask=mask, causal=True, backend="numpy")
+    ref = {p: reference_check.reference(q, k, v, dout, mask, causal=True, pass_=p, device="cpu") for p in ("fwd", "bwd")}
+    right = {"fwd": reference_check.relative_errors(out, ref["fwd"]),
+             "bwd": reference_check.relative_errors(grads, ref["bwd"])}
+    assert list(right["bwd"]["rel_max_error"]) == ["dq", "dk", "dv"], right
+    assert all(e < 1e-5 for r in right.values() for kind in r.values() for e in kind.values()), right
+    wrong_out = out.copy()
+    wrong_out[0, 1, 20] = out[0, 1, 21]  # one row of 296: an RMS error of 5 %, the largest of 50 %
+    wrong_dk = grads[1].copy()
+    wrong_dk[1, 0] *= 2
+    wrong = {"fwd": reference_check.relative_errors(wrong_out, ref["fwd"]),
+             "bwd": reference_check.relative_errors((grads[0], wrong_dk, grads[2]), ref["bwd"])}
+    assert wrong["fwd"]["rel_max_error"]["out"] > 0.2 and wrong["bwd"]["rel_max_error"]["dk"] > 0.2, wrong
+    assert wrong["bwd"]["rel_max_error"]["dq"] < 1e-5  # the other outputs stay right
+    assert [reference_check.wrong(e) for e in (*right.values(), *wrong.values())] == [False, False, True, True]
+    base = dict(name="sweep", dtype="float32", Sq=37, Sk=37, D=16, causal=True)
+    records = [dict(base, impl=impl, **errors[p], **{"pass": p})
+               for impl, errors in (("right", right), ("wrong", wrong)) for p in ("fwd", "bwd")]
+    text = bench_attention.result_summary(records + [dict(base, impl="x", unchecked="why not")])
+    assert "4 checked, 2 wrong" in text.splitlines()[0] and text.splitlines()[0].endswith("unchecked: why not"), text
+    assert [line.split()[:2] for line in text.splitlines()[1:3]] == [["WRONG", "wrong"]] * 2, text
+    assert sum(line.startswith("largest  right") for line in text.splitlines()) == 2, text

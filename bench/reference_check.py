@@ -1,0 +1,82 @@
+"""How far a benchmarked result lies from attention in float32: the benchmark's check that what it
+timed is right.
+
+The 2026-12-04 H200 run timed the `wgmma` kernels while the canary that guards their GPU tests had
+failed, so their speed was measured and their results never looked at. The benchmark now compares
+the result of each cupy_attn implementation's first call (its first input set) with PyTorch's
+SDPA math backend on the same inputs in float32 (true float32 matmuls: PyTorch leaves TF32 off
+for them by default), and records each output's relative RMS error and largest error. Heads go in chunks whose
+float32 scores (and, backward, their gradients) stay near 1 GiB, so the 16k cases fit beside the
+timed ones.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+# An error above this share of an output's largest magnitude is a wrong result, not rounding:
+# fp16/bf16 round at 2^-11 / 2^-8 relative, and a correct kernel's errors stay near that; a wrong
+# row, tile or head is off by the order of its values.
+WRONG_ABOVE = 0.05
+_CHUNK_BYTES = 2**30
+
+
+def reference(q, k, v, dout, mask, *, causal: bool, pass_: str, device: str) -> dict:
+    """{output name: float32 torch tensor} for (B, H, S, D) host arrays: "out" forward; "dq",
+    "dk", "dv" backward (dk and dv summed over each GQA group, as cupy_attn returns them). `mask`
+    a bool array broadcasting to (B, H, Sq, Sk) or None; `causal` bottom-right aligned, as
+    cupy_attn's causal=True; `device` "gpu" or "cpu"."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    on = "cuda" if device == "gpu" else "cpu"
+    tq, tk, tv, td = (torch.from_numpy(np.asarray(x, np.float32)).to(on) for x in (q, k, v, dout))
+    b, h, sq, _ = q.shape
+    kv_heads, sk = k.shape[1], k.shape[2]
+    if causal:  # as a mask: SDPA takes none beside is_causal
+        below = np.tri(sq, sk, sk - sq, dtype=bool)
+        mask = below if mask is None else np.asarray(mask) & below
+    tm = None if mask is None else torch.from_numpy(np.asarray(mask)).to(on)
+    groups = h // kv_heads
+    per_kv_head = b * groups * sq * sk * 4 * (1 if pass_ == "fwd" else 3)
+    chunk = max(1, min(kv_heads, _CHUNK_BYTES // per_kv_head))  # kv heads per chunk
+    parts: dict = {name: [] for name in (("out",) if pass_ == "fwd" else ("dq", "dk", "dv"))}
+    for g0 in range(0, kv_heads, chunk):
+        heads = slice(g0 * groups, (g0 + chunk) * groups)
+        cq, ck, cv = (x.detach().clone().requires_grad_(pass_ == "bwd")
+                      for x in (tq[:, heads], tk[:, g0:g0 + chunk], tv[:, g0:g0 + chunk]))
+        with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                cq, ck.repeat_interleave(groups, 1), cv.repeat_interleave(groups, 1), attn_mask=tm)
+        if pass_ == "fwd":
+            parts["out"].append(out.detach())
+        else:
+            for name, grad in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (cq, ck, cv), td[:, heads])):
+                parts[name].append(grad)
+    return {name: torch.cat(chunks, dim=1) for name, chunks in parts.items()}
+
+
+def relative_errors(result, expected: dict) -> dict:
+    """{"rel_rms_error": {output: ‖result − expected‖₂ / ‖expected‖₂}, "rel_max_error": {output:
+    max |result − expected| / max |expected|}} for a cupy_attn result (out, or the tuple dq, dk,
+    dv; CuPy or NumPy arrays) against `reference`'s tensors. The RMS error is the precision of the
+    whole; the largest error catches a few wrong rows, which a 16k case's RMS error would hide."""
+    import torch
+
+    arrays = (result,) if len(expected) == 1 else tuple(result)
+    errors: dict = {"rel_rms_error": {}, "rel_max_error": {}}
+    for (name, want), got in zip(expected.items(), arrays):
+        # float32 first, on the array's own side: DLPack and torch.from_numpy know no ml_dtypes bfloat16
+        got = (torch.from_numpy(np.asarray(got, np.float32)) if isinstance(got, np.ndarray)
+               else torch.from_dlpack(got.astype(np.float32))).to(want.device)
+        if got.shape != want.shape:
+            raise ValueError(f"{name} has shape {tuple(got.shape)}, the reference {tuple(want.shape)}")
+        difference = got - want
+        errors["rel_rms_error"][name] = float(torch.linalg.vector_norm(difference) / torch.linalg.vector_norm(want))
+        errors["rel_max_error"][name] = float(difference.abs().max() / want.abs().max())
+    return errors
+
+
+def wrong(errors: dict) -> bool:
+    """Whether a result whose `relative_errors` these are is wrong: an output's largest error
+    above WRONG_ABOVE of its largest magnitude (NaN included)."""
+    return not all(e <= WRONG_ABOVE for e in errors["rel_max_error"].values())
