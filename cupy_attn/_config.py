@@ -174,8 +174,9 @@ TENSOR_CORE_DTYPES = (np.dtype(np.float16), BFLOAT16)
 
 # The warp-specialised wgmma kernels' threads (attn::kWsThreads: a producer warpgroup and two
 # consumers) and the registers each thread must start with: __launch_bounds__(384, 1) caps them at
-# 65536 / 384 rounded down to 8, and setmaxnreg hands them on (24 to the producer, 240 to each
-# consumer: 64512 in all), so a build with fewer would leave setmaxnreg.inc waiting forever.
+# 65536 / 384 rounded down to 8, and setmaxnreg hands them on (64512 in all: the forward 40 to the
+# producer and 232 to each consumer, the dK/dV 24 and 240), so a build with fewer would leave
+# setmaxnreg.inc waiting forever.
 WS_THREADS = 384
 WS_LAUNCH_REGISTERS = 65536 // WS_THREADS // 8 * 8
 
@@ -200,12 +201,23 @@ class HopperTile:
     threads: ClassVar[int] = WS_THREADS  # every tile
 
     @property
+    def persistent(self) -> bool:
+        """Whether O gets a staging tile of its own within HOPPER_SHARED_LIMIT: then the kernel is
+        persistent (a block per SM taking work tiles in turn, the next one's Q, K and V loading
+        while this one's O is stored), else it stages O in Q's rows and runs one block per work
+        tile (attention_fwd_wgmma.cu, kPersistent: the same rule)."""
+        return self._shared_bytes(own_output=True) <= HOPPER_SHARED_LIMIT
+
+    @property
     def shared_bytes(self) -> int:
-        """Q (block_m, D) and two stages of K and of V (block_n, D each) in 128-byte-swizzled
-        boxes, 16-bit (V is read there as an MN-major operand: no transposed copy; O is staged in
-        Q's rows for the TMA store), then the barriers: full and empty of each stage of K and of V,
-        and Q's (9 x 8 bytes)."""
-        return 2 * (self.block_m + 4 * self.block_n) * self.head_dim + 72
+        """Q (block_m, D), two stages of K and of V (block_n, D each) and, if persistent, O's
+        staging tile (block_m, D) in 128-byte-swizzled boxes, 16-bit (V is read there as an
+        MN-major operand: no transposed copy), then the barriers: full and empty of each stage of
+        K and of V, and Q's landed and free (10 x 8 bytes)."""
+        return self._shared_bytes(own_output=self.persistent)
+
+    def _shared_bytes(self, own_output: bool) -> int:
+        return 2 * (self.block_m * (2 if own_output else 1) + 4 * self.block_n) * self.head_dim + 80
 
     def tma_rows(self, operand: str) -> int:
         """Rows of one TMA box of q, k, v or out (each box TMA_BOX_DIMS head dims wide): the
@@ -217,30 +229,35 @@ class HopperTile:
         return f"attention_fwd_wgmma<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_n}>"
 
 
+HOPPER_SHARED_LIMIT = 227 * 1024  # dynamic shared memory a block may use on sm_90
 TMA_LINE_BYTES = 128  # one 128-byte swizzled line per box row: 64 head dims of 16 bits, 32 of float32
 TMA_BOX_DIMS = TMA_LINE_BYTES // 2  # head dims per TMA box of q, k, v, out and dout
 
 
-# Per consumer thread (240 registers after setmaxnreg): D/2 floats of O, block_n/2 of S and
+# Per consumer thread (232 registers after setmaxnreg): D/2 floats of O, block_n/2 of S and
 # block_n/4 registers of packed P. A plain build (no score feature, no mods) overlaps the softmax of
 # one tile with P·V of the previous, so all three are live at once; builds with features take each
 # tile in turn but hold the features' state (attention_fwd_wgmma.cu, kOverlap). Measured with
 # NVRTC 13.5 (fp16; bench/RESULTS.md, 2026-12-01, fifth session): without the overlap 128 keys at
 # D = 128 spill 4-24 bytes with softcap, ALiBi and a float mask (and dropout), 64 keys at D = 256
 # 12-120 with a float mask; 64 and 32 keys spilled with none of the feature sets tried (dropout
-# among them, at D = 256 too). So a plain call takes the first tile below for its head dim, a call
-# with features the first that is not plain_only. block_n is the N of the S instruction
+# among them, at D = 256 too). At D = 64, 128 keys spilled 8-152 bytes in 7 of the 24 feature sets
+# at 240 registers, 8-236 in 12 at 232 (the persistent forward's split; 2026-12-05): 64 keys in none.
+# So a plain call takes the first tile below for its head dim, a call with features the first that
+# is not plain_only. block_n is the N of the S instruction
 # (m64n176k16, FlashAttention-3's choice at D = 64, is not a shape ptx.cuh wraps). Shared memory
 # within the 227 KB a block may use on sm_90. Earlier: with one warpgroup per block and cp.async,
 # 128 keys at D = 64 gave issue_per_tensor 1.01 against 1.31 with 64 (the softmax's ~4.5
 # instructions per score outweigh D = 64's tensor work, so the per-tile rest is what a longer tile
 # amortises); TMA staging (fourth session) gave 0.88 at D = 64, 0.70 at 128, 0.47 at 256.
 HOPPER_TILES = (
-    HopperTile(64, 128, "32 + 64 + 32 registers of O, S and P per consumer thread; 80 KB shared"),
-    HopperTile(128, 128, "64 + 64 + 32 registers of O, S and P; 160 KB shared", plain_only=True),
-    HopperTile(128, 64, "64 + 32 + 16 registers of O, S and P besides the features'; 96 KB shared"),
-    HopperTile(256, 64, "128 + 32 + 16 registers of O, S and P; 192 KB shared", plain_only=True),
-    HopperTile(256, 32, "128 + 16 + 8 registers of O, S and P besides the features'; 128 KB shared"),
+    HopperTile(64, 128, "32 + 64 + 32 registers of O, S and P per consumer thread; 96 KB shared", plain_only=True),
+    HopperTile(64, 64, "32 + 32 + 16 registers of O, S and P besides the features'; 64 KB shared"),
+    HopperTile(128, 128, "64 + 64 + 32 registers of O, S and P; 192 KB shared", plain_only=True),
+    HopperTile(128, 64, "64 + 32 + 16 registers of O, S and P besides the features'; 128 KB shared"),
+    HopperTile(256, 64, "128 + 32 + 16 registers of O, S and P; 192 KB shared (O staged in Q: not persistent)",
+               plain_only=True),
+    HopperTile(256, 32, "128 + 16 + 8 registers of O, S and P besides the features'; 192 KB shared"),
 )
 HOPPER_ARCH = "sm_90a"  # what NVRTC compiles the wgmma kernels for
 

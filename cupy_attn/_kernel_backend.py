@@ -39,6 +39,9 @@ CAPABILITY_VARIABLE = "CUPY_ATTN_COMPUTE_CAPABILITY"
 # The L2 the emulator sizes the tensor-core kernels' sections of (batch entry, head) pairs for
 # (_schedule.heads_per_section): an H100's. Tests shrink it to split small problems into sections.
 EMULATOR_L2_BYTES = 50 * 2**20
+# The SMs the emulator stands in for, each running one block of a persistent kernel (the wgmma
+# forward): few, so that a test's blocks each take several work tiles. Tests vary it.
+EMULATOR_SMS = 3
 
 # Within compile_only(): the kernels a call would launch, built and recorded instead of run.
 _COMPILE_ONLY = contextvars.ContextVar("cupy_attn_compile_only", default=None)
@@ -229,6 +232,23 @@ def _shared_memory_limit(device: int) -> int:
 def _empty(xp, shape, dtype):
     """An output buffer; NaN-filled when POISON_OUTPUTS so unwritten elements show."""
     return xp.full(shape, np.nan, dtype=dtype) if POISON_OUTPUTS else xp.empty(shape, dtype=dtype)
+
+
+def resident_blocks(target: str) -> int:
+    """The blocks of a persistent kernel (one block per SM at 384 threads): the GPU's SM count,
+    or EMULATOR_SMS on the emulator."""
+    if target == "emulator":
+        return EMULATOR_SMS
+    import cupy
+
+    return _sm_count(cupy.cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: int) -> int:
+    import cupy
+
+    return cupy.cuda.Device(device).attributes["MultiProcessorCount"]
 
 
 def _heads_magic(heads: int) -> tuple:
@@ -443,6 +463,12 @@ def forward(problem: Problem, q, k, v, *, target: str):
     # The tensor-core forwards start their blocks in the order _query_grid shapes; the CUDA-core
     # one keeps the grid (query tiles, heads, batch entries) (kernels/block_info.cuh).
     grid = _query_grid(p, target, tile.block_m) if tile.sectioned else (_blocks(p.seq_q, tile.block_m), p.heads, p.batch)
+    work = ()
+    if isinstance(tile, _config.HopperTile):  # that grid's blocks as work tiles (WorkTiles)
+        pairs, tiles, sections = grid
+        total = pairs * tiles * sections  # < 2^31 (an int in the kernel): q holds 128 rows per work tile
+        work = (I32(pairs), I32(tiles), I32(total))
+        grid = (min(total, resident_blocks(target)) if tile.persistent else total, 1, 1)
     # A tile computing fewer value dims per launch than Dv runs once per slice of v and out (views:
     # same strides, shifted base), each launch writing the same lse.
     width = getattr(tile, "value_dim", p.head_dim_v)
@@ -452,7 +478,7 @@ def forward(problem: Problem, q, k, v, *, target: str):
         v_part, out_part = v[..., d0:d1], out[..., d0:d1]
         # The mma.sync kernels take a `vectorised` flag after lse; the fp32 and TMA ones do not.
         flags = (_vector_flags(q, k, v_part),) if isinstance(tile, _config.TensorCoreTile) else ()
-        args = (q, k, v_part, out_part, lse, *flags, *maps,
+        args = (q, k, v_part, out_part, lse, *flags, *maps, *work,
                 *_common_args(part, q, k, v_part, out_part, (tile.block_m, tile.block_n)))
         _launch(target, tile.filename, tile.name_expression(p.dtype), grid, args, tile.shared_bytes,
                 threads=getattr(tile, "threads", _config.THREADS), **module)

@@ -5,8 +5,10 @@ The cubin comes from NVRTC (`_nvrtc.compile_kernel`, built as CuPy builds it), t
 from `nvdisasm` (the `nvidia-cuda-nvdisasm` wheel of the test extra, $CUDA_PATH/bin or PATH).
 
 Hot loop: every backward branch (a BRA to an earlier label) closes a loop; the hot loop is the
-one holding the most tensor-core instructions (HMMA for mma.sync, HGMMA for wgmma), the
-innermost such loop where several hold as many. `loop_instructions` counts every instruction in
+one holding the most tensor-core instructions (HMMA for mma.sync, HGMMA for wgmma) of its own,
+outside the loops nested in it, the innermost such loop where several hold as many (a persistent
+kernel's loop over work tiles holds its key loop and the tiles peeled off its ends: the key loop
+is the hot one). `loop_instructions` counts every instruction in
 it (all paths; a nested loop's body once). The per-iteration numbers come from the fastest path:
 the fewest instructions from the loop's head to its back-edge that do the work each iteration
 does (every tensor instruction, and as many asynchronous copies, 16-byte shared stores and global
@@ -280,7 +282,12 @@ def hot_loop_report(instructions: list[Instruction], labels: dict[str, int], arc
     def inside(span):
         return [i for i in instructions if span[0] <= i.offset <= span[1]]
 
-    candidates = [(sum(map(_is_tensor, inside(s))), -(s[1] - s[0]), s) for s in loops(instructions, labels)]
+    def own_tensor_instructions(span, spans):
+        nested = [n for n in spans if n != span and span[0] <= n[0] and n[1] <= span[1]]
+        return sum(_is_tensor(i) for i in inside(span) if not any(n[0] <= i.offset <= n[1] for n in nested))
+
+    spans = loops(instructions, labels)
+    candidates = [(own_tensor_instructions(s, spans), -(s[1] - s[0]), s) for s in spans]
     if not candidates or max(candidates)[0] == 0:
         return LoopReport()
     body = inside(max(candidates)[2])

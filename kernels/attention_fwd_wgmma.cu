@@ -1,14 +1,16 @@
 // The Hopper (sm_90a) forward for fp16/bf16: FlashAttention-3's structure on wgmma and TMA.
 //
-// One block per (128 query rows, head, batch entry), three warpgroups with their roles fixed at
-// the start (warp specialisation):
-//   producer   warpgroup 0 gives up registers (setmaxnreg.dec 24); one elected thread of its
-//              first warp loads the block's Q once and each key tile's K and V with TMA into
+// Work tiles of (128 query rows, head, batch entry); a persistent block (one per SM) takes them in
+// turn (WorkTiles, block_info.cuh), so a tile's Q, K and V load while the previous tile's O is
+// staged and stored. Three warpgroups with their roles fixed at the start (warp specialisation):
+//   producer   warpgroup 0 gives up registers (setmaxnreg.dec 40); one elected thread of its
+//              first warp loads each work tile's Q once and each key tile's K and V with TMA into
 //              128-byte-swizzled boxes of 64 head dims, K and V into rings of two stages
 //              (pipeline.cuh) whose full barriers count the bytes that landed and whose empty
-//              barriers count the consumer threads done reading. Its other threads exit.
-//   consumers  warpgroups 1 and 2 take the registers (setmaxnreg.inc 240) and own 64 query rows
-//              each. The accumulators of wgmma m64nNk16 give warp w of a group its rows 16w..+15
+//              barriers count the consumer threads done reading; the rings go on from one work
+//              tile to the next. Its other threads exit.
+//   consumers  warpgroups 1 and 2 take the registers (setmaxnreg.inc 232) and own 64 query rows
+//              of a work tile each. The accumulators of wgmma m64nNk16 give warp w of a group its rows 16w..+15
 //              in mma.sync's layout, so the online softmax, the packing of P as an A operand and
 //              the normalisation are tc_forward.cuh's, shared with the mma.sync forward.
 // Per key tile n of kBlockN keys (the tile table's block_n, the N of the S instruction), each
@@ -23,9 +25,10 @@
 // runs while the other's products do. Rows whose scores the mask kills are handled as in every
 // kernel (tc_forward.cuh); the key range is the whole block's, so a group may visit a tile none
 // of its rows attends (its probabilities are 0).
-// The epilogue stages each group's normalised O in its own rows of the Q tile (swizzled as TMA
-// reads them; Q is dead there once the group's last S is in) and one thread stores them with TMA,
-// which clips rows past the sequence and head dims past Dv. The launcher uses this kernel where
+// The epilogue stages each group's normalised O in its own rows of O's staging tile (swizzled as
+// TMA reads them; at D = 256 with 64 keys, where shared memory has no room for it, in Q's rows,
+// and that build runs one block per work tile) and one thread stores them with TMA, which clips
+// rows past the sequence and head dims past Dv. The launcher uses this kernel where
 // TMA can address q, k, v and out (cupy_attn/_tensor_map.py) and the mma.sync forward elsewhere.
 #include "block_info.cuh"
 #include "dropout.cuh"
@@ -45,14 +48,20 @@ constexpr int kKvStages = 2;
 // Named barriers (0 is __syncthreads'): consumer group g's turn at the tensor cores, and its O
 // staged for the TMA store.
 constexpr unsigned kTurnBarrier = 1, kStagedBarrier = kTurnBarrier + kConsumerGroups;
-// Registers per thread after the split: 24 + 2 x 240 = 504 per lane-triple, 64512 of the SM's
-// 65536 (the launch gives each thread 65536 / 384 = 168, rounded to 8).
-constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
+// Registers per thread after the split: 40 + 2 x 232 = 504 per lane-triple, 64512 of the SM's
+// 65536 (the launch gives each thread 65536 / 384 = 168, rounded to 8). The producer walks the work
+// tiles (their key ranges) itself: at 24 it spilled 44-48 bytes (NVRTC 13.5); at 232 the
+// consumers spill in no build the tile table chooses.
+constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
 static_assert(register_split_fits(kWsThreads, kProducerRegisters, kConsumerRegisters), "the split must fit the launch");
+
+// Shared memory a block of 384 threads may use on sm_90 (227 KB).
+constexpr int kSharedLimit = 227 * 1024;
 
 struct ForwardBarriers {
     StageRing<kKvStages> k, v;
-    unsigned long long q_landed;
+    unsigned long long q_landed;  // a work tile's Q landed: one phase per Q tile loaded
+    unsigned long long q_free;    // the consumers are done with that Q tile: one phase per Q tile
 };
 
 // TMA copies of rows [row0, row0 + Layout's rows) x kDims head dims of a (head dims, rows, heads,
@@ -69,9 +78,10 @@ __device__ __forceinline__ void load_tile(T* tile, const ptx::TensorMap& map, in
 }
 
 template <class T, int kHeadDim, int kBlockN>
-__device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse, const long long (&strides)[12],
-                                                    const ptx::TensorMap& q_map, const ptx::TensorMap& k_map,
-                                                    const ptx::TensorMap& v_map, const ptx::TensorMap& o_map) {
+__device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkTiles& work, float* lse,
+                                                    const long long (&strides)[12], const ptx::TensorMap& q_map,
+                                                    const ptx::TensorMap& k_map, const ptx::TensorMap& v_map,
+                                                    const ptx::TensorMap& o_map) {
     // Head dims per P·V instruction (its N): all of them up to 128 (one m64n128k16 covers O's 64
     // accumulators per lane at D = 128), in instructions of 128 beyond.
     constexpr int kPvDims = kHeadDim < 128 ? kHeadDim : 128;
@@ -89,23 +99,31 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse,
     // S, softmax and P·V in turn.
     constexpr bool kOverlap = ScoreTransform::kPlain;
     constexpr unsigned kTileElements = kBlockN * kHeadDim;  // one stage of K or of V
+    // Persistent where O has a staging tile of its own beside Q, K and V (HopperTile.persistent: all
+    // but D = 256 with 64 keys): a block then takes work tiles in turn, and the next tile's Q, K and
+    // V load while this one's O is staged and stored. Else O is staged in Q's rows and the launcher
+    // starts one block per work tile.
+    constexpr bool kPersistent =
+        sizeof(T) * (2 * kBlockM * kHeadDim + 4 * kTileElements) + sizeof(ForwardBarriers) <= kSharedLimit;
     extern __shared__ __align__(1024) unsigned char smem_bytes[];
-    // Q (kBlockM x kHeadDim), K's stages, V's stages (kBlockN x kHeadDim each; all multiples of
-    // 1024 bytes, so every box starts a swizzle atom), then the barriers. Stages by arithmetic: a
-    // run-time index into a pointer array would put it in local memory.
+    // Q (kBlockM x kHeadDim), K's stages, V's stages (kBlockN x kHeadDim each), O's staging tile
+    // (kBlockM x kHeadDim) if persistent (all multiples of 1024 bytes, so every box starts a
+    // swizzle atom), then the barriers. Stages by arithmetic: a run-time index into a pointer
+    // array would put it in local memory.
     T* sQ = reinterpret_cast<T*>(smem_bytes);
     T* sK = sQ + kBlockM * kHeadDim;
     T* sV = sK + kKvStages * kTileElements;
-    ForwardBarriers& bars = *reinterpret_cast<ForwardBarriers*>(sV + kKvStages * kTileElements);
+    T* sO = kPersistent ? sV + kKvStages * kTileElements : sQ;
+    ForwardBarriers& bars =
+        *reinterpret_cast<ForwardBarriers*>(sV + kKvStages * kTileElements + (kPersistent ? kBlockM * kHeadDim : 0));
+    // A block's work tiles: every gridDim.x-th from its own when persistent, else its own alone.
+    const int work_step = kPersistent ? gridDim.x : work.total;
 
-    const BlockPlace place = query_block_place(p);
-    const BlockInfo b(p, place.head, place.batch);
-    const int m0 = place.tile * kBlockM;
-    const TileWalk keys = b.key_walk(p, m0, kBlockM, kBlockN);
     if (threadIdx.x == 0) {
         bars.k.init(128 * kConsumerGroups);
         bars.v.init(128 * kConsumerGroups);
         ptx::mbarrier_init(&bars.q_landed, 1);
+        ptx::mbarrier_init(&bars.q_free, 128 * kConsumerGroups);
         ptx::fence_mbarrier_init();
     }
     __syncthreads();  // the barriers are initialised; the last block-wide barrier (the producer's threads exit)
@@ -115,17 +133,29 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse,
         // Q, K and V go in whole boxes, zero-filled past the tensor (keys past seq_k, rows past
         // seq_q, dims past the head); keys between a batch entry's length and seq_k are read,
         // and masked, as the cp.async kernels do. Each full barrier learns the whole boxes' bytes.
-        if (threadIdx.x < 32 && ptx::elect_one() && keys.more()) {
-            ptx::mbarrier_arrive_expect_tx(&bars.q_landed, sizeof(T) * kBlockM * kHeadDim);
-            load_tile<QTile, kHeadDim>(sQ, q_map, m0, b.bidh, b.bidb, &bars.q_landed);
+        // A work tile's first K goes before its Q, which waits until the consumers are done with
+        // the previous Q tile: it then lands while they finish that tile.
+        if (threadIdx.x < 32 && ptx::elect_one()) {
             StageCursor<kKvStages> at;
-            for (TileWalk loads = keys; loads.more(); loads.advance(), at.advance()) {
-                producer_acquire(bars.k, at, sizeof(T) * kTileElements);
-                load_tile<KvTile, kHeadDim>(sK + at.stage * kTileElements, k_map, loads.tile * kBlockN, b.bidh_kv,
-                                            b.bidb, &bars.k.full[at.stage]);
-                producer_acquire(bars.v, at, sizeof(T) * kTileElements);
-                load_tile<KvTile, kHeadDim>(sV + at.stage * kTileElements, v_map, loads.tile * kBlockN, b.bidh_kv,
-                                            b.bidb, &bars.v.full[at.stage]);
+            unsigned q_tiles = 0;
+            for (int w = blockIdx.x; w < work.total; w += work_step) {
+                const BlockPlace place = work.query_place(p, w);
+                const BlockInfo b(p, place.head, place.batch);
+                const int m0 = place.tile * kBlockM;
+                for (TileWalk loads = b.key_walk(p, m0, kBlockM, kBlockN); loads.more(); loads.advance(), at.advance()) {
+                    producer_acquire(bars.k, at, sizeof(T) * kTileElements);
+                    load_tile<KvTile, kHeadDim>(sK + at.stage * kTileElements, k_map, loads.tile * kBlockN, b.bidh_kv,
+                                                b.bidb, &bars.k.full[at.stage]);
+                    if (loads.visits() == 0) {
+                        if (q_tiles > 0) ptx::mbarrier_wait(&bars.q_free, (q_tiles - 1) & 1);
+                        ptx::mbarrier_arrive_expect_tx(&bars.q_landed, sizeof(T) * kBlockM * kHeadDim);
+                        load_tile<QTile, kHeadDim>(sQ, q_map, m0, b.bidh, b.bidb, &bars.q_landed);
+                        ++q_tiles;
+                    }
+                    producer_acquire(bars.v, at, sizeof(T) * kTileElements);
+                    load_tile<KvTile, kHeadDim>(sV + at.stage * kTileElements, v_map, loads.tile * kBlockN, b.bidh_kv,
+                                                b.bidb, &bars.v.full[at.stage]);
+                }
             }
         }
         return;
@@ -135,11 +165,6 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse,
     const int group = threadIdx.x / 128 - 1;  // consumer group: query rows 64·group .. + 63 of the block
     const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32, t = lane % 4;
     const int group_row0 = 64 * group;
-    const int row_lo = m0 + group_row0 + warp * 16 + lane / 4;  // this lane's two rows: row_lo and row_lo + 8
-    const ScoreTransform score(p, b);
-    const Dropout dropout(p, b);
-    const HeadView at = head_view(p, b, strides);
-
     // Descriptors built once per block; a tile's stage and a k-step's columns are offsets added to
     // them.
     const unsigned long long q_desc = ptx::wgmma_descriptor(sQ + QTile::offset(group_row0, 0), QTile::kKMajorLbo,
@@ -148,162 +173,191 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, float* lse,
         ptx::wgmma_descriptor(sK, KvTile::kKMajorLbo, KvTile::kKMajorSbo, ptx::Swizzle::B128);
     const unsigned long long v_desc0 =
         ptx::wgmma_descriptor(sV, KvTile::kMnMajorLbo, KvTile::kMnMajorSbo, ptx::Swizzle::B128);
-
-    float o[kDTiles][4];
-#pragma unroll
-    for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
-    float(&o_flat)[4 * kDTiles] = reinterpret_cast<float(&)[4 * kDTiles]>(o);
-    TcSoftmax softmax[2];
-    float s[kNTiles][4];
-    float(&s_flat)[4 * kNTiles] = reinterpret_cast<float(&)[4 * kNTiles]>(s);
-    unsigned pa[kBlockN / 16][4];  // P of the previous tile as A fragments (16 keys each)
-    unsigned(&pa_flat)[kBlockN / 4] = reinterpret_cast<unsigned(&)[kBlockN / 4]>(pa);
     StageCursor<kKvStages> k_at, v_at;
-    const TileSpan interior = b.interior_key_tiles(p, m0, kBlockM, kBlockN);
+    unsigned q_tiles = 0;
 
-    // Turns: a group waits on its own barrier (its 128 threads sync, the other group's 128 arrive)
-    // before issuing a tile's products, and hands the turn over once they are issued. Group 1
-    // hands group 0 the first turn; group 1 skips its last hand-over (group 0 has no turn left to
-    // take), so every barrier generation is complete when the block exits.
-    auto take_turn = [&] { ptx::named_barrier_sync(kTurnBarrier + group, 256); };
-    auto pass_turn = [&](const TileWalk& at_tile) {
-        if (group == 0 || !at_tile.last()) ptx::named_barrier_arrive(kTurnBarrier + (group + 1) % 2, 256);
-    };
-    auto issue_s = [&] {
-        const unsigned long long k_desc = ptx::descriptor_plus(k_desc0, sizeof(T) * k_at.stage * kTileElements);
-        // From D = 128 the k-steps' descriptors of Q, hoisted out of the key loop, would hold 16
-        // or 32 registers for the whole loop and spill (NVRTC 13.5); recomputed per tile they cost
-        // a uniform add per k-step. D = 64 keeps its four hoisted.
-        const unsigned long long q_tile = kHeadDim >= 128 ? ptx::opaque(q_desc) : q_desc;
-        ptx::fence_operands(s_flat);
-        ptx::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kHeadDim / 16; ++kk)
-            ptx::wgmma_m64k16_ss<T, kBlockN, ptx::Major::K>(
-                s_flat, ptx::descriptor_plus(q_tile, sizeof(T) * QTile::offset(0, 16 * kk)),
-                ptx::descriptor_plus(k_desc, sizeof(T) * KvTile::offset(0, 16 * kk)), kk > 0);
-        ptx::wgmma_commit();
-    };
-    auto issue_pv = [&] {
-        const unsigned long long v_desc = ptx::descriptor_plus(v_desc0, sizeof(T) * v_at.stage * kTileElements);
-        ptx::fence_operands(pa_flat);
-        ptx::fence_operands(o_flat);
-        ptx::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk)
-#pragma unroll
-            for (int c = 0; c < kHeadDim / kPvDims; ++c)
-                ptx::wgmma_m64k16_rs<T, kPvDims, ptx::Major::MN>(
-                    reinterpret_cast<float(&)[kPvDims / 2]>(o_flat[c * kPvDims / 2]), pa[kk],
-                    ptx::descriptor_plus(v_desc, sizeof(T) * KvTile::offset(16 * kk, c * kPvDims)), 1);
-        ptx::wgmma_commit();
-    };
-    // S of tile n_block, in registers and done with its stage of K, to probabilities (then O
-    // must be rescaled, rescale_rows, before P·V of this tile adds to it).
-    auto softmax_of = [&](int n_block) {
-        ptx::fence_operands(s_flat);
-        consumer_release(bars.k, k_at);
-        k_at.advance();
-        const int n0 = n_block * kBlockN;
-        softmax_scores(s, softmax, p, b, score, dropout, row_lo, n0, t,
-                       b.tile_checks(p, interior.contains(n_block), place.tile, n_block));
-    };
-    auto pack_p = [&] {
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) accumulators_as_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
-    };
-    // P·V of the previous tile is in O: its stage of V is free and O may be rescaled.
-    auto pv_done = [&] {
-        ptx::fence_operands(o_flat);
-        ptx::fence_operands(pa_flat);
-        consumer_release(bars.v, v_at);
-        v_at.advance();
-    };
+    for (int w = blockIdx.x; w < work.total; w += work_step) {
+        const BlockPlace place = work.query_place(p, w);
+        const BlockInfo b(p, place.head, place.batch);
+        const int m0 = place.tile * kBlockM;
+        const TileWalk keys = b.key_walk(p, m0, kBlockM, kBlockN);
+        const int row_lo = m0 + group_row0 + warp * 16 + lane / 4;  // this lane's two rows: row_lo and row_lo + 8
+        const ScoreTransform score(p, b);
+        const Dropout dropout(p, b);
+        const HeadView at = head_view(p, b, strides);
 
-    // On this group's turn, once the tile's K landed: S = Q·Kᵀ issued.
-    auto start_s = [&] {
-        take_turn();
-        consumer_wait(bars.k, k_at);
-        issue_s();
-    };
-    // P·V of the last tile softmax_of saw, issued once its V landed, and waited for.
-    auto finish_pv = [&] {
-        consumer_wait(bars.v, v_at);
-        issue_pv();
-        ptx::wgmma_wait<0>();
-        pv_done();
-    };
+        float o[kDTiles][4];
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+        float(&o_flat)[4 * kDTiles] = reinterpret_cast<float(&)[4 * kDTiles]>(o);
+        TcSoftmax softmax[2];
+        float s[kNTiles][4];
+        float(&s_flat)[4 * kNTiles] = reinterpret_cast<float(&)[4 * kNTiles]>(s);
+        unsigned pa[kBlockN / 16][4];  // P of the previous tile as A fragments (16 keys each)
+        unsigned(&pa_flat)[kBlockN / 4] = reinterpret_cast<unsigned(&)[kBlockN / 4]>(pa);
+        const TileSpan interior = b.interior_key_tiles(p, m0, kBlockM, kBlockN);
 
-    if (keys.more()) {
-        if (group == 1) ptx::named_barrier_arrive(kTurnBarrier, 256);  // group 0 goes first
-        ptx::mbarrier_wait(&bars.q_landed, 0);
-        if constexpr (!kOverlap) {  // one tile after the other
-            for (TileWalk at_tile = keys; at_tile.more(); at_tile.advance()) {
+        // Turns: a group waits on its own barrier (its 128 threads sync, the other group's 128
+        // arrive) before issuing a tile's products, and hands the turn over once they are issued.
+        // Group 1 hands group 0 the first turn; group 1 skips its last hand-over (group 0 has no
+        // turn left to take), so every barrier generation is complete when the work tile ends.
+        auto take_turn = [&] { ptx::named_barrier_sync(kTurnBarrier + group, 256); };
+        auto pass_turn = [&](const TileWalk& at_tile) {
+            if (group == 0 || !at_tile.last()) ptx::named_barrier_arrive(kTurnBarrier + (group + 1) % 2, 256);
+        };
+        auto issue_s = [&] {
+            const unsigned long long k_desc = ptx::descriptor_plus(k_desc0, sizeof(T) * k_at.stage * kTileElements);
+            // From D = 128 the k-steps' descriptors of Q, hoisted out of the key loop, would hold
+            // 16 or 32 registers for the whole loop and spill (NVRTC 13.5); recomputed per tile
+            // they cost a uniform add per k-step. D = 64 keeps its four hoisted.
+            const unsigned long long q_tile = kHeadDim >= 128 ? ptx::opaque(q_desc) : q_desc;
+            ptx::fence_operands(s_flat);
+            ptx::wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kHeadDim / 16; ++kk)
+                ptx::wgmma_m64k16_ss<T, kBlockN, ptx::Major::K>(
+                    s_flat, ptx::descriptor_plus(q_tile, sizeof(T) * QTile::offset(0, 16 * kk)),
+                    ptx::descriptor_plus(k_desc, sizeof(T) * KvTile::offset(0, 16 * kk)), kk > 0);
+            ptx::wgmma_commit();
+        };
+        auto issue_pv = [&] {
+            const unsigned long long v_desc = ptx::descriptor_plus(v_desc0, sizeof(T) * v_at.stage * kTileElements);
+            ptx::fence_operands(pa_flat);
+            ptx::fence_operands(o_flat);
+            ptx::wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kBlockN / 16; ++kk)
+#pragma unroll
+                for (int c = 0; c < kHeadDim / kPvDims; ++c)
+                    ptx::wgmma_m64k16_rs<T, kPvDims, ptx::Major::MN>(
+                        reinterpret_cast<float(&)[kPvDims / 2]>(o_flat[c * kPvDims / 2]), pa[kk],
+                        ptx::descriptor_plus(v_desc, sizeof(T) * KvTile::offset(16 * kk, c * kPvDims)), 1);
+            ptx::wgmma_commit();
+        };
+        // S of tile n_block, in registers and done with its stage of K, to probabilities (then O
+        // must be rescaled, rescale_rows, before P·V of this tile adds to it).
+        auto softmax_of = [&](int n_block) {
+            ptx::fence_operands(s_flat);
+            consumer_release(bars.k, k_at);
+            k_at.advance();
+            const int n0 = n_block * kBlockN;
+            softmax_scores(s, softmax, p, b, score, dropout, row_lo, n0, t,
+                           b.tile_checks(p, interior.contains(n_block), place.tile, n_block));
+        };
+        auto pack_p = [&] {
+#pragma unroll
+            for (int kk = 0; kk < kBlockN / 16; ++kk) accumulators_as_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
+        };
+        // P·V of the previous tile is in O: its stage of V is free and O may be rescaled.
+        auto pv_done = [&] {
+            ptx::fence_operands(o_flat);
+            ptx::fence_operands(pa_flat);
+            consumer_release(bars.v, v_at);
+            v_at.advance();
+        };
+
+        // On this group's turn, once the tile's K landed: S = Q·Kᵀ issued.
+        auto start_s = [&] {
+            take_turn();
+            consumer_wait(bars.k, k_at);
+            issue_s();
+        };
+        // P·V of the last tile softmax_of saw, issued once its V landed, and waited for.
+        auto finish_pv = [&] {
+            consumer_wait(bars.v, v_at);
+            issue_pv();
+            ptx::wgmma_wait<0>();
+            pv_done();
+        };
+
+        if (keys.more()) {
+            if (group == 1) ptx::named_barrier_arrive(kTurnBarrier, 256);  // group 0 goes first
+            ptx::mbarrier_wait(&bars.q_landed, q_tiles & 1);
+            if constexpr (!kOverlap) {  // one tile after the other
+                for (TileWalk at_tile = keys; at_tile.more(); at_tile.advance()) {
+                    start_s();
+                    pass_turn(at_tile);
+                    ptx::wgmma_wait<0>();
+                    softmax_of(at_tile.tile);
+                    rescale_rows(o, softmax);
+                    pack_p();
+                    finish_pv();
+                }
+            } else {  // S of each tile issued with P·V of the one before
+                TileWalk at_tile = keys;
                 start_s();
                 pass_turn(at_tile);
                 ptx::wgmma_wait<0>();
-                softmax_of(at_tile.tile);
-                rescale_rows(o, softmax);
+                softmax_of(at_tile.tile);  // O is 0: its rescale is moot
                 pack_p();
+                for (at_tile.advance(); at_tile.more(); at_tile.advance()) {
+                    start_s();
+                    consumer_wait(bars.v, v_at);
+                    issue_pv();
+                    pass_turn(at_tile);
+                    ptx::wgmma_wait<1>();  // S is in; P·V of the previous tile may still run
+                    softmax_of(at_tile.tile);
+                    ptx::wgmma_wait<0>();
+                    pv_done();
+                    rescale_rows(o, softmax);
+                    pack_p();
+                }
                 finish_pv();
             }
-        } else {  // S of each tile issued with P·V of the one before
-            TileWalk at_tile = keys;
-            start_s();
-            pass_turn(at_tile);
-            ptx::wgmma_wait<0>();
-            softmax_of(at_tile.tile);  // O is 0: its rescale is moot
-            pack_p();
-            for (at_tile.advance(); at_tile.more(); at_tile.advance()) {
-                start_s();
-                consumer_wait(bars.v, v_at);
-                issue_pv();
-                pass_turn(at_tile);
-                ptx::wgmma_wait<1>();  // S is in; P·V of the previous tile may still run
-                softmax_of(at_tile.tile);
-                ptx::wgmma_wait<0>();
-                pv_done();
-                rescale_rows(o, softmax);
-                pack_p();
-            }
-            finish_pv();
+            // This thread's products are in: Q may be overwritten by the next work tile's, once
+            // every consumer thread says so (a persistent block's producer waits for it).
+            ptx::mbarrier_arrive(&bars.q_free);
+            ++q_tiles;
         }
-    }
 
-    // O through this group's rows of the Q tile (no TMA copy into them is in flight: Q was loaded
-    // only when the block has key tiles, and waited for), then out by TMA.
-    float inv[2];
-    finish_rows(p, b, at, lse, softmax, row_lo, t, inv);
-    stage_pairs<T>(o, inv, lane, sQ, [&](int row, int col) {
-        return QTile::swizzled(group_row0 + 16 * warp + row, col);
-    });
-    ptx::fence_proxy_async();  // the group's stores, visible to the TMA store
-    ptx::named_barrier_sync(kStagedBarrier + group, 128);
-    if (threadIdx.x % 128 == 0) {
-        for (int c = 0; c < kHeadDim / QTile::kBoxCols; ++c) {
-            const int box[4] = {c * QTile::kBoxCols, m0 + group_row0, b.bidh, b.bidb};
-            ptx::tma_store<4>(o_map, box, sQ + QTile::offset(group_row0, c * QTile::kBoxCols));
+        // O through this group's rows of its staging tile (swizzled as TMA reads them), then out
+        // by TMA. Persistent: O's own tile, free once the previous work tile's store read it.
+        // Else Q's rows: Q is dead there once the group's last S is in, and no TMA copy into them
+        // is in flight (Q was loaded only when the block has key tiles, and waited for).
+        float inv[2];
+        finish_rows(p, b, at, lse, softmax, row_lo, t, inv);
+        if constexpr (kPersistent) {
+            if (threadIdx.x % 128 == 0) ptx::bulk_wait_read<0>();
+            ptx::named_barrier_sync(kStagedBarrier + group, 128);
         }
-        ptx::bulk_commit();
-        ptx::bulk_wait_read<0>();  // shared memory must outlive the store's reads of it
+        stage_pairs<T>(o, inv, lane, sO, [&](int row, int col) {
+            return QTile::swizzled(group_row0 + 16 * warp + row, col);
+        });
+        ptx::fence_proxy_async();  // the group's stores, visible to the TMA store
+        ptx::named_barrier_sync(kStagedBarrier + group, 128);
+        if (threadIdx.x % 128 == 0) {
+            for (int c = 0; c < kHeadDim / QTile::kBoxCols; ++c) {
+                const int box[4] = {c * QTile::kBoxCols, m0 + group_row0, b.bidh, b.bidb};
+                ptx::tma_store<4>(o_map, box, sO + QTile::offset(group_row0, c * QTile::kBoxCols));
+            }
+            ptx::bulk_commit();
+            // Shared memory must outlive the last store's reads of it. (Waited for inside the loop:
+            // with code after it, ptxas held the consumers to the launch's 168 registers, not the
+            // 240 of setmaxnreg, and spilled; NVRTC 13.5.)
+            if (w >= work.total - work_step) ptx::bulk_wait_read<0>();
+        }
     }
 }
 
 }  // namespace attn
 
-// grid (pairs per section, ceil(Sq / 128), sections) (query_block_place), block 384 threads (a
-// producer warpgroup and two consumers), dynamic shared memory: Q (128 x kHeadDim) and two stages
-// of K and of V (kBlockN x kHeadDim each), 16-bit, then the barriers. q_map, k_map, v_map, o_map:
-// TMA maps of q, k, v and out (head dims, rows, heads, batch) with 128-byte swizzle and boxes of 64
-// head dims x 128 query rows (q), kBlockN keys (k, v) and 64 query rows (out: one consumer
-// group's); q, k, v and out are read and written through them only (their pointers and strides in
-// ATTN_PARAMS go unused; lse is written directly). Compiled for sm_90a only.
+// grid (blocks), one dimension: persistent builds (kPersistent) as many blocks as the GPU runs
+// at once (one per SM), at most `work_total`; the others `work_total`. work_pairs x work_tiles x
+// sections (= work_total) is the sectioned grid of query tiles of 128 rows (WorkTiles). Block 384
+// threads (a producer warpgroup and two consumers), dynamic shared memory: Q (128 x kHeadDim), two
+// stages of K and of V (kBlockN x kHeadDim each), if persistent O's staging tile (128 x kHeadDim),
+// 16-bit, then the barriers. q_map, k_map, v_map, o_map: TMA maps of q, k, v and out (head dims,
+// rows, heads, batch) with 128-byte swizzle and boxes of 64 head dims x 128 query rows (q),
+// kBlockN keys (k, v) and 64 query rows (out: one consumer group's); q, k, v and out are read and
+// written through them only (their pointers and strides in ATTN_PARAMS go unused; lse is written
+// directly). Compiled for sm_90a only.
 template <class T, int kHeadDim, int kBlockN>
 __global__ void __launch_bounds__(attn::kWsThreads, 1)
 attention_fwd_wgmma(const T* q, const T* k, const T* v, T* out, float* lse,
                     const __grid_constant__ ptx::TensorMap q_map, const __grid_constant__ ptx::TensorMap k_map,
                     const __grid_constant__ ptx::TensorMap v_map, const __grid_constant__ ptx::TensorMap o_map,
-                    ATTN_PARAMS) {
+                    int work_pairs, int work_tiles, int work_total, ATTN_PARAMS) {
     ATTN_UNPACK_PARAMS;
-    attn::forward_wgmma_block<T, kHeadDim, kBlockN>(p, lse, strides, q_map, k_map, v_map, o_map);
+    attn::forward_wgmma_block<T, kHeadDim, kBlockN>(p, attn::WorkTiles{work_pairs, work_tiles, work_total}, lse,
+                                                    strides, q_map, k_map, v_map, o_map);
 }

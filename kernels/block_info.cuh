@@ -188,17 +188,40 @@ struct BlockPlace {
     int tile, head, batch;
 };
 
+// The place of block (x, y, z) of a sectioned grid of `pairs` x `tiles` x sections.
 template <bool kLastTileFirst>
-__device__ __forceinline__ BlockPlace sectioned_place(const Params& p) {
-    const unsigned pair = blockIdx.z * gridDim.x + blockIdx.x;  // batch entry · heads + head, < 2^31
+__device__ __forceinline__ BlockPlace sectioned_place(const Params& p, unsigned x, unsigned y, unsigned z,
+                                                      unsigned pairs, unsigned tiles) {
+    const unsigned pair = z * pairs + x;  // batch entry · heads + head, < 2^31
     const unsigned batch = __umulhi(2 * pair, p.heads_magic) >> p.heads_shift;  // pair / heads
-    return BlockPlace{static_cast<int>(kLastTileFirst ? gridDim.y - 1 - blockIdx.y : blockIdx.y),
-                      static_cast<int>(pair - batch * p.heads), static_cast<int>(batch)};
+    return BlockPlace{static_cast<int>(kLastTileFirst ? tiles - 1 - y : y), static_cast<int>(pair - batch * p.heads),
+                      static_cast<int>(batch)};
 }
 // The tensor-core forwards and dQ kernel: query tiles, the last first.
-__device__ __forceinline__ BlockPlace query_block_place(const Params& p) { return sectioned_place<true>(p); }
+__device__ __forceinline__ BlockPlace query_block_place(const Params& p) {
+    return sectioned_place<true>(p, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.y);
+}
 // The tensor-core dK/dV kernels up to D = 128: key tiles, the first first.
-__device__ __forceinline__ BlockPlace key_block_place(const Params& p) { return sectioned_place<false>(p); }
+__device__ __forceinline__ BlockPlace key_block_place(const Params& p) {
+    return sectioned_place<false>(p, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.y);
+}
+
+// A persistent kernel's work: the blocks of the sectioned grid (pairs, tiles, sections) the
+// launcher would have started, as work tiles in the order the GPU would have started them, which
+// its blocks (one per SM) take in turn: block i the work tiles i, i + gridDim.x, ... So the order
+// serves the tail and the L2 as above, and a block's next tile reuses its barriers, its shared
+// memory and its start (FlashAttention-3's persistent kernels).
+struct WorkTiles {
+    int pairs, tiles, total;  // the sectioned grid's x and y extents, and its block count
+
+    // Work tile w's query tile (the last first), head and batch entry.
+    __device__ __forceinline__ BlockPlace query_place(const Params& p, int w) const {
+        const unsigned per_section = static_cast<unsigned>(pairs) * tiles;
+        const unsigned z = w / per_section, in_section = w - z * per_section;
+        const unsigned y = in_section / pairs;
+        return sectioned_place<true>(p, in_section - y * pairs, y, z, pairs, tiles);
+    }
+};
 // The grid (tiles, heads, batch entries).
 __device__ __forceinline__ BlockPlace grid_place() {
     return BlockPlace{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};

@@ -159,6 +159,23 @@ def test_the_kernels_order_is_its_twins(places, tiles, heads, entries, keys):
         assert [tuple(row) for row in out] == _schedule.launch_order(grid, heads, not keys), section
 
 
+@pytest.mark.parametrize("tiles,heads,entries", [(1, 1, 1), (5, 3, 2), (4, 7, 1), (3, 2, 3), (2, 6, 2)])
+def test_the_persistent_forwards_work_tiles_are_the_sectioned_grids_blocks(places, tiles, heads, entries):
+    """WorkTiles::query_place (kernels/block_info.cuh), the persistent wgmma forward's walk: on 1,
+    2, 5 blocks or one per work tile, the work tiles get, in the order the blocks take them, the
+    places the sectioned grid's blocks get in launch order, every work tile once."""
+    pairs = heads * entries
+    magic, shift = _schedule.division_magic(heads)
+    for section in (s for s in range(1, pairs + 1) if pairs % s == 0):
+        grid = _schedule.sectioned_grid(tiles, pairs, section)
+        total = grid[0] * grid[1] * grid[2]
+        for blocks in sorted({1, 2, 5, total}):
+            out = np.full((total, 3), -1, np.int32)
+            places.get_function("work_places")((blocks,), (32,), (out, np.int32(heads), np.uint32(magic), np.int32(shift),
+                                                                  np.int32(grid[0]), np.int32(grid[1]), np.int32(total)))
+            assert [tuple(row) for row in out] == _schedule.launch_order(grid, heads, True), (section, blocks)
+
+
 @pytest.mark.parametrize("dtype,capability", [(np.float32, 80), (np.float16, 80), (np.float16, 90)],
                          ids=["cuda_cores", "mma_sync", "wgmma"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
@@ -192,7 +209,12 @@ def test_kernels_in_sections(monkeypatch, dtype, capability, deterministic):
     if dtype == np.float32:
         assert all(g[1:] == (6, 2) for g in query_tiled + key_tiled), grids
     else:
-        assert all(g[0] == 6 and g[2] == 2 for g in query_tiled) and key_tiled[0][0] == 3 and key_tiled[0][2] == 4, grids
+        # the persistent wgmma forward: the sectioned grid's 6 x 2 x 2 blocks as work tiles
+        # (WorkTiles), on as many blocks as the emulator has SMs
+        sectioned = [g for name, g in grids if name.startswith(("attention_fwd_tc", "attention_bwd_dq"))]
+        assert all(g[0] == 6 and g[2] == 2 for g in sectioned) and key_tiled[0][0] == 3 and key_tiled[0][2] == 4, grids
+        persistent = [g for name, g in grids if name.startswith("attention_fwd_wgmma")]
+        assert persistent == ([(min(24, _kernel_backend.EMULATOR_SMS), 1, 1)] if capability == 90 else []), grids
     if capability == 90:
         assert any("_wgmma<" in name for name in launched)
 

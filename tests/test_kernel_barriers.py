@@ -16,12 +16,17 @@ from helpers import random_qkv
 
 BARRIERS = ("__syncthreads();", "__syncwarp();", "ptx::cp_async_wait<0>();", "ptx::wgmma_wait<0>();",
             "ptx::wgmma_wait<1>();", "ptx::fence_proxy_async();",
-            # the warp-specialised wgmma forward: Q's TMA copies landed; the stage ring's waits
-            # (kernels/pipeline.cuh: a consumer's for the data, the producer's for a free stage);
-            # a consumer group's O staged before its TMA store, whose reads of it must be done
-            # before the block exits; the consumer groups' turns at the tensor cores (a protocol:
-            # without the wait the other group's arrivals pile up, which the emulator reports)
-            "ptx::mbarrier_wait(&bars.q_landed, 0);", "ptx::mbarrier_wait(&ring.full[at.stage], at.phase);",
+            # the warp-specialised wgmma forward: Q's TMA copies landed, and the consumers done
+            # with the previous work tile's Q before the next one's overwrites it; the stage ring's
+            # waits (kernels/pipeline.cuh: a consumer's for the data, the producer's for a free
+            # stage); a consumer group's O staged before its TMA store, whose reads of it must be
+            # done before the block exits and, persistent, before the next work tile's O is staged
+            # (its storing thread waits, then the group); the consumer groups' turns at the tensor
+            # cores (a protocol: without the wait the other group's arrivals pile up, which the
+            # emulator reports)
+            "ptx::mbarrier_wait(&bars.q_landed, q_tiles & 1);",
+            "ptx::mbarrier_wait(&bars.q_free, (q_tiles - 1) & 1);",
+            "ptx::mbarrier_wait(&ring.full[at.stage], at.phase);",
             "ptx::mbarrier_wait(&ring.empty[at.stage], at.phase ^ 1);",
             "ptx::named_barrier_sync(kStagedBarrier + group, 128);", "ptx::bulk_wait_read<0>();",
             "ptx::named_barrier_sync(kTurnBarrier + group, 256);",

@@ -144,6 +144,35 @@ def test_wgmma_tiles_of_calls_with_features(monkeypatch, schedule, d, dv, featur
     assert launched == [f"attention_fwd_wgmma<__half, {128 if d == 100 else 256}, {keys}>"], launched
 
 
+@pytest.mark.parametrize("sms", [1, 2, 5])
+@pytest.mark.parametrize("schedule_name", ["forward", "reverse", "random", "warps", "warps_reverse"])
+@pytest.mark.parametrize("d,kw", [
+    (64, dict(causal=True, q_lengths=[300, 70, 0], kv_lengths=[200, 150, 200])),  # plain, 128 keys
+    (64, dict(causal="top_left", softcap=4.0, kv_lengths=[200, 0, 37])),  # features: 64 keys, one at a time
+    (256, dict(causal=True, q_lengths=[300, 129, 1])),                    # 64 keys, O staged in Q's rows
+])
+def test_wgmma_forward_blocks_take_work_tiles_in_turn(monkeypatch, sms, schedule_name, d, kw):
+    """The persistent forward: 3 x 2 x 3 = 18 work tiles (query tiles of 128 rows, heads, batch
+    entries) on 1, 2 or 5 blocks, so a block's next tile reloads Q over the last one's and its O
+    staging tile over the last one's store, and the stage rings go on across tiles; tiles of padding
+    rows and of an entry without keys (no Q loaded, O and lse of dead rows written) between others;
+    every schedule, the producer far ahead (warps) or starving the consumers. D = 256 with 64 keys
+    has no room for O's tile and runs one block per work tile."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", schedule_name)
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_SMS", sms)
+    grids = []
+    real_launch = _kernel_backend._launch
+    monkeypatch.setattr(_kernel_backend, "_launch", lambda target, f, name, grid, *a, **k:
+                        grids.append((name, grid)) or real_launch(target, f, name, grid, *a, **k))
+    rng = np.random.default_rng(d + len(kw))
+    q, k, v = random_qkv(rng, b=3, h=2, hkv=1, sq=300, sk=200, d=d, dtype=np.float16)
+    check(q, k, v, np.float16, **{key: np.array(x, np.int32) if key.endswith("lengths") else x for key, x in kw.items()})
+    [(name, grid)] = grids
+    persistent = d == 64
+    assert name.startswith("attention_fwd_wgmma<") and grid == ((min(18, sms) if persistent else 18), 1, 1), grids
+
+
 @pytest.mark.parametrize("schedule_name", ["forward", "reverse", "random", "warps", "warps_reverse"])
 @pytest.mark.parametrize("sq,sk,kw", [(1, 1100, {}), (203, 1000, dict(causal=True)),
                                       (113, 1030, dict(causal="top_left", softcap=3.0, kv_lengths=[1030, 517]))])

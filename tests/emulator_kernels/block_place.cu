@@ -16,3 +16,23 @@ extern "C" __global__ void places(int* out, int heads, unsigned heads_magic, int
         out[3 * linear + 2] = place.batch;
     }
 }
+
+// WorkTiles::query_place as the persistent wgmma forward walks it: the launch's blocks take the
+// work tiles of the sectioned grid (pairs, tiles, sections) in turn, each writing the place of
+// every work tile it takes at that tile's index.
+extern "C" __global__ void work_places(int* out, int heads, unsigned heads_magic, int heads_shift, int pairs, int tiles,
+                                       int total) {
+    attn::Params p{};
+    p.heads = heads;
+    p.heads_magic = heads_magic;
+    p.heads_shift = heads_shift;
+    const attn::WorkTiles work{pairs, tiles, total};
+    for (int w = blockIdx.x; w < total; w += gridDim.x) {
+        const attn::BlockPlace place = work.query_place(p, w);
+        if (threadIdx.x == 0) {
+            out[3 * w] = place.tile;
+            out[3 * w + 1] = place.head;
+            out[3 * w + 2] = place.batch;
+        }
+    }
+}
