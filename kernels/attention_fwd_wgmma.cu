@@ -117,7 +117,7 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
     ForwardBarriers& bars =
         *reinterpret_cast<ForwardBarriers*>(sV + kKvStages * kTileElements + (kPersistent ? kBlockM * kHeadDim : 0));
     // A block's work tiles: every gridDim.x-th from its own when persistent, else its own alone.
-    const int work_step = kPersistent ? gridDim.x : work.total;
+    const unsigned work_step = kPersistent ? gridDim.x : work.total;  // unsigned: w + work.total < 2^32
 
     if (threadIdx.x == 0) {
         bars.k.init(128 * kConsumerGroups);
@@ -138,7 +138,7 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
         if (threadIdx.x < 32 && ptx::elect_one()) {
             StageCursor<kKvStages> at;
             unsigned q_tiles = 0;
-            for (int w = blockIdx.x; w < work.total; w += work_step) {
+            for (unsigned w = blockIdx.x; w < work.total; w += work_step) {
                 const BlockPlace place = work.query_place(p, w);
                 const BlockInfo b(p, place.head, place.batch);
                 const int m0 = place.tile * kBlockM;
@@ -176,7 +176,7 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
     StageCursor<kKvStages> k_at, v_at;
     unsigned q_tiles = 0;
 
-    for (int w = blockIdx.x; w < work.total; w += work_step) {
+    for (unsigned w = blockIdx.x; w < work.total; w += work_step) {
         const BlockPlace place = work.query_place(p, w);
         const BlockInfo b(p, place.head, place.batch);
         const int m0 = place.tile * kBlockM;
@@ -198,13 +198,12 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
         const TileSpan interior = b.interior_key_tiles(p, m0, kBlockM, kBlockN);
 
         // Turns: a group waits on its own barrier (its 128 threads sync, the other group's 128
-        // arrive) before issuing a tile's products, and hands the turn over once they are issued.
-        // Group 1 hands group 0 the first turn; group 1 skips its last hand-over (group 0 has no
-        // turn left to take), so every barrier generation is complete when the work tile ends.
+        // arrive) before issuing a tile's products, and hands the turn over once they are issued,
+        // from one work tile to the next (so one group's epilogue runs while the other's products
+        // do). Group 1 hands group 0 the block's first turn, and group 0 takes a last one that
+        // only completes group 1's last hand-over: every barrier generation is complete at exit.
         auto take_turn = [&] { ptx::named_barrier_sync(kTurnBarrier + group, 256); };
-        auto pass_turn = [&](const TileWalk& at_tile) {
-            if (group == 0 || !at_tile.last()) ptx::named_barrier_arrive(kTurnBarrier + (group + 1) % 2, 256);
-        };
+        auto pass_turn = [&] { ptx::named_barrier_arrive(kTurnBarrier + (group + 1) % 2, 256); };
         auto issue_s = [&] {
             const unsigned long long k_desc = ptx::descriptor_plus(k_desc0, sizeof(T) * k_at.stage * kTileElements);
             // From D = 128 the k-steps' descriptors of Q, hoisted out of the key loop, would hold
@@ -262,6 +261,9 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
             consumer_wait(bars.k, k_at);
             issue_s();
         };
+        // This thread's products that read Q are in: Q may be overwritten by the next work tile's
+        // once every consumer thread says so (a persistent block's producer waits for it).
+        auto q_done = [&] { ptx::mbarrier_arrive(&bars.q_free); };
         // P·V of the last tile softmax_of saw, issued once its V landed, and waited for.
         auto finish_pv = [&] {
             consumer_wait(bars.v, v_at);
@@ -271,22 +273,23 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
         };
 
         if (keys.more()) {
-            if (group == 1) ptx::named_barrier_arrive(kTurnBarrier, 256);  // group 0 goes first
+            if (group == 1 && q_tiles == 0) pass_turn();  // group 0 goes first
             ptx::mbarrier_wait(&bars.q_landed, q_tiles & 1);
             if constexpr (!kOverlap) {  // one tile after the other
                 for (TileWalk at_tile = keys; at_tile.more(); at_tile.advance()) {
                     start_s();
-                    pass_turn(at_tile);
+                    pass_turn();
                     ptx::wgmma_wait<0>();
                     softmax_of(at_tile.tile);
                     rescale_rows(o, softmax);
                     pack_p();
                     finish_pv();
                 }
+                q_done();
             } else {  // S of each tile issued with P·V of the one before
                 TileWalk at_tile = keys;
                 start_s();
-                pass_turn(at_tile);
+                pass_turn();
                 ptx::wgmma_wait<0>();
                 softmax_of(at_tile.tile);  // O is 0: its rescale is moot
                 pack_p();
@@ -294,7 +297,7 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
                     start_s();
                     consumer_wait(bars.v, v_at);
                     issue_pv();
-                    pass_turn(at_tile);
+                    pass_turn();
                     ptx::wgmma_wait<1>();  // S is in; P·V of the previous tile may still run
                     softmax_of(at_tile.tile);
                     ptx::wgmma_wait<0>();
@@ -302,11 +305,9 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
                     rescale_rows(o, softmax);
                     pack_p();
                 }
+                q_done();  // the last S is in (P·V of the last tile does not read Q)
                 finish_pv();
             }
-            // This thread's products are in: Q may be overwritten by the next work tile's, once
-            // every consumer thread says so (a persistent block's producer waits for it).
-            ptx::mbarrier_arrive(&bars.q_free);
             ++q_tiles;
         }
 
@@ -314,6 +315,8 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
         // by TMA. Persistent: O's own tile, free once the previous work tile's store read it.
         // Else Q's rows: Q is dead there once the group's last S is in, and no TMA copy into them
         // is in flight (Q was loaded only when the block has key tiles, and waited for).
+        const bool last_tile = w >= work.total - work_step;  // the block's last
+        if (last_tile && group == 0 && q_tiles > 0) take_turn();  // group 1's last hand-over
         float inv[2];
         finish_rows(p, b, at, lse, softmax, row_lo, t, inv);
         if constexpr (kPersistent) {
@@ -332,9 +335,9 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
             }
             ptx::bulk_commit();
             // Shared memory must outlive the last store's reads of it. (Waited for inside the loop:
-            // with code after it, ptxas held the consumers to the launch's 168 registers, not the
-            // 240 of setmaxnreg, and spilled; NVRTC 13.5.)
-            if (w >= work.total - work_step) ptx::bulk_wait_read<0>();
+            // with code after the loop, ptxas held the consumers to the launch's 168 registers, not
+            // setmaxnreg's, and spilled; NVRTC 13.5.)
+            if (last_tile) ptx::bulk_wait_read<0>();
         }
     }
 }
@@ -358,6 +361,7 @@ attention_fwd_wgmma(const T* q, const T* k, const T* v, T* out, float* lse,
                     const __grid_constant__ ptx::TensorMap v_map, const __grid_constant__ ptx::TensorMap o_map,
                     int work_pairs, int work_tiles, int work_total, ATTN_PARAMS) {
     ATTN_UNPACK_PARAMS;
-    attn::forward_wgmma_block<T, kHeadDim, kBlockN>(p, attn::WorkTiles{work_pairs, work_tiles, work_total}, lse,
-                                                    strides, q_map, k_map, v_map, o_map);
+    const attn::WorkTiles work{static_cast<unsigned>(work_pairs), static_cast<unsigned>(work_tiles),
+                               static_cast<unsigned>(work_total)};
+    attn::forward_wgmma_block<T, kHeadDim, kBlockN>(p, work, lse, strides, q_map, k_map, v_map, o_map);
 }

@@ -212,11 +212,11 @@ __device__ __forceinline__ BlockPlace key_block_place(const Params& p) {
 // serves the tail and the L2 as above, and a block's next tile reuses its barriers, its shared
 // memory and its start (FlashAttention-3's persistent kernels).
 struct WorkTiles {
-    int pairs, tiles, total;  // the sectioned grid's x and y extents, and its block count
+    unsigned pairs, tiles, total;  // the sectioned grid's x and y extents, and its block count (< 2^31)
 
     // Work tile w's query tile (the last first), head and batch entry.
-    __device__ __forceinline__ BlockPlace query_place(const Params& p, int w) const {
-        const unsigned per_section = static_cast<unsigned>(pairs) * tiles;
+    __device__ __forceinline__ BlockPlace query_place(const Params& p, unsigned w) const {
+        const unsigned per_section = pairs * tiles;
         const unsigned z = w / per_section, in_section = w - z * per_section;
         const unsigned y = in_section / pairs;
         return sectioned_place<true>(p, in_section - y * pairs, y, z, pairs, tiles);

@@ -26,8 +26,8 @@ extern "C" __global__ void work_places(int* out, int heads, unsigned heads_magic
     p.heads = heads;
     p.heads_magic = heads_magic;
     p.heads_shift = heads_shift;
-    const attn::WorkTiles work{pairs, tiles, total};
-    for (int w = blockIdx.x; w < total; w += gridDim.x) {
+    const attn::WorkTiles work{static_cast<unsigned>(pairs), static_cast<unsigned>(tiles), static_cast<unsigned>(total)};
+    for (unsigned w = blockIdx.x; w < work.total; w += gridDim.x) {
         const attn::BlockPlace place = work.query_place(p, w);
         if (threadIdx.x == 0) {
             out[3 * w] = place.tile;

@@ -120,6 +120,7 @@ extern "C" __global__ void named_barrier_misuse(int mode) {
         ptx::named_barrier_arrive(2, 64);
         ptx::named_barrier_arrive(2, 64);
     } else if (mode == 4 && warp == 0) ptx::named_barrier_sync(3, 64);  // warp 1 never comes
+    else if (mode == 5 && warp == 0) ptx::named_barrier_arrive(4, 64);   // a hand-over nobody takes
 }
 
 // out[m][lane] = 1 where lane was elected for masks[m] (twice, to check it is the same lane), 0

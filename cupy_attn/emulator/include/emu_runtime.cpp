@@ -178,6 +178,16 @@ static void run_block(Launch& L, unsigned long long linear_block) {
             b.error = block_name(b) + ": at the block's end, " + mbarrier_error;
         }
     }
+    // A named barrier's generation that threads arrived at (bar.arrive) and none completed: the
+    // kernels keep their barrier protocols whole (a hand-over no one takes is a turn lost), so
+    // the emulator holds them to it, stricter than the PTX ISA, which says nothing of it.
+    for (unsigned id = 1; id < 16 && !b.aborted; ++id)
+        if (b.named[id].arrived) {
+            b.aborted = true;
+            b.error = block_name(b) + format(": at the block's end, named barrier %u holds %u of its %u arrivals "
+                                             "(a generation no thread completed)", id, b.named[id].arrived,
+                                             b.named[id].count);
+        }
     tl_block = nullptr;
     if (b.aborted) {
         std::lock_guard<std::mutex> lock(L.error_mutex);
