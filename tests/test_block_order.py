@@ -209,12 +209,12 @@ def test_kernels_in_sections(monkeypatch, dtype, capability, deterministic):
     if dtype == np.float32:
         assert all(g[1:] == (6, 2) for g in query_tiled + key_tiled), grids
     else:
-        # the persistent wgmma forward: the sectioned grid's 6 x 2 x 2 blocks as work tiles
-        # (WorkTiles), on as many blocks as the emulator has SMs
+        # the wgmma forward: the sectioned grid's 6 x 2 x 2 blocks as work tiles (WorkTiles), a
+        # block each (causal: tiles of differing work, _kernel_backend._uniform_work)
         sectioned = [g for name, g in grids if name.startswith(("attention_fwd_tc", "attention_bwd_dq"))]
         assert all(g[0] == 6 and g[2] == 2 for g in sectioned) and key_tiled[0][0] == 3 and key_tiled[0][2] == 4, grids
-        persistent = [g for name, g in grids if name.startswith("attention_fwd_wgmma")]
-        assert persistent == ([(min(24, _kernel_backend.EMULATOR_SMS), 1, 1)] if capability == 90 else []), grids
+        work_tiles = [g for name, g in grids if name.startswith("attention_fwd_wgmma")]
+        assert work_tiles == ([(24, 1, 1)] if capability == 90 else []), grids
     if capability == 90:
         assert any("_wgmma<" in name for name in launched)
 

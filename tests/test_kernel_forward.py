@@ -150,6 +150,8 @@ def test_wgmma_tiles_of_calls_with_features(monkeypatch, schedule, d, dv, featur
     (64, dict(causal=True, q_lengths=[300, 70, 0], kv_lengths=[200, 150, 200])),  # plain, 128 keys
     (64, dict(causal="top_left", softcap=4.0, kv_lengths=[200, 0, 37])),  # features: 64 keys, one at a time
     (256, dict(causal=True, q_lengths=[300, 129, 1])),                    # 64 keys, O staged in Q's rows
+    (64, {}),                                                             # every tile as much work
+    (64, dict(softcap=4.0)),
 ])
 def test_wgmma_forward_blocks_take_work_tiles_in_turn(monkeypatch, sms, schedule_name, d, kw):
     """The persistent forward: 3 x 2 x 3 = 18 work tiles (query tiles of 128 rows, heads, batch
@@ -157,10 +159,15 @@ def test_wgmma_forward_blocks_take_work_tiles_in_turn(monkeypatch, sms, schedule
     staging tile over the last one's store, and the stage rings go on across tiles; tiles of padding
     rows and of an entry without keys (no Q loaded, O and lse of dead rows written) between others;
     every schedule, the producer far ahead (warps) or starving the consumers. D = 256 with 64 keys
-    has no room for O's tile and runs one block per work tile."""
+    has no room for O's tile and runs one block per work tile. A call whose tiles differ in work
+    (causal, lengths) runs a block per work tile too (_kernel_backend._uniform_work): the tests run
+    its blocks' loops with the launch's grid forced to the SMs, and the launcher's choice apart."""
     monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
     monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", schedule_name)
     monkeypatch.setattr(_kernel_backend, "EMULATOR_SMS", sms)
+    uniform = not kw or list(kw) == ["softcap"]
+    if not uniform:  # the persistent walk over tiles of differing work (the kernel's, not the launcher's choice)
+        monkeypatch.setattr(_kernel_backend, "_uniform_work", lambda problem: True)
     grids = []
     real_launch = _kernel_backend._launch
     monkeypatch.setattr(_kernel_backend, "_launch", lambda target, f, name, grid, *a, **k:
@@ -171,6 +178,27 @@ def test_wgmma_forward_blocks_take_work_tiles_in_turn(monkeypatch, sms, schedule
     [(name, grid)] = grids
     persistent = d == 64
     assert name.startswith("attention_fwd_wgmma<") and grid == ((min(18, sms) if persistent else 18), 1, 1), grids
+
+
+@pytest.mark.parametrize("kw,persistent", [({}, True), (dict(softcap=4.0, mask="float"), True),
+                                           (dict(causal=True), False), (dict(window=(50, 0)), False),
+                                           (dict(kv_lengths=[200, 120]), False), (dict(q_lengths=[300, 7]), False)])
+def test_wgmma_forward_is_persistent_where_every_tile_has_as_much_work(monkeypatch, kw, persistent):
+    """One block per SM takes the work tiles in a fixed turn, which balances only tiles of equal
+    work; a causal mask, a window or lengths start a block per work tile (the GPU hands them to
+    SMs as they free). A mask or softcap changes no tile's work."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
+    grids = []
+    real_launch = _kernel_backend._launch
+    monkeypatch.setattr(_kernel_backend, "_launch", lambda target, f, name, grid, *a, **k:
+                        grids.append(grid) or real_launch(target, f, name, grid, *a, **k))
+    rng = np.random.default_rng(len(kw))
+    q, k, v = random_qkv(rng, b=2, h=2, hkv=1, sq=300, sk=200, d=64, dtype=np.float16)
+    kw = {key: np.array(x, np.int32) if key.endswith("lengths") else x for key, x in kw.items()}
+    if kw.get("mask") == "float":
+        kw["mask"] = rng.standard_normal((1, 2, 300, 200)).astype(np.float32)
+    check(q, k, v, np.float16, **kw)
+    assert grids == [(_kernel_backend.EMULATOR_SMS if persistent else 12, 1, 1)], grids  # 3 query tiles x 4 pairs
 
 
 @pytest.mark.parametrize("schedule_name", ["forward", "reverse", "random", "warps", "warps_reverse"])
