@@ -1,6 +1,7 @@
 """A model, no GPU needed, of how the order in which a kernel's blocks start (cupy_attn/_schedule.py,
 kernels/block_info.cuh query_block_place and key_block_place) shapes the end of a launch: the
-tail, where some SMs idle while the last blocks finish.
+tail, where some SMs idle while the last blocks finish; and what a fixed turn would make of the
+same order (the persistent wgmma forward's blocks, kernels/block_info.cuh WorkTiles).
 
     python bench/schedule_model.py [--sms 132] [--l2-mib 50] [--blocks-per-sm 1 2] [--overhead 1]
 
@@ -13,7 +14,9 @@ SM's room for one block) that frees first, as a GPU's block scheduler hands them
 case and order:
 
     tail    the modelled time over its lower bound, max(total work / slots, the largest block),
-            minus 1: the share of the launch lost to SMs idling at its end
+            minus 1: the share of the launch lost to SMs idling at its end; "fixed turn": with
+            slot i taking the i-th, (i + slots)-th, ... block of "now" instead (a persistent
+            kernel without a dynamic scheduler), which balances only blocks of equal work
     L2 MiB  the most rows that blocks running at once share (distinct (entry, head) pairs among
             them times one pair's K and V, or Q, dO, lse and delta), against the L2
 
@@ -65,6 +68,16 @@ def simulate(order, work, slots: int, shared_bytes: int) -> tuple[float, float]:
     return end / bound - 1, most * shared_bytes
 
 
+def fixed_turn(order, work, slots: int) -> float:
+    """The tail of blocks started in `order` when `slots` persistent blocks take them in a fixed
+    turn (block i: the i-th, the (i + slots)-th, ...), as the persistent wgmma forward's do
+    (kernels/block_info.cuh, WorkTiles), instead of each on the slot that frees first."""
+    loads = [0.0] * slots
+    for n, (tile, _, _) in enumerate(order):
+        loads[n % slots] += work[tile]
+    return max(loads) / max(sum(work[t] for t, _, _ in order) / slots, max(work)) - 1
+
+
 def kernels(head_dim: int):
     """(name, axis, block rows or keys, the other side's tile) of the kernels the table chooses on
     compute capability 9.0 for fp16/bf16 plain calls: the wgmma and mma.sync forwards and dK/dVs."""
@@ -95,7 +108,8 @@ def model_rows(sms: int = 132, l2_bytes: int = 50 * 2**20, blocks_per_sm=(1, 2),
                     for per_sm in blocks_per_sm:
                         (tail0, l2_0), (tail1, l2_1) = (simulate(o, work, sms * per_sm, shared) for o in (before, now))
                         out.append(dict(kernel=name, D=d, S=seq, causal=causal, blocks_per_sm=per_sm, tail_before=tail0,
-                                        tail_now=tail1, shared_before=l2_0, shared_now=l2_1))
+                                        tail_now=tail1, tail_fixed_turn=fixed_turn(now, work, sms * per_sm),
+                                        shared_before=l2_0, shared_now=l2_1))
     return out
 
 
@@ -108,12 +122,13 @@ def main(argv=None) -> int:
     parser.add_argument("--overhead", type=float, default=1.0, help="a block's prologue and epilogue, in tiles")
     args = parser.parse_args(argv)
     print(f"{args.sms} SMs, sections for {args.l2_mib:g} MiB of L2, overhead {args.overhead:g} tile(s) per block")
-    print("| kernel | D | S | causal | blocks/SM | tail before | tail now | L2 MiB before | L2 MiB now |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| kernel | D | S | causal | blocks/SM | tail before | tail now | tail now, fixed turn | L2 MiB before "
+          "| L2 MiB now |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     rows = model_rows(args.sms, int(args.l2_mib * 2**20), args.blocks_per_sm, args.overhead)
     for r in rows:
         print(f"| {r['kernel']} | {r['D']} | {r['S']} | {'yes' if r['causal'] else 'no'} | {r['blocks_per_sm']} | "
-              f"{r['tail_before']:.1%} | {r['tail_now']:.1%} | {r['shared_before'] / 2**20:.0f} | "
+              f"{r['tail_before']:.1%} | {r['tail_now']:.1%} | {r['tail_fixed_turn']:.1%} | {r['shared_before'] / 2**20:.0f} | "
               f"{r['shared_now'] / 2**20:.0f} |")
     for causal in (True, False):
         for per_sm in args.blocks_per_sm:

@@ -285,6 +285,18 @@ def test_the_model_by_hand():
     assert [model.tile_work("queries", t, 300, 128, 64, True) for t in range(3)] == [2, 4, 5]
     assert [model.tile_work("keys", t, 300, 128, 64, True) for t in range(3)] == [5, 3, 1]
     assert model.tile_work("keys", 2, 300, 128, 64, False) == 5
+    # a fixed turn of 2 slots over work 3, 2, 1: slot 0 takes 3 and 1 (4), against the bound 3
+    assert model.fixed_turn(light_first[::-1], work, 2) == 4 / 3 - 1
+
+
+def test_a_fixed_turn_balances_only_tiles_of_equal_work():
+    """Why the persistent wgmma forward runs only calls whose tiles have as much work
+    (_kernel_backend._uniform_work): in the model, its fixed turn over the sectioned order keeps
+    the non-causal calls' tail (the last round's rounding) and leaves causal ones a long one."""
+    rows = [r for r in schedule_model().model_rows(132, 50 * 2**20, (1,)) if r["kernel"] == "forward wgmma"]
+    assert len(rows) == 2 * 5 * 2
+    assert all(abs(r["tail_fixed_turn"] - r["tail_now"]) < 5e-4 for r in rows if not r["causal"])
+    assert min(r["tail_fixed_turn"] for r in rows if r["causal"] and r["D"] == 128) > 0.3
 
 
 def test_too_many_key_tiles_are_refused_before_any_kernel_runs(monkeypatch):
