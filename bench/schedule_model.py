@@ -52,6 +52,12 @@ def tile_work(axis: str, index: int, seq: int, block: int, other: int, causal: b
     return -(-seq // other) - index * block // other
 
 
+def lower_bound(order, work, slots: int) -> float:
+    """No launch of the blocks in `order` ends before its work spread evenly over `slots`, or its
+    largest block."""
+    return max(sum(work[t] for t, _, _ in order) / slots, max(work))
+
+
 def simulate(order, work, slots: int, shared_bytes: int) -> tuple[float, float]:
     """(tail, the most bytes the blocks running at once share) of blocks started in `order` (each
     a (tile, head, entry)) on `slots` slots, `work[tile]` each, `shared_bytes` per (head, entry)."""
@@ -64,8 +70,7 @@ def simulate(order, work, slots: int, shared_bytes: int) -> tuple[float, float]:
         finish = start + work[tile]
         heapq.heappush(free, (finish, slot))
         end = max(end, finish)
-    bound = max(sum(work[t] for t, _, _ in order) / slots, max(work))
-    return end / bound - 1, most * shared_bytes
+    return end / lower_bound(order, work, slots) - 1, most * shared_bytes
 
 
 def fixed_turn(order, work, slots: int) -> float:
@@ -75,7 +80,7 @@ def fixed_turn(order, work, slots: int) -> float:
     loads = [0.0] * slots
     for n, (tile, _, _) in enumerate(order):
         loads[n % slots] += work[tile]
-    return max(loads) / max(sum(work[t] for t, _, _ in order) / slots, max(work)) - 1
+    return max(loads) / lower_bound(order, work, slots) - 1
 
 
 def kernels(head_dim: int):

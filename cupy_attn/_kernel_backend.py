@@ -213,7 +213,7 @@ def _check_shared_memory(shared_bytes: int, name: str) -> None:
     import cupy
 
     device = cupy.cuda.Device()
-    limit = _shared_memory_limit(device.id)
+    limit = _device_attribute(device.id, "MaxSharedMemoryPerBlockOptin")
     if shared_bytes > limit:
         raise ValueError(f"{name} needs {shared_bytes // 1024} KB of shared memory per block, but this GPU (compute "
                          f"capability {device.compute_capability}) offers {limit // 1024} KB: head dims above "
@@ -222,11 +222,12 @@ def _check_shared_memory(shared_bytes: int, name: str) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _shared_memory_limit(device: int) -> int:
-    """Dynamic shared memory a block of ``device`` may opt in to, in bytes."""
+def _device_attribute(device: int, name: str) -> int:
+    """CuPy's attribute `name` of ``device`` (e.g. "MaxSharedMemoryPerBlockOptin": the dynamic
+    shared memory a block may opt in to, in bytes; "MultiProcessorCount"), asked once."""
     import cupy
 
-    return cupy.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"]
+    return cupy.cuda.Device(device).attributes[name]
 
 
 def _empty(xp, shape, dtype):
@@ -254,14 +255,7 @@ def resident_blocks(target: str) -> int:
         return EMULATOR_SMS
     import cupy
 
-    return _sm_count(cupy.cuda.Device().id)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: int) -> int:
-    import cupy
-
-    return cupy.cuda.Device(device).attributes["MultiProcessorCount"]
+    return _device_attribute(cupy.cuda.Device().id, "MultiProcessorCount")
 
 
 def _heads_magic(heads: int) -> tuple:

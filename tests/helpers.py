@@ -80,3 +80,14 @@ def tma_addressable(x):
     wide = np.zeros(x.shape[:-1] + (-(-x.shape[-1] // 8) * 8,), x.dtype)
     wide[..., :x.shape[-1]] = x
     return wide[..., :x.shape[-1]]
+
+
+def recorded_launches(monkeypatch) -> list:
+    """The (kernel name, grid) of every kernel launch from here on (_kernel_backend._launch), each
+    launched as before."""
+    from cupy_attn import _kernel_backend
+
+    launches, launch = [], _kernel_backend._launch
+    monkeypatch.setattr(_kernel_backend, "_launch", lambda target, filename, name, grid, *args, **keywords:
+                        launches.append((name, grid)) or launch(target, filename, name, grid, *args, **keywords))
+    return launches

@@ -11,7 +11,7 @@ import pytest
 import cupy_attn
 from cupy_attn import _compile, _config, _kernel_backend, _paths, _problem, _schedule
 from cupy_attn.emulator import RawModule
-from helpers import BF16, check_forward_and_backward, random_qkv
+from helpers import BF16, check_forward_and_backward, random_qkv, recorded_launches
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
@@ -191,10 +191,8 @@ def test_kernels_in_sections(monkeypatch, dtype, capability, deterministic):
     # 2 sections of 6 pairs); a head's Q, dO, lse and delta 200 x (128 x 2 + 8) = 52,800, 3 fit (4
     # sections of 3 pairs)
     monkeypatch.setattr(_kernel_backend, "EMULATOR_L2_BYTES", 160_000)
-    grids, launched = [], []
-    real_launch, real_function = _kernel_backend._launch, _compile.function
-    monkeypatch.setattr(_kernel_backend, "_launch", lambda target, f, name, grid, *a, **kw:
-                        grids.append((name, grid)) or real_launch(target, f, name, grid, *a, **kw))
+    grids, launched = recorded_launches(monkeypatch), []
+    real_function = _compile.function
     monkeypatch.setattr(_compile, "function",
                         lambda target, f, name, **kw: launched.append(name) or real_function(target, f, name, **kw))
     rng = np.random.default_rng(capability + deterministic)
@@ -225,10 +223,7 @@ def test_the_wide_mma_sync_dkdv_keeps_the_grid(monkeypatch):
     assert [t.sectioned for t in _config.TENSOR_CORE_BACKWARD_TILES] == [t.head_dim <= 128
                                                                           for t in _config.TENSOR_CORE_BACKWARD_TILES]
     monkeypatch.setattr(_kernel_backend, "POISON_OUTPUTS", True)
-    grids = []
-    real_launch = _kernel_backend._launch
-    monkeypatch.setattr(_kernel_backend, "_launch", lambda target, f, name, grid, *a, **kw:
-                        grids.append((name, grid)) or real_launch(target, f, name, grid, *a, **kw))
+    grids = recorded_launches(monkeypatch)
     rng = np.random.default_rng(5)
     q, k, v = random_qkv(rng, b=2, h=2, sq=40, sk=70, d=256, dtype=np.float16, layout="bshd")
     check_forward_and_backward("emulator", rng, q, k, v, dict(causal=True, layout="bshd"), np.dtype(np.float16))
@@ -238,13 +233,11 @@ def test_the_wide_mma_sync_dkdv_keeps_the_grid(monkeypatch):
 
 def test_a_large_grid_in_one_section_on_the_emulator(monkeypatch):
     """The emulator's default L2 holds every pair of a small call: one section, rank by rank."""
-    grids = []
-    real_launch = _kernel_backend._launch
-    monkeypatch.setattr(_kernel_backend, "_launch", lambda target, f, name, grid, *a, **kw:
-                        grids.append(grid) or real_launch(target, f, name, grid, *a, **kw))
+    launches = recorded_launches(monkeypatch)
     q, k, v = random_qkv(np.random.default_rng(1), b=3, h=5, sq=70, sk=70, d=16, dtype=np.float16)
     cupy_attn.attention(q, k, v, causal=True, backend="emulator")
-    assert grids[0][0] == 15 and grids[0][2] == 1
+    grid = launches[0][1]
+    assert grid[0] == 15 and grid[2] == 1
 
 
 def schedule_model():

@@ -4,7 +4,7 @@ import pytest
 
 import cupy_attn
 from cupy_attn import _config, _kernel_backend, reference
-from helpers import BF16, assert_close, random_qkv
+from helpers import BF16, assert_close, random_qkv, recorded_launches
 from test_forward import FEATURES, feature_keywords
 
 pytestmark = pytest.mark.gpu
@@ -138,10 +138,7 @@ def test_tiles_in_sections_of_pairs(monkeypatch, tensor_core_kernels, dtype, det
 
     monkeypatch.setattr(_schedule, "L2_SHARE", 1.0)
     monkeypatch.setattr(_kernel_backend, "_device_l2_bytes", lambda device: 1031 * 2 * 64 * dtype.itemsize)
-    grids = []
-    real_launch = _kernel_backend._launch
-    monkeypatch.setattr(_kernel_backend, "_launch", lambda target, f, name, grid, *a, **kw:
-                        grids.append((name, grid)) or real_launch(target, f, name, grid, *a, **kw))
+    grids = recorded_launches(monkeypatch)
     rng = np.random.default_rng(11)
     q, k, v = random_qkv(rng, b=2, h=6, hkv=3, sq=700, sk=1031, d=64, dtype=dtype, layout="bshd")
     check_with_gradients(q, k, v, dtype, rng, deterministic=deterministic, causal=True, layout="bshd",

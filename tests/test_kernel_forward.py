@@ -11,7 +11,7 @@ import pytest
 
 import cupy_attn
 from cupy_attn import _compile, _config, _kernel_backend, _problem, reference
-from helpers import BF16, assert_close, random_qkv, tma_addressable
+from helpers import BF16, assert_close, random_qkv, recorded_launches, tma_addressable
 from test_forward import FEATURES, feature_keywords
 
 KERNEL_DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BF16]
@@ -168,10 +168,7 @@ def test_wgmma_forward_blocks_take_work_tiles_in_turn(monkeypatch, sms, schedule
     uniform = not kw or list(kw) == ["softcap"]
     if not uniform:  # the persistent walk over tiles of differing work (the kernel's, not the launcher's choice)
         monkeypatch.setattr(_kernel_backend, "_uniform_work", lambda problem: True)
-    grids = []
-    real_launch = _kernel_backend._launch
-    monkeypatch.setattr(_kernel_backend, "_launch", lambda target, f, name, grid, *a, **k:
-                        grids.append((name, grid)) or real_launch(target, f, name, grid, *a, **k))
+    grids = recorded_launches(monkeypatch)
     rng = np.random.default_rng(d + len(kw))
     q, k, v = random_qkv(rng, b=3, h=2, hkv=1, sq=300, sk=200, d=d, dtype=np.float16)
     check(q, k, v, np.float16, **{key: np.array(x, np.int32) if key.endswith("lengths") else x for key, x in kw.items()})
@@ -188,16 +185,14 @@ def test_wgmma_forward_is_persistent_where_every_tile_has_as_much_work(monkeypat
     work; a causal mask, a window or lengths start a block per work tile (the GPU hands them to
     SMs as they free). A mask or softcap changes no tile's work."""
     monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
-    grids = []
-    real_launch = _kernel_backend._launch
-    monkeypatch.setattr(_kernel_backend, "_launch", lambda target, f, name, grid, *a, **k:
-                        grids.append(grid) or real_launch(target, f, name, grid, *a, **k))
+    launches = recorded_launches(monkeypatch)
     rng = np.random.default_rng(len(kw))
     q, k, v = random_qkv(rng, b=2, h=2, hkv=1, sq=300, sk=200, d=64, dtype=np.float16)
     kw = {key: np.array(x, np.int32) if key.endswith("lengths") else x for key, x in kw.items()}
     if kw.get("mask") == "float":
         kw["mask"] = rng.standard_normal((1, 2, 300, 200)).astype(np.float32)
     check(q, k, v, np.float16, **kw)
+    grids = [grid for _, grid in launches]
     assert grids == [(_kernel_backend.EMULATOR_SMS if persistent else 12, 1, 1)], grids  # 3 query tiles x 4 pairs
 
 
