@@ -1,9 +1,11 @@
 """A model, no GPU needed, of how the order in which a kernel's blocks start (cupy_attn/_schedule.py,
 kernels/block_info.cuh query_block_place and key_block_place) shapes the end of a launch: the
-tail, where some SMs idle while the last blocks finish; and what a fixed turn would make of the
-same order (the persistent wgmma forward's blocks, kernels/block_info.cuh WorkTiles).
+tail, where some SMs idle while the last blocks finish; and what persistent blocks make of the
+same order, claiming their next work tile ahead of their current one's end (the persistent wgmma
+forward's, kernels/block_info.cuh WorkTiles) or, as that kernel did first, in a fixed turn.
 
     python bench/schedule_model.py [--sms 132] [--l2-mib 50] [--blocks-per-sm 1 2] [--overhead 1]
+                                   [--claim-ahead 2]
 
 For the benchmark's configurations (B·S = 16k, H·D = 2048, S = 1k-16k, D = 64 and 128, causal and
 not; bench/bench_attention.py) and the tiles the table chooses on compute capability 9.0 (both
@@ -14,9 +16,13 @@ SM's room for one block) that frees first, as a GPU's block scheduler hands them
 case and order:
 
     tail    the modelled time over its lower bound, max(total work / slots, the largest block),
-            minus 1: the share of the launch lost to SMs idling at its end; "fixed turn": with
-            slot i taking the i-th, (i + slots)-th, ... block of "now" instead (a persistent
-            kernel without a dynamic scheduler), which balances only blocks of equal work
+            minus 1: the share of the launch lost to SMs idling at its end; "claimed ahead": with
+            slot i taking the i-th block of "now" and then each the next unclaimed one when its
+            current block has --claim-ahead tiles of work left (the persistent wgmma forward's
+            producer claims once it has issued a tile's last loads, two stages ahead of its
+            consumers); "fixed turn": with slot i taking the i-th, (i + slots)-th, ... block of
+            "now" (a persistent kernel without a dynamic scheduler), which balances only blocks of
+            equal work
     L2 MiB  the most rows that blocks running at once share (distinct (entry, head) pairs among
             them times one pair's K and V, or Q, dO, lse and delta), against the L2
 
@@ -73,10 +79,27 @@ def simulate(order, work, slots: int, shared_bytes: int) -> tuple[float, float]:
     return end / lower_bound(order, work, slots) - 1, most * shared_bytes
 
 
+def claimed_ahead(order, work, slots: int, ahead: float) -> float:
+    """The tail of blocks started in `order` when `slots` persistent blocks take them as the
+    persistent wgmma forward's do (kernels/block_info.cuh, WorkTiles): block i the i-th first, then
+    each the first one unclaimed when its current one has `ahead` of work left, which it runs once
+    that one ends. A block whose current one is shorter claims the one after it straight after its
+    last claim (the producer, two stages ahead of the consumers, may claim before they start it)."""
+    claims, ends = [], [0.0] * slots  # (when the slot claims, slot); when its current block ends
+    for slot, (tile, _, _) in enumerate(order[:slots]):
+        ends[slot] = work[tile]
+        heapq.heappush(claims, (max(0.0, ends[slot] - ahead), slot))
+    for tile, _, _ in order[slots:]:
+        claimed, slot = heapq.heappop(claims)
+        ends[slot] += work[tile]
+        heapq.heappush(claims, (max(claimed, ends[slot] - ahead), slot))
+    return max(ends) / lower_bound(order, work, slots) - 1
+
+
 def fixed_turn(order, work, slots: int) -> float:
     """The tail of blocks started in `order` when `slots` persistent blocks take them in a fixed
-    turn (block i: the i-th, the (i + slots)-th, ...), as the persistent wgmma forward's do
-    (kernels/block_info.cuh, WorkTiles), instead of each on the slot that frees first."""
+    turn (block i: the i-th, the (i + slots)-th, ...), as the persistent wgmma forward's did at
+    first, instead of each on the slot that frees first."""
     loads = [0.0] * slots
     for n, (tile, _, _) in enumerate(order):
         loads[n % slots] += work[tile]
@@ -94,7 +117,8 @@ def kernels(head_dim: int):
     return out
 
 
-def model_rows(sms: int = 132, l2_bytes: int = 50 * 2**20, blocks_per_sm=(1, 2), overhead: float = 1.0):
+def model_rows(sms: int = 132, l2_bytes: int = 50 * 2**20, blocks_per_sm=(1, 2), overhead: float = 1.0,
+               claim_ahead: float = 2.0):
     """One dict per (kernel, D, S, causal, blocks per SM) of the benchmark's configurations: the
     tail and the rows the blocks running at once share (bytes), before and now."""
     out = []
@@ -113,7 +137,8 @@ def model_rows(sms: int = 132, l2_bytes: int = 50 * 2**20, blocks_per_sm=(1, 2),
                     for per_sm in blocks_per_sm:
                         (tail0, l2_0), (tail1, l2_1) = (simulate(o, work, sms * per_sm, shared) for o in (before, now))
                         out.append(dict(kernel=name, D=d, S=seq, causal=causal, blocks_per_sm=per_sm, tail_before=tail0,
-                                        tail_now=tail1, tail_fixed_turn=fixed_turn(now, work, sms * per_sm),
+                                        tail_now=tail1, tail_claimed_ahead=claimed_ahead(now, work, sms * per_sm, claim_ahead),
+                                        tail_fixed_turn=fixed_turn(now, work, sms * per_sm),
                                         shared_before=l2_0, shared_now=l2_1))
     return out
 
@@ -125,15 +150,18 @@ def main(argv=None) -> int:
     parser.add_argument("--blocks-per-sm", type=int, nargs="+", default=[1, 2],
                         help="blocks resident per SM (the wgmma kernels: 1; the mma.sync ones 1-3 by registers)")
     parser.add_argument("--overhead", type=float, default=1.0, help="a block's prologue and epilogue, in tiles")
+    parser.add_argument("--claim-ahead", type=float, default=2.0,
+                        help="work left, in tiles, when a persistent block claims its next one")
     args = parser.parse_args(argv)
-    print(f"{args.sms} SMs, sections for {args.l2_mib:g} MiB of L2, overhead {args.overhead:g} tile(s) per block")
-    print("| kernel | D | S | causal | blocks/SM | tail before | tail now | tail now, fixed turn | L2 MiB before "
-          "| L2 MiB now |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    rows = model_rows(args.sms, int(args.l2_mib * 2**20), args.blocks_per_sm, args.overhead)
+    print(f"{args.sms} SMs, sections for {args.l2_mib:g} MiB of L2, overhead {args.overhead:g} tile(s) per block, "
+          f"persistent blocks claiming {args.claim_ahead:g} tile(s) ahead")
+    print("| kernel | D | S | causal | blocks/SM | tail before | tail now | tail now, claimed ahead | tail now, fixed turn "
+          "| L2 MiB before | L2 MiB now |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = model_rows(args.sms, int(args.l2_mib * 2**20), args.blocks_per_sm, args.overhead, args.claim_ahead)
     for r in rows:
         print(f"| {r['kernel']} | {r['D']} | {r['S']} | {'yes' if r['causal'] else 'no'} | {r['blocks_per_sm']} | "
-              f"{r['tail_before']:.1%} | {r['tail_now']:.1%} | {r['tail_fixed_turn']:.1%} | {r['shared_before'] / 2**20:.0f} | "
+              f"{r['tail_before']:.1%} | {r['tail_now']:.1%} | {r['tail_claimed_ahead']:.1%} | {r['tail_fixed_turn']:.1%} | {r['shared_before'] / 2**20:.0f} | "
               f"{r['shared_now'] / 2**20:.0f} |")
     for causal in (True, False):
         for per_sm in args.blocks_per_sm:

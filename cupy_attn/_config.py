@@ -203,9 +203,10 @@ class HopperTile:
     @property
     def persistent(self) -> bool:
         """Whether O gets a staging tile of its own within HOPPER_SHARED_LIMIT: then the kernel is
-        persistent (a block per SM taking work tiles in turn, the next one's Q, K and V loading
-        while this one's O is stored), else it stages O in Q's rows and runs one block per work
-        tile (attention_fwd_wgmma.cu, kPersistent: the same rule)."""
+        persistent (a block per SM, each claiming its next work tile as it nears the end of its
+        current one, whose Q, K and V load while this one's O is stored), else it stages O in Q's
+        rows and runs one block per work tile (attention_fwd_wgmma.cu, kPersistent: the same
+        rule)."""
         return self._shared_bytes(own_output=True) <= HOPPER_SHARED_LIMIT
 
     @property
@@ -213,11 +214,12 @@ class HopperTile:
         """Q (block_m, D), two stages of K and of V (block_n, D each) and, if persistent, O's
         staging tile (block_m, D) in 128-byte-swizzled boxes, 16-bit (V is read there as an
         MN-major operand: no transposed copy), then the barriers: full and empty of each stage of
-        K and of V, and Q's landed and free (10 x 8 bytes)."""
+        K and of V, Q's landed and free, the next work tile's posted and read (12 x 8 bytes), and
+        the next work tile's index (4 bytes, padded to 8)."""
         return self._shared_bytes(own_output=self.persistent)
 
     def _shared_bytes(self, own_output: bool) -> int:
-        return 2 * (self.block_m * (2 if own_output else 1) + 4 * self.block_n) * self.head_dim + 80
+        return 2 * (self.block_m * (2 if own_output else 1) + 4 * self.block_n) * self.head_dim + 104
 
     def tma_rows(self, operand: str) -> int:
         """Rows of one TMA box of q, k, v or out (each box TMA_BOX_DIMS head dims wide): the

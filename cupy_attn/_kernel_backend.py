@@ -40,7 +40,7 @@ CAPABILITY_VARIABLE = "CUPY_ATTN_COMPUTE_CAPABILITY"
 # (_schedule.heads_per_section): an H100's. Tests shrink it to split small problems into sections.
 EMULATOR_L2_BYTES = 50 * 2**20
 # The SMs the emulator stands in for, each running one block of a persistent kernel (the wgmma
-# forward): few, so that a test's blocks each take several work tiles. Tests vary it.
+# forward): few, so that a test's blocks claim work tiles past their first. Tests vary it.
 EMULATOR_SMS = 3
 
 # Within compile_only(): the kernels a call would launch, built and recorded instead of run.
@@ -233,19 +233,6 @@ def _device_attribute(device: int, name: str) -> int:
 def _empty(xp, shape, dtype):
     """An output buffer; NaN-filled when POISON_OUTPUTS so unwritten elements show."""
     return xp.full(shape, np.nan, dtype=dtype) if POISON_OUTPUTS else xp.empty(shape, dtype=dtype)
-
-
-def _uniform_work(problem: Problem) -> bool:
-    """Whether every query tile of a call visits as many key tiles: no causal mask, window,
-    lengths or block mask. Only then does the persistent wgmma forward run on one block per SM:
-    its blocks take work tiles in a fixed turn, and under a causal mask that turn, against the
-    sectioned order, gives some blocks the heaviest tile of every section (bench/schedule_model.py's
-    order on 132 SMs, bf16 D = 128, S = 4k: one block 408 key tiles, another 135, the mean 272; a
-    tail of 40-56 % at S = 1k-16k, against 0-2 % with blocks handed to the SM that frees first).
-    Other calls run a block per work tile, which the GPU hands out as SMs free."""
-    p = problem
-    return p.causal is None and p.window is None and p.q_lengths is None and p.kv_lengths is None \
-        and p.block_mask is None
 
 
 def resident_blocks(target: str) -> int:
@@ -474,9 +461,12 @@ def forward(problem: Problem, q, k, v, *, target: str):
     if isinstance(tile, _config.HopperTile):  # that grid's blocks as work tiles (WorkTiles)
         pairs, tiles, sections = grid
         total = pairs * tiles * sections  # < 2^31 (an int in the kernel): q holds 128 rows per work tile
-        work = (I32(pairs), I32(tiles), I32(total))
-        persistent = tile.persistent and _uniform_work(p)
-        grid = (min(total, resident_blocks(target)) if persistent else total, 1, 1)
+        # The persistent build's blocks claim the tiles past their first on a counter zeroed for
+        # this launch alone (a Hopper tile takes Dv whole: one launch), not one kept per device:
+        # another call, on another stream, may run at the same time.
+        claims = xp.zeros(1, np.uint32)
+        work = (I32(pairs), I32(tiles), I32(total), claims)
+        grid = (min(total, resident_blocks(target)) if tile.persistent else total, 1, 1)
     # A tile computing fewer value dims per launch than Dv runs once per slice of v and out (views:
     # same strides, shifted base), each launch writing the same lse.
     width = getattr(tile, "value_dim", p.head_dim_v)

@@ -1,8 +1,9 @@
 // The Hopper (sm_90a) forward for fp16/bf16: FlashAttention-3's structure on wgmma and TMA.
 //
-// Work tiles of (128 query rows, head, batch entry); a persistent block (one per SM) takes them in
-// turn (WorkTiles, block_info.cuh), so a tile's Q, K and V load while the previous tile's O is
-// staged and stored. Three warpgroups with their roles fixed at the start (warp specialisation):
+// Work tiles of (128 query rows, head, batch entry); persistent blocks (one per SM) take them
+// the heaviest first, each claiming its next as it nears the end of its current one (WorkTiles,
+// block_info.cuh), so a tile's Q, K and V load while the previous tile's O is staged and stored.
+// Three warpgroups with their roles fixed at the start (warp specialisation):
 //   producer   warpgroup 0 gives up registers (setmaxnreg.dec 40); one elected thread of its
 //              first warp loads each work tile's Q once and each key tile's K and V with TMA into
 //              128-byte-swizzled boxes of 64 head dims, K and V into rings of two stages
@@ -62,7 +63,11 @@ struct ForwardBarriers {
     StageRing<kKvStages> k, v;
     unsigned long long q_landed;  // a work tile's Q landed: one phase per Q tile loaded
     unsigned long long q_free;    // the consumers are done with that Q tile: one phase per Q tile
+    unsigned long long work_posted;  // the producer wrote next_work: one phase per work tile
+    unsigned long long work_read;    // every consumer thread read it: one phase per work tile
+    unsigned next_work;              // the block's next work tile (>= WorkTiles::total: none)
 };
+static_assert(sizeof(ForwardBarriers) == 104, "HopperTile.shared_bytes counts 104 bytes after the tiles");
 
 // TMA copies of rows [row0, row0 + Layout's rows) x kDims head dims of a (head dims, rows, heads,
 // batch) tensor map, one box of 64 dims each, into a tile laid out by Layout; their bytes complete
@@ -100,9 +105,9 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
     constexpr bool kOverlap = ScoreTransform::kPlain;
     constexpr unsigned kTileElements = kBlockN * kHeadDim;  // one stage of K or of V
     // Persistent where O has a staging tile of its own beside Q, K and V (HopperTile.persistent: all
-    // but D = 256 with 64 keys): a block then takes work tiles in turn, and the next tile's Q, K and
-    // V load while this one's O is staged and stored. Else O is staged in Q's rows and the launcher
-    // starts one block per work tile.
+    // but D = 256 with 64 keys): a block then takes work tile after work tile, and the next one's Q,
+    // K and V load while this one's O is staged and stored. Else O is staged in Q's rows and the
+    // launcher starts one block per work tile.
     constexpr bool kPersistent =
         sizeof(T) * (2 * kBlockM * kHeadDim + 4 * kTileElements) + sizeof(ForwardBarriers) <= kSharedLimit;
     extern __shared__ __align__(1024) unsigned char smem_bytes[];
@@ -116,14 +121,14 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
     T* sO = kPersistent ? sV + kKvStages * kTileElements : sQ;
     ForwardBarriers& bars =
         *reinterpret_cast<ForwardBarriers*>(sV + kKvStages * kTileElements + (kPersistent ? kBlockM * kHeadDim : 0));
-    // A block's work tiles: every gridDim.x-th from its own when persistent, else its own alone.
-    const unsigned work_step = kPersistent ? gridDim.x : work.total;  // unsigned: w + work.total < 2^32
 
     if (threadIdx.x == 0) {
         bars.k.init(128 * kConsumerGroups);
         bars.v.init(128 * kConsumerGroups);
         ptx::mbarrier_init(&bars.q_landed, 1);
         ptx::mbarrier_init(&bars.q_free, 128 * kConsumerGroups);
+        ptx::mbarrier_init(&bars.work_posted, 1);
+        ptx::mbarrier_init(&bars.work_read, 128 * kConsumerGroups);
         ptx::fence_mbarrier_init();
     }
     __syncthreads();  // the barriers are initialised; the last block-wide barrier (the producer's threads exit)
@@ -138,7 +143,7 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
         if (threadIdx.x < 32 && ptx::elect_one()) {
             StageCursor<kKvStages> at;
             unsigned q_tiles = 0;
-            for (unsigned w = blockIdx.x; w < work.total; w += work_step) {
+            for (unsigned w = blockIdx.x, tiles = 0; w < work.total; ++tiles) {
                 const BlockPlace place = work.query_place(p, w);
                 const BlockInfo b(p, place.head, place.batch);
                 const int m0 = place.tile * kBlockM;
@@ -155,6 +160,16 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
                     producer_acquire(bars.v, at, sizeof(T) * kTileElements);
                     load_tile<KvTile, kHeadDim>(sV + at.stage * kTileElements, v_map, loads.tile * kBlockN, b.bidh_kv,
                                                 b.bidb, &bars.v.full[at.stage]);
+                }
+                // The block's next work tile, claimed once this one's loads are issued (about two
+                // key tiles before its consumers finish it), so the claim's round trip hides behind
+                // the wait for a free stage. The consumers learn it through next_work, once they
+                // have all read the last one.
+                w = kPersistent ? work.claim() : work.total;
+                if constexpr (kPersistent) {
+                    if (tiles > 0) ptx::mbarrier_wait(&bars.work_read, (tiles - 1) & 1);
+                    bars.next_work = w;
+                    ptx::mbarrier_arrive(&bars.work_posted);  // releases the write to the waiting consumers
                 }
             }
         }
@@ -174,9 +189,9 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
     const unsigned long long v_desc0 =
         ptx::wgmma_descriptor(sV, KvTile::kMnMajorLbo, KvTile::kMnMajorSbo, ptx::Swizzle::B128);
     StageCursor<kKvStages> k_at, v_at;
-    unsigned q_tiles = 0;
+    unsigned q_tiles = 0, next = work.total, posted_phase = 0;
 
-    for (unsigned w = blockIdx.x; w < work.total; w += work_step) {
+    for (unsigned w = blockIdx.x; w < work.total; w = next) {
         const BlockPlace place = work.query_place(p, w);
         const BlockInfo b(p, place.head, place.batch);
         const int m0 = place.tile * kBlockM;
@@ -311,14 +326,24 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
             ++q_tiles;
         }
 
+        if constexpr (kPersistent) {  // the block's next work tile, which the producer claimed
+            ptx::mbarrier_wait(&bars.work_posted, posted_phase);
+            posted_phase ^= 1;
+            next = bars.next_work;
+            ptx::mbarrier_arrive(&bars.work_read);
+        }
+        const bool last_tile = next >= work.total;  // the block's last
+
         // O through this group's rows of its staging tile (swizzled as TMA reads them), then out
         // by TMA. Persistent: O's own tile, free once the previous work tile's store read it.
         // Else Q's rows: Q is dead there once the group's last S is in, and no TMA copy into them
         // is in flight (Q was loaded only when the block has key tiles, and waited for).
-        const bool last_tile = w >= work.total - work_step;  // the block's last
-        if (last_tile && group == 0 && q_tiles > 0) take_turn();  // group 1's last hand-over
         float inv[2];
         finish_rows(p, b, at, lse, softmax, row_lo, t, inv);
+        // Group 1's last hand-over. (After finish_rows: placed before it, with the next work tile
+        // read from shared memory, ptxas kept the key loop's descriptors in vector registers, 39
+        // more instructions per key tile at D = 128; NVRTC 13.5.)
+        if (last_tile && group == 0 && q_tiles > 0) take_turn();
         if constexpr (kPersistent) {
             if (threadIdx.x % 128 == 0) ptx::bulk_wait_read<0>();
             ptx::named_barrier_sync(kStagedBarrier + group, 128);
@@ -346,7 +371,9 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
 
 // grid (blocks), one dimension: persistent builds (kPersistent) as many blocks as the GPU runs
 // at once (one per SM), at most `work_total`; the others `work_total`. work_pairs x work_tiles x
-// sections (= work_total) is the sectioned grid of query tiles of 128 rows (WorkTiles). Block 384
+// sections (= work_total) is the sectioned grid of query tiles of 128 rows (WorkTiles);
+// work_claims, one zeroed counter per launch, counts the work tiles claimed past the grid's own
+// (persistent builds; the others leave it untouched). Block 384
 // threads (a producer warpgroup and two consumers), dynamic shared memory: Q (128 x kHeadDim), two
 // stages of K and of V (kBlockN x kHeadDim each), if persistent O's staging tile (128 x kHeadDim),
 // 16-bit, then the barriers. q_map, k_map, v_map, o_map: TMA maps of q, k, v and out (head dims,
@@ -359,9 +386,9 @@ __global__ void __launch_bounds__(attn::kWsThreads, 1)
 attention_fwd_wgmma(const T* q, const T* k, const T* v, T* out, float* lse,
                     const __grid_constant__ ptx::TensorMap q_map, const __grid_constant__ ptx::TensorMap k_map,
                     const __grid_constant__ ptx::TensorMap v_map, const __grid_constant__ ptx::TensorMap o_map,
-                    int work_pairs, int work_tiles, int work_total, ATTN_PARAMS) {
+                    int work_pairs, int work_tiles, int work_total, unsigned* work_claims, ATTN_PARAMS) {
     ATTN_UNPACK_PARAMS;
     const attn::WorkTiles work{static_cast<unsigned>(work_pairs), static_cast<unsigned>(work_tiles),
-                               static_cast<unsigned>(work_total)};
+                               static_cast<unsigned>(work_total), work_claims};
     attn::forward_wgmma_block<T, kHeadDim, kBlockN>(p, work, lse, strides, q_map, k_map, v_map, o_map);
 }

@@ -207,12 +207,17 @@ __device__ __forceinline__ BlockPlace key_block_place(const Params& p) {
 }
 
 // A persistent kernel's work: the blocks of the sectioned grid (pairs, tiles, sections) the
-// launcher would have started, as work tiles in the order the GPU would have started them, which
-// its blocks (one per SM) take in turn: block i the work tiles i, i + gridDim.x, ... So the order
-// serves the tail and the L2 as above, and a block's next tile reuses its barriers, its shared
-// memory and its start (FlashAttention-3's persistent kernels).
+// launcher would have started, as work tiles in the order the GPU would have started them. Its
+// blocks (one per SM) start with their own (block i work tile i) and each claims its next one on
+// a counter as it nears the end of its current one (claim): so the tiles go, the heaviest first,
+// to the blocks that free first, as a grid's blocks go to the SMs that free first, and the order
+// serves the tail and the L2 as above, while a block's next tile reuses its barriers, its shared
+// memory and its start (FlashAttention-3's persistent kernels and their dynamic scheduler). A
+// fixed turn (block i tiles i, i + gridDim.x, ...) would not do under a causal mask: in the
+// sectioned order some blocks meet the heaviest tile of every section (bench/schedule_model.py).
 struct WorkTiles {
     unsigned pairs, tiles, total;  // the sectioned grid's x and y extents, and its block count (< 2^31)
+    unsigned* claims;              // work tiles claimed past the launch's own: zeroed per launch
 
     // Work tile w's query tile (the last first), head and batch entry.
     __device__ __forceinline__ BlockPlace query_place(const Params& p, unsigned w) const {
@@ -221,6 +226,9 @@ struct WorkTiles {
         const unsigned y = in_section / pairs;
         return sectioned_place<true>(p, in_section - y * pairs, y, z, pairs, tiles);
     }
+    // The first work tile no block has claimed yet, and this block's now; >= total once all are.
+    // One thread of a block claims for it. (Claims past total stay below 2 x 2^31: one per block.)
+    __device__ __forceinline__ unsigned claim() const { return gridDim.x + atomicAdd(claims, 1u); }
 };
 // The grid (tiles, heads, batch entries).
 __device__ __forceinline__ BlockPlace grid_place() {

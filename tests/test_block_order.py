@@ -161,19 +161,24 @@ def test_the_kernels_order_is_its_twins(places, tiles, heads, entries, keys):
 
 @pytest.mark.parametrize("tiles,heads,entries", [(1, 1, 1), (5, 3, 2), (4, 7, 1), (3, 2, 3), (2, 6, 2)])
 def test_the_persistent_forwards_work_tiles_are_the_sectioned_grids_blocks(places, tiles, heads, entries):
-    """WorkTiles::query_place (kernels/block_info.cuh), the persistent wgmma forward's walk: on 1,
-    2, 5 blocks or one per work tile, the work tiles get, in the order the blocks take them, the
-    places the sectioned grid's blocks get in launch order, every work tile once."""
+    """WorkTiles (kernels/block_info.cuh), the persistent wgmma forward's walk: on 1, 2, 5 blocks
+    or one per work tile, each block starting with its own work tile and claiming the next on a
+    counter, every work tile is taken once and gets the place the sectioned grid's block of its
+    index gets in launch order; the counter ends at the work tiles past the grid plus one failed
+    claim per block."""
     pairs = heads * entries
     magic, shift = _schedule.division_magic(heads)
     for section in (s for s in range(1, pairs + 1) if pairs % s == 0):
         grid = _schedule.sectioned_grid(tiles, pairs, section)
         total = grid[0] * grid[1] * grid[2]
-        for blocks in sorted({1, 2, 5, total}):
+        for blocks in sorted({min(b, total) for b in (1, 2, 5, total)}):
             out = np.full((total, 3), -1, np.int32)
-            places.get_function("work_places")((blocks,), (32,), (out, np.int32(heads), np.uint32(magic), np.int32(shift),
-                                                                  np.int32(grid[0]), np.int32(grid[1]), np.int32(total)))
+            taken, claims = np.zeros(total, np.int32), np.zeros(1, np.uint32)
+            places.get_function("work_places")((blocks,), (32,), (out, taken, claims, np.int32(heads), np.uint32(magic),
+                                                                  np.int32(shift), np.int32(grid[0]), np.int32(grid[1]),
+                                                                  np.int32(total)))
             assert [tuple(row) for row in out] == _schedule.launch_order(grid, heads, True), (section, blocks)
+            assert taken.tolist() == [1] * total and claims[0] == total, (section, blocks)
 
 
 @pytest.mark.parametrize("dtype,capability", [(np.float32, 80), (np.float16, 80), (np.float16, 90)],
@@ -207,12 +212,12 @@ def test_kernels_in_sections(monkeypatch, dtype, capability, deterministic):
     if dtype == np.float32:
         assert all(g[1:] == (6, 2) for g in query_tiled + key_tiled), grids
     else:
-        # the wgmma forward: the sectioned grid's 6 x 2 x 2 blocks as work tiles (WorkTiles), a
-        # block each (causal: tiles of differing work, _kernel_backend._uniform_work)
+        # the wgmma forward: the sectioned grid's 6 x 2 x 2 blocks as work tiles (WorkTiles), which
+        # the emulator's SMs' blocks claim
         sectioned = [g for name, g in grids if name.startswith(("attention_fwd_tc", "attention_bwd_dq"))]
         assert all(g[0] == 6 and g[2] == 2 for g in sectioned) and key_tiled[0][0] == 3 and key_tiled[0][2] == 4, grids
         work_tiles = [g for name, g in grids if name.startswith("attention_fwd_wgmma")]
-        assert work_tiles == ([(24, 1, 1)] if capability == 90 else []), grids
+        assert work_tiles == ([(_kernel_backend.EMULATOR_SMS, 1, 1)] if capability == 90 else []), grids
     if capability == 90:
         assert any("_wgmma<" in name for name in launched)
 
@@ -280,14 +285,23 @@ def test_the_model_by_hand():
     assert model.tile_work("keys", 2, 300, 128, 64, False) == 5
     # a fixed turn of 2 slots over work 3, 2, 1: slot 0 takes 3 and 1 (4), against the bound 3
     assert model.fixed_turn(light_first[::-1], work, 2) == 4 / 3 - 1
+    # persistent slots claiming ahead over work 2, 1, 3: claiming half a tile ahead, slot 1 (at 0.5)
+    # before slot 0 (at 1.5), the 3 runs from 1 (ends at 4, as on the slot that frees first);
+    # claiming 2 ahead, both at 0, slot 0 first, from 2 (ends at 5), against the bound 3
+    order = [(1, 0, 0), (0, 0, 0), (2, 0, 0)]
+    assert model.simulate(order, work, 2, 7)[0] == model.claimed_ahead(order, work, 2, 0.5) == 4 / 3 - 1
+    assert model.claimed_ahead(order, work, 2, 2) == 5 / 3 - 1
 
 
-def test_a_fixed_turn_balances_only_tiles_of_equal_work():
-    """Why the persistent wgmma forward runs only calls whose tiles have as much work
-    (_kernel_backend._uniform_work): in the model, its fixed turn over the sectioned order keeps
-    the non-causal calls' tail (the last round's rounding) and leaves causal ones a long one."""
+def test_persistent_blocks_claiming_ahead_keep_the_tail_of_blocks_on_free_sms():
+    """Why the persistent wgmma forward's blocks claim work tiles (WorkTiles::claim) rather than
+    take them in a fixed turn: in the model, over the benchmark's calls on one block per SM,
+    claiming two tiles ahead of the end gives the tail of blocks handed to the SM that frees first,
+    causal calls included, while a fixed turn keeps only the non-causal calls' tail and leaves
+    causal ones at D = 128 a long one."""
     rows = [r for r in schedule_model().model_rows(132, 50 * 2**20, (1,)) if r["kernel"] == "forward wgmma"]
     assert len(rows) == 2 * 5 * 2
+    assert all(abs(r["tail_claimed_ahead"] - r["tail_now"]) < 5e-3 for r in rows)
     assert all(abs(r["tail_fixed_turn"] - r["tail_now"]) < 5e-4 for r in rows if not r["causal"])
     assert min(r["tail_fixed_turn"] for r in rows if r["causal"] and r["D"] == 128) > 0.3
 

@@ -11,7 +11,7 @@ import pytest
 
 import cupy_attn
 from cupy_attn import _compile, _config, _kernel_backend
-from cupy_attn.emulator import EmulatorError, RawModule
+from cupy_attn.emulator import EmulatorCompileError, EmulatorError, RawModule
 from helpers import random_qkv
 
 BARRIERS = ("__syncthreads();", "__syncwarp();", "ptx::cp_async_wait<0>();", "ptx::wgmma_wait<0>();",
@@ -23,9 +23,12 @@ BARRIERS = ("__syncthreads();", "__syncwarp();", "ptx::cp_async_wait<0>();", "pt
             # done before the block exits and, persistent, before the next work tile's O is staged
             # (its storing thread waits, then the group); the consumer groups' turns at the tensor
             # cores (a protocol: without the wait the other group's arrivals pile up, which the
-            # emulator reports)
+            # emulator reports); the block's next work tile posted by the producer before the
+            # consumers read it, and read by all of them before the producer posts the one after
             "ptx::mbarrier_wait(&bars.q_landed, q_tiles & 1);",
             "ptx::mbarrier_wait(&bars.q_free, (q_tiles - 1) & 1);",
+            "ptx::mbarrier_wait(&bars.work_posted, posted_phase);",
+            "ptx::mbarrier_wait(&bars.work_read, (tiles - 1) & 1);",
             "ptx::mbarrier_wait(&ring.full[at.stage], at.phase);",
             "ptx::mbarrier_wait(&ring.empty[at.stage], at.phase ^ 1);",
             "ptx::named_barrier_sync(kStagedBarrier + group, 128);", "ptx::bulk_wait_read<0>();",
@@ -65,6 +68,10 @@ def results(filename):
         outs = [cupy_attn.attention(q, k, v, backend="emulator")]
         if "wgmma" in filename:  # a build with a score feature: one tile after the other (kOverlap)
             outs.append(cupy_attn.attention(q, k, v, softcap=5.0, backend="emulator"))
+            # work tiles without keys, whose next work tile the consumers read at once, among
+            # others: 8 on the emulator's 3 SMs
+            q, k, v = random_qkv(rng, b=2, h=2, sq=150, sk=200, d=32, dtype=dtype)
+            outs.append(cupy_attn.attention(q, k, v, kv_lengths=np.array([200, 0], np.int32), backend="emulator"))
         return outs
     # D = 256 too: its tensor-core dK/dV tile splits key groups over two warps, which exchange
     # partial sums through shared memory; the wgmma dK/dV at D = 128, where each consumer group
@@ -126,6 +133,8 @@ def assert_breaks(monkeypatch, filename, mutated, what):
         monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", schedule)
         try:
             return any(not np.allclose(g, w, atol=1e-3) for g, w in zip(results(filename), want))
+        except EmulatorCompileError:  # a mutation that does not compile shows nothing
+            raise
         except EmulatorError:  # the emulator caught the misuse itself (e.g. an mbarrier used before its init)
             return True
 
@@ -136,8 +145,10 @@ def assert_breaks(monkeypatch, filename, mutated, what):
 
 @pytest.mark.parametrize("filename,at,barrier", SITES, ids=[f"{f}@{at}:{b[:-3]}" for f, at, b in SITES])
 def test_removing_a_barrier_breaks_a_kernel(monkeypatch, filename, at, barrier):
+    """The barrier becomes an empty statement, so that a condition guarding it guards nothing
+    rather than the statement after it."""
     source = _compile.kernel_source(filename)
-    assert_breaks(monkeypatch, filename, source[:at] + source[at + len(barrier):],
+    assert_breaks(monkeypatch, filename, source[:at] + ";" + source[at + len(barrier):],
                   f"removing {barrier} at offset {at} of {filename}")
 
 

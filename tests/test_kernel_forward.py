@@ -153,21 +153,17 @@ def test_wgmma_tiles_of_calls_with_features(monkeypatch, schedule, d, dv, featur
     (64, {}),                                                             # every tile as much work
     (64, dict(softcap=4.0)),
 ])
-def test_wgmma_forward_blocks_take_work_tiles_in_turn(monkeypatch, sms, schedule_name, d, kw):
+def test_wgmma_forward_blocks_claim_work_tiles(monkeypatch, sms, schedule_name, d, kw):
     """The persistent forward: 3 x 2 x 3 = 18 work tiles (query tiles of 128 rows, heads, batch
     entries) on 1, 2 or 5 blocks, so a block's next tile reloads Q over the last one's and its O
     staging tile over the last one's store, and the stage rings go on across tiles; tiles of padding
     rows and of an entry without keys (no Q loaded, O and lse of dead rows written) between others;
-    every schedule, the producer far ahead (warps) or starving the consumers. D = 256 with 64 keys
-    has no room for O's tile and runs one block per work tile. A call whose tiles differ in work
-    (causal, lengths) runs a block per work tile too (_kernel_backend._uniform_work): the tests run
-    its blocks' loops with the launch's grid forced to the SMs, and the launcher's choice apart."""
+    every schedule, the producer far ahead (warps) or starving the consumers; tiles of differing
+    work (causal, lengths), which blocks claim as they free. D = 256 with 64 keys has no room for
+    O's tile and runs one block per work tile."""
     monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
     monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", schedule_name)
     monkeypatch.setattr(_kernel_backend, "EMULATOR_SMS", sms)
-    uniform = not kw or list(kw) == ["softcap"]
-    if not uniform:  # the persistent walk over tiles of differing work (the kernel's, not the launcher's choice)
-        monkeypatch.setattr(_kernel_backend, "_uniform_work", lambda problem: True)
     grids = recorded_launches(monkeypatch)
     rng = np.random.default_rng(d + len(kw))
     q, k, v = random_qkv(rng, b=3, h=2, hkv=1, sq=300, sk=200, d=d, dtype=np.float16)
@@ -177,23 +173,25 @@ def test_wgmma_forward_blocks_take_work_tiles_in_turn(monkeypatch, sms, schedule
     assert name.startswith("attention_fwd_wgmma<") and grid == ((min(18, sms) if persistent else 18), 1, 1), grids
 
 
-@pytest.mark.parametrize("kw,persistent", [({}, True), (dict(softcap=4.0, mask="float"), True),
-                                           (dict(causal=True), False), (dict(window=(50, 0)), False),
-                                           (dict(kv_lengths=[200, 120]), False), (dict(q_lengths=[300, 7]), False)])
-def test_wgmma_forward_is_persistent_where_every_tile_has_as_much_work(monkeypatch, kw, persistent):
-    """One block per SM takes the work tiles in a fixed turn, which balances only tiles of equal
-    work; a causal mask, a window or lengths start a block per work tile (the GPU hands them to
-    SMs as they free). A mask or softcap changes no tile's work."""
+def test_each_wgmma_forward_call_claims_work_tiles_from_none(monkeypatch):
+    """The persistent forward's blocks claim work tiles on a counter of each launch's own: two
+    calls in a row, outputs poisoned (by default), are both whole (a counter left at the first
+    call's count would leave the second call's blocks their own tiles alone: rows of NaN), and
+    each counter ends at one claim per work tile past the grid's and one per block."""
     monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
-    launches = recorded_launches(monkeypatch)
-    rng = np.random.default_rng(len(kw))
+    counters, launch = [], _kernel_backend._launch
+
+    def record_counter(target, filename, name, grid, args, *rest, **keywords):
+        launch(target, filename, name, grid, args, *rest, **keywords)
+        counters.append((grid, args[12].copy()))  # q, k, v, out, lse, 4 maps, 3 work sizes, claims
+
+    monkeypatch.setattr(_kernel_backend, "_launch", record_counter)
+    rng = np.random.default_rng(3)
     q, k, v = random_qkv(rng, b=2, h=2, hkv=1, sq=300, sk=200, d=64, dtype=np.float16)
-    kw = {key: np.array(x, np.int32) if key.endswith("lengths") else x for key, x in kw.items()}
-    if kw.get("mask") == "float":
-        kw["mask"] = rng.standard_normal((1, 2, 300, 200)).astype(np.float32)
-    check(q, k, v, np.float16, **kw)
-    grids = [grid for _, grid in launches]
-    assert grids == [(_kernel_backend.EMULATOR_SMS if persistent else 12, 1, 1)], grids  # 3 query tiles x 4 pairs
+    for _ in range(2):
+        check(q, k, v, np.float16, causal=True)
+    # 12 work tiles on 3 blocks: 9 claimed past the grid's own, and one claim per block that found none
+    assert [(grid, c.tolist()) for grid, c in counters] == [((3, 1, 1), [12])] * 2, counters
 
 
 @pytest.mark.parametrize("schedule_name", ["forward", "reverse", "random", "warps", "warps_reverse"])
