@@ -149,6 +149,24 @@ def test_tiles_in_sections_of_pairs(monkeypatch, tensor_core_kernels, dtype, det
     assert len(key_tiled) == 1 and key_tiled[0][0] == 1 and key_tiled[0][2] == 12, grids
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_more_work_tiles_than_sms(monkeypatch, tensor_core_kernels, d, causal):
+    """More query tiles than an H100/H200 has SMs (3 entries x 24 heads x 6 tiles of 128 rows = 432
+    on 132): the persistent wgmma forward's blocks claim the work tiles past their first
+    (kernels/block_info.cuh WorkTiles::claim), of differing work under the causal mask, with an
+    entry without keys among them (its tiles hand on their next at once); twice in a row, each
+    launch on a counter of its own."""
+    grids = recorded_launches(monkeypatch)
+    rng = np.random.default_rng(d + causal)
+    q, k, v = random_qkv(rng, b=3, h=24, hkv=8, sq=700, sk=650, d=d, dtype=BF16)
+    for _ in range(2):
+        check(q, k, v, BF16, causal=causal, kv_lengths=np.array([650, 0, 333], np.int32))
+    if tensor_core_kernels == "wgmma":
+        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        assert [g for n, g in grids if n.startswith("attention_fwd_wgmma")] == [(min(432, sms), 1, 1)] * 2, grids
+
+
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16), BF16], ids=str)
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("d", [64, 128, 256])

@@ -42,6 +42,7 @@ def _load(path: str) -> ctypes.CDLL:
     lib.emu_kernel_count_get.restype = ctypes.c_int
     lib.emu_kernel_name.restype = ctypes.c_char_p
     lib.emu_kernel_name.argtypes = [ctypes.c_int]
+    lib.emu_max_kernel_params.restype = ctypes.c_int
     lib.emu_kernel_params.restype = ctypes.c_int
     lib.emu_kernel_params.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)]
     lib.emu_launch.restype = ctypes.c_int
@@ -65,8 +66,9 @@ class Function:
 
     def __init__(self, lib: ctypes.CDLL, index: int, name: str):
         self._lib, self._index, self.name = lib, index, name
-        sizes, pointees = (ctypes.c_int * 64)(), (ctypes.c_int * 64)()
-        kinds = ctypes.create_string_buffer(64)
+        most = lib.emu_max_kernel_params()
+        sizes, pointees = (ctypes.c_int * most)(), (ctypes.c_int * most)()
+        kinds = ctypes.create_string_buffer(most)
         count = lib.emu_kernel_params(index, sizes, kinds, pointees)
         self.params = [(sizes[i], kinds.raw[i:i + 1].decode(), pointees[i]) for i in range(count)]
         self.max_dynamic_shared_size_bytes = STATIC_SHARED_LIMIT

@@ -10,6 +10,9 @@ extern "C" __attribute__((visibility("default"))) int emu_kernel_count_get() { r
 
 extern "C" __attribute__((visibility("default"))) const char* emu_kernel_name(int k) { return emu_kernel_table[k].name; }
 
+// The most parameters emu_kernel_params may report: the size of the arrays it fills.
+extern "C" __attribute__((visibility("default"))) int emu_max_kernel_params() { return emu::kMaxKernelParams; }
+
 extern "C" __attribute__((visibility("default"))) int emu_kernel_params(int k, int* sizes, char* kinds, int* pointee_sizes) {
     const emu::KernelInfo& info = emu_kernel_table[k];
     for (int i = 0; i < info.param_count; ++i) {
