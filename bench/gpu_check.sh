@@ -12,7 +12,8 @@
 #   sanitize  compute-sanitizer memcheck, racecheck and synccheck over bench/sanitize_cases.py
 #   bench     bench/bench_attention.py against SDPA's flash/cuDNN/efficient and JAX (stops starting
 #             cases after --bench-budget seconds), the host time per call (bench/host_profile.py),
-#             then ncu on one forward and one dK/dV launch per kernel family (bench/ncu_cases.py)
+#             the wgmma forward persistent and with a block per tile (bench/persistence.py), then ncu
+#             on one forward and one dK/dV launch per kernel family (bench/ncu_cases.py)
 #   sweep     (only when named) bench/tile_sweep.py: candidate tiles of the default kernels, each
 #             checked against the reference, then timed (stops starting candidates after
 #             --bench-budget seconds)
@@ -25,7 +26,7 @@
 # minutes, "--only bench --bench-budget 70" with Nsight Compute about 2 and "--only sanitize" about
 # 1.5 (from the summaries' start times); the limits add up to more (tests: precompile 150 s,
 # canary 160, the rest 180, reruns 150; sanitize: 100 per tool; bench: --bench-budget + 150, host
-# profile 120, ncu 150 + 120), so wrap a device call in `timeout` and write OUTDIR outside $OUT,
+# profile 120, persistence 90, ncu 150 + 120), so wrap a device call in `timeout` and write OUTDIR outside $OUT,
 # copying it back after. Writes logs, results.json, PNGs and the ncu report to OUTDIR and prints a one-screen summary last. Exits non-zero when a GPU test or
 # a sanitizer fails (the other steps still run, so one call gives all the evidence).
 #
@@ -185,6 +186,10 @@ if run bench; then
     note "== host time per call (bench/host_profile.py: cProfile of queued calls)"
     timeout 120 $py bench/host_profile.py ${dry:+--dry-run} > "$out/host_profile.log" 2>&1 || note "host profile exit $?"
     grep -E "^host " "$out/host_profile.log" | tee -a "$out/summary.txt"
+
+    note "== persistence (bench/persistence.py: the wgmma forward, a block per SM or per work tile)"
+    timeout 90 $py bench/persistence.py ${dry:+--dry-run} > "$out/persistence.log" 2>&1 || note "persistence exit $?"
+    grep -E "^persistence" "$out/persistence.log" | tee -a "$out/summary.txt"
 
     note "== Nsight Compute: one forward and one dK/dV launch per kernel family"
     ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1 || true)

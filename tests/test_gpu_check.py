@@ -22,14 +22,15 @@ def test_dry_run_runs_every_step_and_summarises(tmp_path):
     out = tmp_path / "out"
     summary = (out / "summary.txt").read_text()
     for step in ("== environment", "== compile every variant", "== GPU tests", "== compute-sanitizer",
-                 "== benchmark", "== host time per call", "== Nsight Compute", "== tile sweep", "== inference benchmark",
-                 "== programmable attention benchmark"):
+                 "== benchmark", "== host time per call", "== persistence", "== Nsight Compute", "== tile sweep",
+                 "== inference benchmark", "== programmable attention benchmark"):
         assert step in summary
     assert "compiled 2 variants" in summary
     assert "sanitize cases ran: " in summary
     assert "relative to the best other implementation" in summary
     assert "ran forward and backward" in summary
     assert "host default forward: " in summary and "host default backward: " in summary
+    assert "persistence bf16 D=128 B=1 H=2 S=300 causal: a block per tile " in summary
     assert "candidates, 0 unusable" in summary  # every prepared tile candidate builds
     assert "decode  B=4" in summary and "prefill " in summary
     assert "mods document S=256" in summary and "mods bias     S=256" in summary
