@@ -68,13 +68,13 @@ class Stamp:
 @contextlib.contextmanager
 def timed_launches(xp):
     """Every kernel cupy_attn launches inside (_kernel_backend._launch) between two stamps:
-    yields the list of (kernel name, start, stop) it fills."""
+    yields the list of (kernel name, grid, start, stop) it fills."""
     launch, timed = _kernel_backend._launch, []
 
-    def timed_launch(target, filename, name, *args, **keywords):
+    def timed_launch(target, filename, name, grid, *args, **keywords):
         start = Stamp(xp)
-        launch(target, filename, name, *args, **keywords)
-        timed.append((name, start, Stamp(xp)))
+        launch(target, filename, name, grid, *args, **keywords)
+        timed.append((name, grid, start, Stamp(xp)))
 
     _kernel_backend._launch = timed_launch
     try:
@@ -95,7 +95,7 @@ def kernel_times(call, calls: int, sync, xp) -> str:
             stop = Stamp(xp)
             sync()
         whole.append(start.ms_to(stop))
-        for name, began, ended in timed:
+        for name, _, began, ended in timed:
             kernels.setdefault(name, []).append(began.ms_to(ended))
     call_ms = statistics.median(whole)
     parts = {name: statistics.median(times) for name, times in kernels.items()}

@@ -142,8 +142,10 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
         // the previous Q tile: it then lands while they finish that tile.
         if (threadIdx.x < 32 && ptx::elect_one()) {
             StageCursor<kKvStages> at;
-            unsigned q_tiles = 0;
-            for (unsigned w = blockIdx.x, tiles = 0; w < work.total; ++tiles) {
+            // read_phase: of work_read, the consumers having read the last next_work; a fresh
+            // barrier's phase before the first counts as complete (as for the rings' producer).
+            unsigned q_tiles = 0, read_phase = 1;
+            for (unsigned w = blockIdx.x; w < work.total;) {
                 const BlockPlace place = work.query_place(p, w);
                 const BlockInfo b(p, place.head, place.batch);
                 const int m0 = place.tile * kBlockM;
@@ -165,11 +167,14 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
                 // key tiles before its consumers finish it), so the claim's round trip hides behind
                 // the wait for a free stage. The consumers learn it through next_work, once they
                 // have all read the last one.
-                w = kPersistent ? work.claim() : work.total;
                 if constexpr (kPersistent) {
-                    if (tiles > 0) ptx::mbarrier_wait(&bars.work_read, (tiles - 1) & 1);
+                    w = work.claim();
+                    ptx::mbarrier_wait(&bars.work_read, read_phase);
+                    read_phase ^= 1;
                     bars.next_work = w;
                     ptx::mbarrier_arrive(&bars.work_posted);  // releases the write to the waiting consumers
+                } else {
+                    w = work.total;
                 }
             }
         }

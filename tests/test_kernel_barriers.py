@@ -28,7 +28,7 @@ BARRIERS = ("__syncthreads();", "__syncwarp();", "ptx::cp_async_wait<0>();", "pt
             "ptx::mbarrier_wait(&bars.q_landed, q_tiles & 1);",
             "ptx::mbarrier_wait(&bars.q_free, (q_tiles - 1) & 1);",
             "ptx::mbarrier_wait(&bars.work_posted, posted_phase);",
-            "ptx::mbarrier_wait(&bars.work_read, (tiles - 1) & 1);",
+            "ptx::mbarrier_wait(&bars.work_read, read_phase);",
             "ptx::mbarrier_wait(&ring.full[at.stage], at.phase);",
             "ptx::mbarrier_wait(&ring.empty[at.stage], at.phase ^ 1);",
             "ptx::named_barrier_sync(kStagedBarrier + group, 128);", "ptx::bulk_wait_read<0>();",
