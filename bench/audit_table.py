@@ -23,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cupy_attn import _config  # noqa: E402
+from cupy_attn._memory_report import ratio  # noqa: E402
 
 FP16 = np.dtype(np.float16)
 
@@ -142,11 +143,11 @@ def memory_table(rows: list[dict]) -> str:
     lines = ["| family | D | pass | kernel | shared wavefronts / ideal | ratio | global sectors / ideal | ratio | worst site |",
              "|" + "---|" * 9]
     for r in rows:
-        worst = max(r["sites"], key=lambda s: (s["actual"] / s["ideal"], s["actual"]))
+        worst = max(r["sites"], key=lambda s: (ratio(s["actual"], s["ideal"]), s["actual"]))
         lines.append(f"| {r['family']} | {r['head_dim']} | {r['pass']} | `{r['kernel']}` "
-                     f"| {r['smem_wavefronts']} / {r['smem_ideal']} | {r['smem_wavefronts'] / r['smem_ideal']:.2f} "
-                     f"| {r['gmem_sectors']} / {r['gmem_ideal']} | {r['gmem_sectors'] / r['gmem_ideal']:.2f} "
-                     f"| {worst['space']} {worst['site']}: {worst['actual'] / worst['ideal']:.2f} |")
+                     f"| {r['smem_wavefronts']} / {r['smem_ideal']} | {ratio(r['smem_wavefronts'], r['smem_ideal']):.2f} "
+                     f"| {r['gmem_sectors']} / {r['gmem_ideal']} | {ratio(r['gmem_sectors'], r['gmem_ideal']):.2f} "
+                     f"| {worst['space']} {worst['site']}: {ratio(worst['actual'], worst['ideal']):.2f} |")
     return "\n".join(lines)
 
 

@@ -412,6 +412,11 @@ def preprocess_name(dtype) -> str:
     return f"attention_bwd_preprocess<{CTYPES[np.dtype(dtype)]}>"
 
 
+# The backward's preprocess (delta = rowsum(dO ∘ O)) reads a row with 8 lanes, 16 bytes each
+# (kernels/attention_bwd.cu, kPreprocessLanes): 16 rows per block of THREADS.
+PREPROCESS_ROWS_PER_BLOCK = THREADS // 8
+
+
 # The merge of partial results (cupy_attn._merge): one warp per row, so that a warp reads 32
 # consecutive elements of a part's row at a time; memory-bound, nothing to tile.
 COMBINE_FILE = "attention_combine.cu"

@@ -526,6 +526,20 @@ def _from_per_head(problem: Problem, x, dtype, *, sum_groups: bool = False, scal
     return out
 
 
+def row_deltas(problem: Problem, dout, out, *, target: str):
+    """delta = rowsum(dO ∘ O) in float32, one per lse entry (the backward's preprocess kernel), from
+    dout and out in the call's layout (any row strides, the last axis contiguous); a packed batch
+    is one sequence of total_q rows here."""
+    p = problem
+    delta = _empty(p.xp, p.lse_shape, np.float32)
+    rows_q, batches = (p.packing.total_q, 1) if p.packing is not None else (p.seq_q, p.batch)
+    _launch(target, "attention_bwd.cu", _config.preprocess_name(p.dtype),
+            (_blocks(rows_q, _config.PREPROCESS_ROWS_PER_BLOCK), p.heads, batches),
+            (dout, out, delta, I32(p.heads), I32(rows_q), I32(p.head_dim_v), *_bhs_strides(p, dout),
+             *_bhs_strides(p, out)))
+    return delta
+
+
 def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, deterministic: bool):
     p, xp = problem, problem.xp
     check_supported(p, target)
@@ -543,11 +557,8 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     q, k, v, dout, out = (_kernel_addressable(xp, x) for x in (q, k, v, dout, out))
     lse = xp.ascontiguousarray(lse, dtype=np.float32)
 
-    # delta = rowsum(dO ∘ O), one per lse entry; a packed batch is one sequence of total_q rows here.
-    delta = _empty(xp, p.lse_shape, np.float32)
-    rows_q, batches = (p.packing.total_q, 1) if p.packing is not None else (sq, b)
-    _launch(target, "attention_bwd.cu", _config.preprocess_name(p.dtype), (_blocks(rows_q, _config.THREADS), h, batches),
-            (dout, out, delta, I32(h), I32(rows_q), I32(p.head_dim_v), *_bhs_strides(p, dout), *_bhs_strides(p, out)))
+    delta = row_deltas(p, dout, out, target=target)
+    rows_q = p.packing.total_q if p.packing is not None else sq
 
     # dQ: summed by atomics in float32 (zero-initialised), or written once per row by the
     # deterministic dQ kernel, the tensor-core one in the input type (no conversion pass after;

@@ -15,6 +15,7 @@
 #include "mask.cuh"
 #include "numeric.cuh"
 #include "backward_stats.cuh"
+#include "softmax.cuh"
 #include "tile_io.cuh"
 
 namespace attn {
@@ -189,20 +190,50 @@ __device__ __forceinline__ void dq_block(const Params& p, const T* q, const T* k
     }
 }
 
+// Lanes per row of attention_bwd_preprocess: a warp reads 4 rows at a time, 128 contiguous bytes
+// of each (8 chunks of 16 bytes at 16 bits: whole sectors). cupy_attn._config.PREPROCESS_ROWS_PER_BLOCK
+// (kThreads / kPreprocessLanes) must match.
+constexpr int kPreprocessLanes = 8;
+
 }  // namespace attn
 
-// grid (ceil(Sq / 128), H, B), block 128: delta[b, h, i] = Σ_d dout · out, in float32.
+// grid (ceil(Sq / 16), H, B), block 128: delta[b, h, i] = Σ_d dout · out, in float32. Row i is
+// read by 8 consecutive lanes in 16-byte chunks where both its rows start 16-byte aligned (else
+// element by element, and elements past the last whole chunk so too), FlashAttention-2's
+// dot_do_o layout; the lanes' partial sums meet by shuffles. (One thread per row, as before,
+// made each warp-wide load touch 32 rows: 16 times the sectors of its bytes at 16 bits.)
 template <class T>
 __global__ void __launch_bounds__(attn::kThreads)
 attention_bwd_preprocess(const T* dout, const T* out, float* delta, int heads, int seq_q, int head_dim_v,
                          long long do_sb, long long do_sh, long long do_sr, long long o_sb, long long o_sh, long long o_sr) {
-    const int i = blockIdx.x * attn::kThreads + threadIdx.x;
-    if (i >= seq_q) return;
-    const T* d_row = dout + blockIdx.z * do_sb + blockIdx.y * do_sh + i * do_sr;
-    const T* o_row = out + blockIdx.z * o_sb + blockIdx.y * o_sh + i * o_sr;
+    constexpr int kLanes = attn::kPreprocessLanes, kChunk = 16 / sizeof(T);  // elements per 16 bytes
+    const int part = threadIdx.x % kLanes;
+    const int i = blockIdx.x * (attn::kThreads / kLanes) + threadIdx.x / kLanes;
     float sum = 0.f;
-    for (int d = 0; d < head_dim_v; ++d) sum = fmaf(attn::to_float(d_row[d]), attn::to_float(o_row[d]), sum);
-    delta[(static_cast<long long>(blockIdx.z) * heads + blockIdx.y) * seq_q + i] = sum;
+    if (i < seq_q) {  // no return: every lane of the warp takes part in the shuffles below
+        const T* d_row = dout + blockIdx.z * do_sb + blockIdx.y * do_sh + i * do_sr;
+        const T* o_row = out + blockIdx.z * o_sb + blockIdx.y * o_sh + i * o_sr;
+        int d = part;
+        if ((reinterpret_cast<unsigned long long>(d_row) | reinterpret_cast<unsigned long long>(o_row)) % 16 == 0) {
+            for (d = part * kChunk; d + kChunk <= head_dim_v; d += kLanes * kChunk) {
+                alignas(16) T d_chunk[kChunk], o_chunk[kChunk];
+                ATTN_COUNT_GLOBAL(d_row + d, 16);
+                *reinterpret_cast<uint4*>(d_chunk) = *reinterpret_cast<const uint4*>(d_row + d);
+                ATTN_COUNT_GLOBAL(o_row + d, 16);
+                *reinterpret_cast<uint4*>(o_chunk) = *reinterpret_cast<const uint4*>(o_row + d);
+#pragma unroll
+                for (int e = 0; e < kChunk; ++e) sum = fmaf(attn::to_float(d_chunk[e]), attn::to_float(o_chunk[e]), sum);
+            }
+            d = head_dim_v / kChunk * kChunk + part;
+        }
+        for (; d < head_dim_v; d += kLanes) {
+            ATTN_COUNT_GLOBAL(d_row + d, sizeof(T));
+            ATTN_COUNT_GLOBAL(o_row + d, sizeof(T));
+            sum = fmaf(attn::to_float(d_row[d]), attn::to_float(o_row[d]), sum);
+        }
+    }
+    sum = attn::row_reduce_sum<kLanes>(sum);
+    if (i < seq_q && part == 0) delta[(static_cast<long long>(blockIdx.z) * heads + blockIdx.y) * seq_q + i] = sum;
 }
 
 // grid (ceil(Sk / kBlockN), H, B), block 128, dynamic shared memory DkdvSmem::kFloats · 4.

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cupy_attn
-from cupy_attn import _compile, _kernel_backend, reference
+from cupy_attn import _compile, _kernel_backend, _paths, emulator, reference
 from helpers import BF16, assert_close, random_qkv, tma_addressable
 from test_forward import FEATURES, feature_keywords
 
@@ -276,3 +276,53 @@ def test_deterministic_must_be_bool():
     out, lse = cupy_attn.attention(q, k, v, return_lse=True)
     with pytest.raises(TypeError, match="deterministic must be a bool, got str"):
         cupy_attn.attention_backward(out, q, k, v, out, lse, deterministic="yes")
+
+
+def _chunk_load_lines() -> set:
+    """The lines of attention_bwd.cu where the preprocess counts its 16-byte loads."""
+    lines = (_paths.kernel_dir() / "attention_bwd.cu").read_text().splitlines()
+    return {f"attention_bwd.cu:{n}" for n, line in enumerate(lines, 1) if "_row + d, 16)" in line}
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16), BF16], ids=str)
+@pytest.mark.parametrize("dv", [1, 7, 8, 24, 33, 64, 136])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("aligned", [True, False], ids=["rows_16_byte_aligned", "rows_misaligned"])
+def test_row_deltas_are_each_rows_dout_dot_out(dtype, dv, layout, aligned):
+    """The backward's preprocess (delta = rowsum(dO ∘ O), 8 lanes a row in 16-byte chunks where
+    both rows start 16-byte aligned, else element by element) against float64, on every row of
+    a poisoned delta: head dims with and without a tail past the last whole chunk, rows whose
+    start is one element past 16 bytes, 37 rows (not a multiple of a block's 16). Aligned rows
+    of at least a chunk are read in chunks, the others not."""
+    rng = np.random.default_rng(dv * 4 + aligned * 2 + (layout == "bshd"))
+    b, h, sq = 2, 3, 37
+    chunk = 16 // dtype.itemsize
+    shape = (b, h, sq, dv) if layout == "bhsd" else (b, sq, h, dv)
+
+    def rows():
+        # rows of whole chunks in 16-byte aligned storage; the view starts at an element 0 or 1
+        width = (dv // chunk + 2) * chunk
+        storage = np.empty(np.prod(shape[:-1]) * width * dtype.itemsize + 16, np.uint8)
+        skip = -storage.ctypes.data % 16
+        wide = storage[skip:skip + np.prod(shape[:-1]) * width * dtype.itemsize].view(dtype).reshape(shape[:-1] + (width,))
+        wide[...] = rng.standard_normal(wide.shape)
+        return wide[..., :dv] if aligned else wide[..., 1:dv + 1]
+
+    dout, out = rows(), rows()
+    q, k, v = random_qkv(rng, b=b, h=h, sq=sq, sk=5, d=16, dv=dv, dtype=dtype, layout=layout)
+    problem = cupy_attn._problem.make_problem(q, k, v, layout=layout, backend="emulator")
+    products = dout.astype(np.float64) * out.astype(np.float64)
+    if layout == "bshd":
+        products = products.transpose(0, 2, 1, 3)
+    want, scale = products.sum(-1), np.abs(products).sum(-1)
+    for schedule in ("forward", "warps_reverse"):
+        _kernel_backend.EMULATOR_SCHEDULE = schedule
+        try:
+            with emulator.counting() as counters:
+                delta = _kernel_backend.row_deltas(problem, dout, out, target="emulator")
+        finally:
+            _kernel_backend.EMULATOR_SCHEDULE = "forward"
+        assert delta.shape == (b, h, sq) and delta.dtype == np.float32
+        assert np.all(np.abs(delta - want) <= 1e-6 * scale + 1e-30), (schedule, np.abs(delta - want).max())
+        in_chunks = {s.site for s in counters.sites} & _chunk_load_lines()
+        assert len(in_chunks) == (2 if aligned and dv >= chunk else 0), in_chunks

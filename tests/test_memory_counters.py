@@ -90,6 +90,17 @@ def test_counting_a_shared_address_outside_shared_memory_fails(counters_module):
         counted(counters_module.get_function("shared_pattern"), np.int32(4), np.int32(4), shared=64)
 
 
+def test_a_strided_views_elements_are_inside_it(counters_module):
+    """A view's span runs from its lowest element to its highest, past its nbytes: 32 lanes
+    reading the first float of each of 32 rows of a (32, 8) view of a (32, 40) array (its
+    nbytes, 1 KB, ends at row 6)."""
+    rows = np.zeros((32, 40), np.float32)[:, :8]
+    (site,) = counted(counters_module.get_function("global_pattern"), rows, np.int32(160), np.int32(4))
+    assert (site.space, site.actual, site.ideal) == ("global", 32, 4)
+    with pytest.raises(emulator.EmulatorError, match="is not inside an array argument"):
+        counted(counters_module.get_function("global_pattern"), rows[:31], np.int32(160), np.int32(4))
+
+
 def test_counting_a_global_address_outside_the_arrays_fails(counters_module):
     with pytest.raises(emulator.EmulatorError, match="is not inside an array argument"):
         counted(counters_module.get_function("global_pattern"), np.zeros(8, np.float32), np.int32(4), np.int32(4))
@@ -97,8 +108,9 @@ def test_counting_a_global_address_outside_the_arrays_fails(counters_module):
 
 def test_tensor_core_kernels_stay_within_their_memory_budgets():
     """Shared-memory wavefronts and global sectors over their minimum, per kernel (D = 64, both
-    tensor-core families and the decoding kernel): a change may lower a ratio; raising one means
-    raising its budget on purpose."""
+    tensor-core families with the backward's preprocess, and the decoding kernel): a change may
+    lower a ratio; raising one means raising its budget on purpose. (The preprocess read a row
+    per thread before: 16 times its minimum.)"""
     budgets = json.loads(BUDGETS.read_text())
     rows = memory_report(head_dims=(64,))
     seen = set()
@@ -106,7 +118,11 @@ def test_tensor_core_kernels_stay_within_their_memory_budgets():
         key = f"{r['family']} D={r['head_dim']} {r['pass']}: {r['kernel']}"
         seen.add(key)
         assert key in budgets, f"no budget for {key}"
-        smem, gmem = ratio(r["smem_wavefronts"], r["smem_ideal"]), ratio(r["gmem_sectors"], r["gmem_ideal"])
-        assert smem <= budgets[key]["smem"] + 5e-3 and gmem <= budgets[key]["gmem"] + 5e-3, (key, smem, gmem)
-        assert r["smem_ideal"] > 0 and r["gmem_ideal"] > 0
+        gmem = ratio(r["gmem_sectors"], r["gmem_ideal"])
+        assert gmem <= budgets[key]["gmem"] + 5e-3 and r["gmem_ideal"] > 0, (key, gmem)
+        if budgets[key]["smem"] is None:  # a kernel of global memory alone (the backward's preprocess)
+            assert r["smem_wavefronts"] == r["smem_ideal"] == 0, key
+            continue
+        smem = ratio(r["smem_wavefronts"], r["smem_ideal"])
+        assert smem <= budgets[key]["smem"] + 5e-3 and r["smem_ideal"] > 0, (key, smem)
     assert seen == {k for k in budgets if " D=64 " in k}

@@ -6,6 +6,7 @@ import os
 from functools import lru_cache
 
 import numpy as np
+from numpy.lib.array_utils import byte_bounds
 
 from . import _counters
 from ._build import EmulatorError, build
@@ -127,13 +128,15 @@ class Function:
         error = ctypes.create_string_buffer(4096)
         counters = _counters.active()
         counted = ctypes.create_string_buffer(1 << 16 if counters else 1)
-        arrays = [a for a in args if isinstance(a, np.ndarray)]
-        bases = (ctypes.c_ulonglong * max(len(arrays), 1))(*[a.ctypes.data for a in arrays])
-        sizes = (ctypes.c_ulonglong * max(len(arrays), 1))(*[a.nbytes for a in arrays])
+        # Where counted accesses may go: each array argument's bytes from its lowest to its highest
+        # element (a strided view spans more than its nbytes).
+        spans = [byte_bounds(a) for a in args if isinstance(a, np.ndarray)]
+        bases = (ctypes.c_ulonglong * max(len(spans), 1))(*[low for low, _ in spans])
+        sizes = (ctypes.c_ulonglong * max(len(spans), 1))(*[high - low for low, high in spans])
         status = self._lib.emu_launch(self._index, (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
                                       argv, SCHEDULES[schedule], int(seed) & (2**64 - 1),
                                       default_workers() if workers is None else int(workers), int(stack_size),
-                                      error, len(error), int(counters is not None), bases, sizes, len(arrays),
+                                      error, len(error), int(counters is not None), bases, sizes, len(spans),
                                       counted, len(counted))
         if status:
             raise EmulatorError(f"{self.name}: {error.value.decode(errors='replace')}")
