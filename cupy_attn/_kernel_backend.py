@@ -15,10 +15,10 @@ import os
 
 import numpy as np
 
-from . import _compile, _config, _mods_source, _numpy_backend, _schedule
+from . import _compile, _config, _mods_source, _numpy_backend, _schedule, _tensor_map
 from ._arrays import whole_element_strides
 from ._problem import Problem
-from ._tensor_map import TensorMapError, TensorMapSpec
+from ._tensor_map import TensorMapError
 
 log = logging.getLogger("cupy_attn")
 
@@ -403,9 +403,9 @@ def tensor_maps(problem: Problem, tile, target: str, **operands):
             strides.append(stride if n > 1 else extent)
             extent = strides[-1] * n
         try:
-            spec = TensorMapSpec(x.dtype, _pointer(x), (head_dim, rows, heads, p.batch), strides,
-                                 (_config.TMA_LINE_BYTES // x.itemsize, tile.tma_rows(name), 1, 1),
-                                 swizzle=_config.TMA_LINE_BYTES)
+            spec = _tensor_map.checked(x.dtype, _pointer(x), (head_dim, rows, heads, p.batch), tuple(strides),
+                                       (_config.TMA_LINE_BYTES // x.itemsize, tile.tma_rows(name), 1, 1),
+                                       _config.TMA_LINE_BYTES)
         except TensorMapError as error:
             return None, f"{name}: {error}"
         maps.append(spec)

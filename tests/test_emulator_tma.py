@@ -445,6 +445,20 @@ def test_encoded_maps_are_cached_per_map(fake_driver, monkeypatch):
     assert len(fake_driver.calls) == 5
 
 
+def test_checked_specs_are_remembered_per_fields_and_refusals_raise_each_time(fake_driver):
+    """_tensor_map.checked: the same fields give the same spec (checked and, once encoded, sent to
+    the driver once), other fields another; a spec the rules refuse raises on every call."""
+    fields = (np.dtype(np.float16), 1 << 20, (64, 300), (128,), (64, 128), 128)
+    first = _tensor_map.checked(*fields)
+    assert _tensor_map.checked(*fields) is first and first == TensorMapSpec(*fields)
+    assert _tensor_map.checked(*fields[:1], 2 << 20, *fields[2:]) is not first
+    first.encoded(), _tensor_map.checked(*fields).encoded()
+    assert len(fake_driver.calls) == 1
+    for _ in range(2):
+        with pytest.raises(TensorMapError, match="strides\\[0\\] .* must be a positive multiple of 16"):
+            _tensor_map.checked(*fields[:3], (100,), *fields[4:])
+
+
 def test_a_driver_without_the_encoder_is_refused(fake_driver, monkeypatch):
     monkeypatch.setattr(fake_driver, "cuGetProcAddress",
                         lambda *args: (fake_driver.CUresult.CUDA_ERROR_INVALID_VALUE, 0, 0))
