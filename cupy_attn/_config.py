@@ -57,10 +57,12 @@ FORWARD_TILES = (
 )
 # Head dims above 256 (up to MLA's 576 for D and Dv alike) take the WIDE tiles below, whose shared
 # memory may exceed the 99 KB of sm_86/sm_89/sm_120 but fits the 163 KB of sm_80 and 227 KB of
-# sm_90; the launcher checks the GPU's limit and says so. Everything up to 256 fits 99 KB.
+# sm_90; the launcher checks the GPU's limit and says so. Everything up to 256 fits 99 KB, but for
+# the mma.sync dK/dV at D = 128, whose first tile takes GPUs with room for it (backward_tile).
 MAX_HEAD_DIM = 576
 NARROW_HEAD_DIM = 256
 WIDE_SHARED_LIMIT = 163 * 1024
+LEAST_SHARED_LIMIT = 99 * 1024  # the dynamic shared memory a block may opt in to on sm_86, sm_89, sm_120
 
 
 @dataclass(frozen=True)
@@ -267,8 +269,9 @@ HOPPER_ARCH = "sm_90a"  # what NVRTC compiles the wgmma kernels for
 @dataclass(frozen=True)
 class TensorCoreBackwardTile:
     """The fp16/bf16 dK/dV kernel on mma.sync: block_n keys per block (groups of 16, each shared
-    by 64 / block_n warps that split its head dims), block_m query rows per step. Its dq goes by
-    atomics, or comes from the deterministic tensor-core dQ kernel."""
+    by 64 / block_n warps that split its head dims, or held by one warp from 64 keys on: 4 warps,
+    8 for 128 keys), block_m query rows per step. Its dq goes by atomics, or comes from the
+    deterministic tensor-core dQ kernel."""
 
     filename: ClassVar[str] = "attention_bwd_tc.cu"
 
@@ -281,7 +284,12 @@ class TensorCoreBackwardTile:
     @property
     def dim_warps(self) -> int:
         """Warps sharing one group of 16 keys, each holding head_dim / dim_warps dims of dK, dV."""
-        return 4 // (self.block_n // 16)
+        return max(1, 4 // (self.block_n // 16))
+
+    @property
+    def threads(self) -> int:
+        """The block's threads: a warp per dim share of each group of 16 keys (DkdvTcLayout::kThreads)."""
+        return 32 * self.block_n // 16 * self.dim_warps
 
     @property
     def shared_bytes(self) -> int:
@@ -310,10 +318,19 @@ class TensorCoreBackwardTile:
 # split over two warps (128 dims each; their Sᵀ, dPᵀ partial sums meet in shared memory). Q and
 # dO load in two stages (as FlashAttention-2's backward double-buffers them) where both fit
 # sm_86's 99 KB; D = 256 would need 118 KB and loads each tile after the previous one.
+# Blocks of 128 keys (8 warps of 16, FlashAttention-2's backward block on A100/H100) load each query
+# tile's Q and dO, and reduce its dQ, once per 128 keys instead of once per 64: half the global
+# traffic per key of the dK/dV loop (bench/RESULTS.md, 2026-12-06: the emulator's sectors, the
+# SASS audit's 16 instead of 32 reductions per thread and tile), at the same 8 warps per SM (one
+# block of 256 threads at 233-249 registers, against two of 128). At D = 128 that needs 111 KB,
+# above sm_86's 99 KB: those GPUs take the next tile of the head dim (backward_tile). D = 32
+# keeps 64 keys: its 184-196 registers give 3 blocks of 4 warps per SM, which 8-warp blocks would
+# cut to 1.
 TENSOR_CORE_BACKWARD_TILES = (
     TensorCoreBackwardTile(32, 64, 64, 2, "32 + 64 accumulators per thread; 40 KB shared"),
-    TensorCoreBackwardTile(64, 64, 64, 2, "64 + 64 accumulators per thread; 65 KB shared"),
-    TensorCoreBackwardTile(128, 32, 64, 2, "128 + 32 accumulators per thread; 73 KB shared"),
+    TensorCoreBackwardTile(64, 64, 128, 2, "64 + 64 accumulators per thread, 8 warps; 90 KB shared"),
+    TensorCoreBackwardTile(128, 32, 128, 2, "128 + 32 accumulators per thread, 8 warps; 111 KB shared"),
+    TensorCoreBackwardTile(128, 32, 64, 2, "128 + 32 accumulators per thread; 73 KB shared (99 KB GPUs)"),
     TensorCoreBackwardTile(256, 32, 32, 1, "2 warps per 16 keys: 128 + 32 accumulators per thread; 85 KB shared"),
     TensorCoreBackwardTile(576, 16, 16, 1, "4 warps per 16 keys: 144 + 16 accumulators per thread; 82 KB shared"),
 )
@@ -563,14 +580,20 @@ def tensor_core_dq_tile(head_dim: int, head_dim_v: int):
     return _pick(BACKWARD_TILES, head_dim, head_dim_v)
 
 
-def backward_tile(head_dim: int, head_dim_v: int, dtype=np.float32, compute_capability: int = 80):
+def backward_tile(head_dim: int, head_dim_v: int, dtype=np.float32, compute_capability: int = 80,
+                  shared_limit: int = LEAST_SHARED_LIMIT):
     """The backward configuration: for fp16/bf16 the wgmma dK/dV (HopperBackwardTile) on compute
-    capability 9.0 up to D = 128 and the mma.sync one (TensorCoreBackwardTile) otherwise; for
-    fp32 the CUDA-core dK/dV and dQ (BackwardTile)."""
+    capability 9.0 up to D = 128 and the mma.sync one (TensorCoreBackwardTile) otherwise, the
+    first of its head dim's tiles whose shared memory fits ``shared_limit`` (the GPU's opt-in
+    bytes per block: _kernel_backend.shared_limit; the default fits every GPU); for fp32 the
+    CUDA-core dK/dV and dQ (BackwardTile)."""
     if np.dtype(dtype) in TENSOR_CORE_DTYPES:
         if compute_capability == 90 and max(head_dim, head_dim_v) <= HOPPER_BACKWARD_TILES[-1].head_dim:
             return _pick(HOPPER_BACKWARD_TILES, head_dim, head_dim_v)
-        return _pick(TENSOR_CORE_BACKWARD_TILES, head_dim, head_dim_v)
+        first = _pick(TENSOR_CORE_BACKWARD_TILES, head_dim, head_dim_v)
+        same = [t for t in TENSOR_CORE_BACKWARD_TILES if t.head_dim == first.head_dim]
+        # None fitting (a WIDE tile on a 99 KB GPU): the last, which the launcher refuses by name.
+        return next((t for t in same if t.shared_bytes <= shared_limit), same[-1])
     return _pick(BACKWARD_TILES, head_dim, head_dim_v)
 
 

@@ -39,6 +39,10 @@ CAPABILITY_VARIABLE = "CUPY_ATTN_COMPUTE_CAPABILITY"
 # The L2 the emulator sizes the tensor-core kernels' sections of (batch entry, head) pairs for
 # (_schedule.heads_per_section): an H100's. Tests shrink it to split small problems into sections.
 EMULATOR_L2_BYTES = 50 * 2**20
+# The dynamic shared memory a block may opt in to on the GPU the emulator stands in for (an A100's:
+# the mma.sync dK/dV at D = 128 then takes its 128-key tile; tests set _config.LEAST_SHARED_LIMIT
+# for the tile of sm_86, sm_89 and sm_120).
+EMULATOR_SHARED_LIMIT = 163 * 1024
 # The SMs the emulator stands in for, each running one block of a persistent kernel (the wgmma
 # forward): few, so that a test's blocks claim work tiles past their first. Tests vary it.
 EMULATOR_SMS = 3
@@ -213,12 +217,22 @@ def _check_shared_memory(shared_bytes: int, name: str) -> None:
     import cupy
 
     device = cupy.cuda.Device()
-    limit = _device_attribute(device.id, "MaxSharedMemoryPerBlockOptin")
+    limit = shared_limit("cuda")
     if shared_bytes > limit:
         raise ValueError(f"{name} needs {shared_bytes // 1024} KB of shared memory per block, but this GPU (compute "
                          f"capability {device.compute_capability}) offers {limit // 1024} KB: head dims above "
                          f"{_config.NARROW_HEAD_DIM} need one with at least {_config.WIDE_SHARED_LIMIT // 1024} KB "
                          "(A100, H100, H200); use backend='numpy' here")
+
+
+def shared_limit(target: str) -> int:
+    """The dynamic shared memory a block may opt in to (bytes): the current GPU's, or on the
+    emulator EMULATOR_SHARED_LIMIT."""
+    if target == "emulator":
+        return EMULATOR_SHARED_LIMIT
+    import cupy
+
+    return _device_attribute(cupy.cuda.Device().id, "MaxSharedMemoryPerBlockOptin")
 
 
 @functools.lru_cache(maxsize=None)
@@ -547,8 +561,9 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
         grads = tuple(xp.zeros(x.shape, p.dtype) for x in (q, k, v))
         return grads if p.sinks is None else grads + (xp.zeros(0, np.float32),)
     b, h, sq, sk = p.batch, p.heads, p.seq_q, p.seq_k
-    tile = _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, compute_capability(target))
-    if _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, 80).sectioned \
+    limit = shared_limit(target)
+    tile = _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, compute_capability(target), limit)
+    if _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, 80, limit).sectioned \
             and _blocks(sk, _KEY_TILE_KEYS) > _schedule.GRID_YZ_LIMIT:
         # _key_grid's limit, checked before any kernel runs (the wgmma tile may fall back to this one)
         raise ValueError(f"the float16/bfloat16 backward up to D = 128 takes at most {_schedule.GRID_YZ_LIMIT} key "
@@ -592,7 +607,7 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
             if why_not:
                 _say_once(f"the wgmma backward needs TMA, which cannot address this call's operands ({why_not}): "
                           "the mma.sync backward runs instead")
-            tile = _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, 80)
+            tile = _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, 80, limit)
     if not maps:
         dk = _per_head(p, rows_k, p.head_dim, dtype=dkdv_dtype)
         dv = _per_head(p, rows_k, p.head_dim_v, dtype=dkdv_dtype)
@@ -612,8 +627,7 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     else:  # mma.sync
         _launch(target, tile.filename, tile.name_expression(p.dtype), dkdv_grid,
                 (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), in_input_type, vectorised, *common),
-                tile.shared_bytes,
-                **module)
+                tile.shared_bytes, threads=tile.threads, **module)
     if deterministic:
         if isinstance(dq_tile, _config.BackwardTile):  # fp32, and fp16/bf16 head dims above 256: CUDA cores
             common = _common_args(p, q, k, v, dout, (dq_tile.dq_block_m, dq_tile.dq_block_n))

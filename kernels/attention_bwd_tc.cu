@@ -1,11 +1,11 @@
 // The tensor-core dK/dV kernel for fp16/bf16 (FlashAttention-2's backward on mma.sync).
 //
-// One block of 4 warps per (kBlockN keys, query head, batch entry). The keys are split into
-// groups of 16, and each group's head dims over the kDimWarps = 64 / kBlockN warps that share it:
-// warp w owns keys 16·(w / kDimWarps) + 0..15 and dims kWarpDims·(w % kDimWarps) + 0..kWarpDims-1
-// of their dK and dV, in float32 registers (64 keys and every dim per warp for D <= 128; for
-// D = 256, 32 keys and half the dims, since a warp holding all 256 dims of dK and dV would need
-// 256 accumulators per thread). For each query tile of kBlockM rows that can see the block's keys
+// One block per (kBlockN keys, query head, batch entry). The keys are split into groups of 16, and
+// each group's head dims over the kDimWarps = max(1, 64 / kBlockN) warps that share it: warp w
+// owns keys 16·(w / kDimWarps) + 0..15 and dims kWarpDims·(w % kDimWarps) + 0..kWarpDims-1 of
+// their dK and dV, in float32 registers (every dim per warp for D <= 128, whose blocks of 64 or
+// 128 keys take 4 or 8 warps; for D = 256, 32 keys in 4 warps and half the dims each, since a
+// warp holding all 256 dims of dK and dV would need 256 accumulators per thread). For each query tile of kBlockM rows that can see the block's keys
 // (Q and dO staged by cp.async, the next tile loading during this one where two stages fit):
 //   Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ          (16 keys x kBlockM queries per warp, MMAs over the warp's
 //                                         dims; partial sums of a key group added through shared
@@ -38,12 +38,15 @@ template <class T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 struct DkdvTcLayout {
     static constexpr int kStride = TcLayout<kHeadDim>::kStride;
     static constexpr int kSStride = kBlockN + 8;           // dS tile (kBlockM, kBlockN), 16-bit, padded
-    static constexpr int kDimWarps = 4 / (kBlockN / 16);    // warps sharing a group of 16 keys
+    static constexpr int kKeyGroups = kBlockN / 16;         // groups of 16 keys
+    static constexpr int kDimWarps = kKeyGroups < 4 ? 4 / kKeyGroups : 1;  // warps sharing a group
+    static constexpr int kWarps = kKeyGroups * kDimWarps;   // 4, or one per group past 64 keys
+    static constexpr int kThreads = 32 * kWarps;
     static constexpr int kWarpDims = kHeadDim / kDimWarps;  // dims of dK, dV per warp
     // Per warp, Sᵀ and dPᵀ partial sums in fragment order ([2][kBlockM / 8][4][32 lanes] floats,
     // conflict-free), when a key group's dims are split over several warps.
     static constexpr int kPartialFloats = kDimWarps > 1 ? 4 * 2 * kBlockM * 16 : 0;
-    static_assert(kBlockN % 16 == 0 && 4 % (kBlockN / 16) == 0, "4 warps cover whole groups of 16 keys");
+    static_assert(kBlockN % 16 == 0 && (4 % kKeyGroups == 0 || kDimWarps == 1), "whole groups of 16 keys per warp");
     static_assert(kWarpDims % 16 == 0, "each warp's dims are whole pairs of 8-dim MMA tiles");
     static_assert(kStages == 1 || kStages == 2, "Q and dO tiles in one or two stages");
 };
@@ -87,8 +90,8 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
     const int dim0 = dim_slice * kWarpDims;
     const TileSource<T, kHeadDim> k_source(k + at.k, at.k_row, b.kv_rows(p), p.head_dim, vectorised & 2);
     const TileSource<T, kHeadDim> v_source(v + at.v, at.v_row, b.kv_rows(p), p.head_dim_v, vectorised & 4);
-    stage_async<kBlockN>(sK, k_source, n0);
-    stage_async<kBlockN>(sV, v_source, n0);
+    stage_async<kBlockN, Layout::kThreads>(sK, k_source, n0);
+    stage_async<kBlockN, Layout::kThreads>(sV, v_source, n0);
 
     float dk[kDTiles][4], dv[kDTiles][4];
     #pragma unroll
@@ -103,8 +106,9 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
     // With two stages the next query tile loads while this one is worked on.
     auto stage_queries = [&](int m_block, int stage) {
         const int m0 = m_block * kBlockM;
-        stage_async_pair<kBlockM>(sQ(stage), q_source, sDO(stage), do_source, m0, m_block < whole_tiles);
-        stage_row_stats(sLse2(stage), sDelta(stage), lse, delta, at.stats, m0, kBlockM, b.q_rows(p));
+        stage_async_pair<kBlockM, Layout::kThreads>(sQ(stage), q_source, sDO(stage), do_source, m0,
+                                                    m_block < whole_tiles);
+        stage_row_stats<Layout::kThreads>(sLse2(stage), sDelta(stage), lse, delta, at.stats, m0, kBlockM, b.q_rows(p));
         ptx::cp_async_commit();
     };
     if (kStages == 2 && rows.more()) stage_queries(rows.tile, rows.stage<kStages>());
@@ -172,12 +176,23 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
 
         if (accumulate_dq) {
             __syncthreads();  // every warp's dS is in shared memory
-            atomic_dq<T, kHeadDim, kBlockM, kBlockN, kSStride>(p, b, at, dq_accum, sDS, sK, m0, warp, lane);
+            atomic_dq<T, kHeadDim, kBlockM, kBlockN, kSStride, Layout::kWarps>(p, b, at, dq_accum, sDS, sK, m0, warp,
+                                                                               lane);
         }
     }
 
-    if (dkdv_in_input_type) store_dkdv(p, b, static_cast<T*>(dk_out), static_cast<T*>(dv_out), dk, dv, n0, key0, dim0, g, t);
-    else store_dkdv(p, b, static_cast<float*>(dk_out), static_cast<float*>(dv_out), dk, dv, n0, key0, dim0, g, t);
+    // With 8 warps, the rows of dK and dV from an entry and head the compiler cannot take from
+    // before the loop: with 128 keys at D = 128 it held (bidb·H + bidh) across the loop for them,
+    // and spilled it (12 bytes on sm_80, NVRTC 13.5). (Not with 4: the 64-key D = 128 build with
+    // softcap, ALiBi and a float mask then takes 9 instructions more per tile.)
+    BlockInfo b_out = b;
+    if constexpr (Layout::kWarps > 4) {
+        b_out.bidh = static_cast<int>(ptx::opaque(static_cast<unsigned long long>(b.bidh)));
+        b_out.bidb = static_cast<int>(ptx::opaque(static_cast<unsigned long long>(b.bidb)));
+    }
+    if (dkdv_in_input_type)
+        store_dkdv(p, b_out, static_cast<T*>(dk_out), static_cast<T*>(dv_out), dk, dv, n0, key0, dim0, g, t);
+    else store_dkdv(p, b_out, static_cast<float*>(dk_out), static_cast<float*>(dv_out), dk, dv, n0, key0, dim0, g, t);
 }
 
 template <class T, int kHeadDim, int kBlockN>
@@ -280,7 +295,8 @@ attention_bwd_dq_tc(const T* q, const T* k, const T* v, const T* dout, const flo
 }
 
 // grid (pairs per section, ceil(Sk / kBlockN), sections) (key_block_place) up to D = 128, else
-// (ceil(Sk / kBlockN), H, B), block 128, dynamic shared memory (DkdvTcLayout): K, V (kBlockN rows)
+// (ceil(Sk / kBlockN), H, B), block DkdvTcLayout::kThreads (128, or 256 for 128 keys), dynamic
+// shared memory (DkdvTcLayout): K, V (kBlockN rows)
 // of kHeadDim + 8 16-bit elements, dS (kBlockM x (kBlockN + 8), 16-bit), kStages x (Q, dO (kBlockM
 // rows of kHeadDim + 8), lse and delta (kBlockM floats each)), and with kBlockN < 64 the warps'
 // partial sums of Sᵀ and dPᵀ (4 x 2 x kBlockM x 16 floats). dk_out, dv_out: per query head, float32
@@ -289,7 +305,7 @@ attention_bwd_dq_tc(const T* q, const T* k, const T* v, const T* dout, const flo
 // dout rows copyable in 16-byte chunks. minBlocksPerSM = 1 lets ptxas use up to 255 registers: dK
 // and dV stay in registers, unspilled.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
-__global__ void __launch_bounds__(attn::kThreads, 1)
+__global__ void __launch_bounds__(attn::DkdvTcLayout<T, kHeadDim, kBlockM, kBlockN, kStages>::kThreads, 1)
 attention_bwd_dkdv_tc(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,
                       float* dq_accum, void* dk_out, void* dv_out, int accumulate_dq, int dkdv_in_input_type,
                       int vectorised, ATTN_PARAMS) {

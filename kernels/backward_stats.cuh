@@ -22,10 +22,13 @@ __device__ __forceinline__ void row_stats(const float* lse, const float* delta, 
     row_delta = valid ? delta[first + r] : 0.f;
 }
 
-// The per-row statistics the backward needs (row_stats): lse in base 2 (or +inf) and delta.
+// The per-row statistics the backward needs (row_stats): lse in base 2 (or +inf) and delta, by the
+// block's kBlockThreads threads.
+template <int kBlockThreads = kThreads>
 __device__ __forceinline__ void stage_row_stats(float* s_lse2, float* s_delta, const float* lse, const float* delta,
                                                 long long first_row, int m0, int block_m, int rows) {
-    for (int r = threadIdx.x; r < block_m; r += kThreads) row_stats(lse, delta, first_row + m0, r, rows - m0, s_lse2[r], s_delta[r]);
+    for (int r = threadIdx.x; r < block_m; r += kBlockThreads)
+        row_stats(lse, delta, first_row + m0, r, rows - m0, s_lse2[r], s_delta[r]);
 }
 
 // P = exp2(s·scale - lse2) for a recomputed score s whose base-2 value is s·scale (as

@@ -68,18 +68,18 @@ __device__ __forceinline__ void store_ds_rows(T* ds_tile, const float (&dst)[kQT
         }
 }
 
-// This warp's share of dS·K for the block's dS (kBlockM queries x kBlockN keys, rows kSStride
-// apart) and K (kBlockN x kHeadDim, padded rows) in shared memory: 16 rows and every few pairs of
-// 8-dim tiles. For each pair of adjacent products a lane holds (rows g and g + 8 of the warp's
+// This warp's share (of the block's kWarps) of dS·K for the block's dS (kBlockM queries x kBlockN
+// keys, rows kSStride apart) and K (kBlockN x kHeadDim, padded rows) in shared memory: 16 rows and
+// every few pairs of 8-dim tiles. For each pair of adjacent products a lane holds (rows g and g + 8 of the warp's
 // 16, dims 2t and 2t + 1 of each 8-dim tile) calls add(pair, row, dim) with row and dim relative
 // to the tile's first row and dim 0. The pairs of dim tiles are unrolled fully (kUnrolled) or not
 // at all (less code, fewer registers for a rarely taken copy).
-template <bool kUnrolled, class T, int kHeadDim, int kBlockM, int kBlockN, int kSStride, class Add>
+template <bool kUnrolled, class T, int kHeadDim, int kBlockM, int kBlockN, int kSStride, int kWarps, class Add>
 __device__ __forceinline__ void dq_products(const T* ds_tile, const T* k_tile, int warp, int lane, Add&& add) {
     constexpr int kStride = TcLayout<kHeadDim>::kStride;
-    constexpr int kRowGroups = kBlockM / 16;    // 16-row groups of the dQ tile
-    constexpr int kDimGroups = 4 / kRowGroups;  // warps sharing one row group's dimensions
-    static_assert(kBlockM % 16 == 0 && 4 % kRowGroups == 0, "dQ rows split over the 4 warps");
+    constexpr int kRowGroups = kBlockM / 16;         // 16-row groups of the dQ tile
+    constexpr int kDimGroups = kWarps / kRowGroups;  // warps sharing one row group's dimensions
+    static_assert(kBlockM % 16 == 0 && kWarps % kRowGroups == 0, "dQ rows split over the block's warps");
     constexpr int kSteps = kHeadDim / 8 / (2 * kDimGroups);  // pairs of 8-dim tiles per warp
     static_assert(kHeadDim / 8 % (2 * kDimGroups) == 0, "the warps sharing a row group split its dim tiles evenly");
     constexpr int kUnroll = kUnrolled ? kSteps : 1;
@@ -142,7 +142,7 @@ struct DqTile {
 
 // dQ += dS·K (unscaled: DqTile) from dq_products' pairs: unrolled for a tile whose rows and dims
 // are all present (every tile but a sequence's last of a head as wide as the tile), rolled else.
-template <class T, int kHeadDim, int kBlockM, int kBlockN, int kSStride>
+template <class T, int kHeadDim, int kBlockM, int kBlockN, int kSStride, int kWarps>
 __device__ __forceinline__ void atomic_dq(const Params& p, const BlockInfo& b, const HeadView& at, float* dq_accum,
                                           const T* ds_tile, const T* k_tile, int m0, int warp, int lane) {
     const DqTile dq(p, b, at, dq_accum, m0);
@@ -150,16 +150,16 @@ __device__ __forceinline__ void atomic_dq(const Params& p, const BlockInfo& b, c
         // Every row inside the sequence; the thread's first row and dim in dq_products.
         constexpr int kRowGroups = kBlockM / 16;
         const int row0 = (warp % kRowGroups) * 16 + lane / 4, dim0 = 16 * (warp / kRowGroups) + 2 * (lane % 4);
-        dq_products<true, T, kHeadDim, kBlockM, kBlockN, kSStride>(ds_tile, k_tile, warp, lane,
+        dq_products<true, T, kHeadDim, kBlockM, kBlockN, kSStride, kWarps>(ds_tile, k_tile, warp, lane,
                                                                    dq.interior_adder<kHeadDim>(row0, dim0));
         return;
     }
     if (p.head_dim == kHeadDim) {  // a sequence's last tile: rolled, as the clipped copy below
-        dq_products<false, T, kHeadDim, kBlockM, kBlockN, kSStride>(
+        dq_products<false, T, kHeadDim, kBlockM, kBlockN, kSStride, kWarps>(
             ds_tile, k_tile, warp, lane, [&](const float* pair, int row, int dim) { dq.add_pair(pair, row, dim); });
         return;
     }
-    dq_products<false, T, kHeadDim, kBlockM, kBlockN, kSStride>(
+    dq_products<false, T, kHeadDim, kBlockM, kBlockN, kSStride, kWarps>(
         ds_tile, k_tile, warp, lane, [&](const float* pair, int row, int dim) { dq.add_clipped(pair, row, dim); });
 }
 

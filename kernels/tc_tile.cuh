@@ -44,19 +44,19 @@ struct SwizzledBoxLayout {
 };
 
 // Row-major rows of kHeadDim + 8 elements (the mma.sync kernels' ldmatrix layout). Staging
-// spreads a tile's 16-byte chunks over the block's kThreads threads in passes of kRowsPerPass
+// spreads a tile's 16-byte chunks over the block's kBlockThreads threads in passes of kRowsPerPass
 // rows x kChunksPerPass chunks, kColumnPasses of them side by side, each thread moving the chunk
 // at first_chunk's (row, column) plus a whole pass's rows and columns per step (the offsets are
 // additive over such steps, so a thread computes its addresses once): consecutive threads along
 // a row, contiguous in global and in shared memory, a whole row per pass where its chunks divide
 // the block's threads, else the largest power-of-two share of it (576 dims: 72 chunks, passes of
 // 8 chunks x 16 rows, 9 of them across).
-template <int kHeadDim>
+template <int kHeadDim, int kBlockThreads>
 struct PaddedRowLayout {
     static __device__ __forceinline__ int offset(int r, int c) { return r * TcLayout<kHeadDim>::kStride + c; }
     static constexpr int kChunks = kHeadDim / 8;
-    static constexpr int kChunksPerPass = kThreads % kChunks == 0 ? kChunks : (kChunks & -kChunks);
-    static constexpr int kRowsPerPass = kThreads / kChunksPerPass;
+    static constexpr int kChunksPerPass = kBlockThreads % kChunks == 0 ? kChunks : (kChunks & -kChunks);
+    static constexpr int kRowsPerPass = kBlockThreads / kChunksPerPass;
     static constexpr int kColumnPasses = kChunks / kChunksPerPass;
     static __device__ __forceinline__ void first_chunk(int thread, int& r, int& c) {
         r = thread / kChunksPerPass;
@@ -129,10 +129,11 @@ __device__ __forceinline__ int whole_rows_of(const TileSource<T, kHeadDimA>& a, 
 // caller's `whole`: row0 + kRows <= TileSource::whole_rows) is copied with no test per chunk, fully
 // unrolled; other tiles check each chunk, in rolled passes. (A test per thread, taking the
 // unchecked copy for the columns inside a narrower head too, made the common whole tile's path
-// 1–3 % longer in the SASS audit: its branch diverges.)
-template <int kRows, class T, int kHeadDim>
+// 1–3 % longer in the SASS audit: its branch diverges.) Every one of the block's kBlockThreads
+// threads takes part.
+template <int kRows, int kBlockThreads = kThreads, class T, int kHeadDim>
 __device__ __forceinline__ void stage_async(T* dst, const TileSource<T, kHeadDim>& from, int row0, bool whole) {
-    using Layout = PaddedRowLayout<kHeadDim>;
+    using Layout = PaddedRowLayout<kHeadDim, kBlockThreads>;
     int r0, c0;
     Layout::first_chunk(threadIdx.x, r0, c0);
     const T* src = from.src + row0 * from.row_stride;
@@ -153,23 +154,23 @@ __device__ __forceinline__ void stage_async(T* dst, const TileSource<T, kHeadDim
 
 // stage_async of a tile copied whole wherever its source's whole_rows allow (a tile staged once,
 // or the fallback of stage_async_pair).
-template <int kRows, class T, int kHeadDim>
+template <int kRows, int kBlockThreads = kThreads, class T, int kHeadDim>
 __device__ __forceinline__ void stage_async(T* dst, const TileSource<T, kHeadDim>& from, int row0) {
-    stage_async<kRows>(dst, from, row0, row0 + kRows <= from.whole_rows());
+    stage_async<kRows, kBlockThreads>(dst, from, row0, row0 + kRows <= from.whole_rows());
 }
 
 // Stage the same rows of two matrices (K and V, Q and dO): both copied whole where the caller
 // found the tile within whole_rows_of(a, b) (both_whole), else each as its own whole_rows allows,
 // so that a narrower or unaligned one (V or dO with Dv < D) leaves the other's copy unchecked.
-template <int kRows, class T, int kHeadDimA, int kHeadDimB>
+template <int kRows, int kBlockThreads = kThreads, class T, int kHeadDimA, int kHeadDimB>
 __device__ __forceinline__ void stage_async_pair(T* dst_a, const TileSource<T, kHeadDimA>& a, T* dst_b,
                                                  const TileSource<T, kHeadDimB>& b, int row0, bool both_whole) {
     if (both_whole) {
-        stage_async<kRows>(dst_a, a, row0, true);
-        stage_async<kRows>(dst_b, b, row0, true);
+        stage_async<kRows, kBlockThreads>(dst_a, a, row0, true);
+        stage_async<kRows, kBlockThreads>(dst_b, b, row0, true);
     } else {
-        stage_async<kRows>(dst_a, a, row0);
-        stage_async<kRows>(dst_b, b, row0);
+        stage_async<kRows, kBlockThreads>(dst_a, a, row0);
+        stage_async<kRows, kBlockThreads>(dst_b, b, row0);
     }
 }
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cupy_attn
-from cupy_attn import _compile, _kernel_backend, _paths, emulator, reference
+from cupy_attn import _compile, _config, _kernel_backend, _paths, emulator, reference
 from helpers import BF16, assert_close, random_qkv, tma_addressable
 from test_forward import FEATURES, feature_keywords
 
@@ -88,6 +88,27 @@ def spy_launches(monkeypatch):
     return launched
 
 
+@pytest.mark.parametrize("limit,keys", [(_config.LEAST_SHARED_LIMIT, 64), (163 * 1024, 128)],
+                         ids=["99KB_gpu", "163KB_gpu"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("schedule", ["forward", "warps_reverse"])
+def test_mma_sync_dkdv_at_d128_takes_the_tile_the_gpus_shared_memory_fits(monkeypatch, limit, keys, deterministic,
+                                                                          schedule):
+    """The mma.sync dK/dV at D = 128: blocks of 128 keys in 8 warps (111 KB of shared memory) on
+    GPUs that let a block have them, of 64 keys in 4 warps on those of 99 KB (sm_86, sm_89,
+    sm_120); both against the reference with causal masks, lengths and key blocks cut short
+    (203 keys: one and a half blocks of 128), in the order of their launches."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_SHARED_LIMIT", limit)
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", schedule)
+    launched = spy_launches(monkeypatch)
+    rng = np.random.default_rng(keys + deterministic)
+    q, k, v = random_qkv(rng, b=2, h=2, hkv=1, sq=113, sk=203, d=128, dtype=np.float16)
+    check(rng, q, k, v, np.float16, deterministic, causal=True, kv_lengths=[203, 150])
+    tile = _config.backward_tile(128, 128, np.float16, 80, limit)
+    assert (tile.block_n, tile.threads) == (keys, 256 if keys == 128 else 128) and tile.shared_bytes <= limit
+    assert [n for n in launched if "dkdv" in n] == [tile.name_expression(np.float16)], launched
+
+
 @pytest.mark.parametrize("schedule", ["forward", "reverse", "random", "warps", "warps_reverse"])
 @pytest.mark.parametrize("d,sq,sk,kw", [
     (64, 600, 130, {}),
@@ -132,12 +153,15 @@ def test_wgmma_dq_is_reduced_once_per_key_block(monkeypatch, d):
     assert sum(s.actual for s in reductions) == 2 * 2 * 64 * d * 4 // 32
 
 
+MMA_SYNC_DKDV_64 = _config.backward_tile(64, 64, np.float16, 80).name_expression(np.float16)
+
+
 @pytest.mark.parametrize("case,kernel", [
-    ("padded_rows", "attention_bwd_dkdv_wgmma<__half, 64, 64>"),       # rows 144 bytes apart: TMA reads them
-    ("unaligned_k", "attention_bwd_dkdv_tc<__half, 64, 64, 64, 2>"),   # k's rows 136 bytes apart
-    ("unaligned_dout", "attention_bwd_dkdv_tc<__half, 64, 64, 64, 2>"),  # dout's rows 136 bytes apart
-    ("packed", "attention_bwd_dkdv_tc<__half, 64, 64, 64, 2>"),        # a box would reach into the next sequence
-    ("no_queries", "attention_bwd_dkdv_tc<__half, 64, 64, 64, 2>"),    # dK = dV = 0: nothing for TMA to read
+    ("padded_rows", "attention_bwd_dkdv_wgmma<__half, 64, 64>"),  # rows 144 bytes apart: TMA reads them
+    ("unaligned_k", MMA_SYNC_DKDV_64),     # k's rows 136 bytes apart
+    ("unaligned_dout", MMA_SYNC_DKDV_64),  # dout's rows 136 bytes apart
+    ("packed", MMA_SYNC_DKDV_64),          # a box would reach into the next sequence
+    ("no_queries", MMA_SYNC_DKDV_64),      # dK = dV = 0: nothing for TMA to read
 ])
 def test_wgmma_backward_runs_where_tma_can_address_its_operands(monkeypatch, caplog, case, kernel):
     """The wgmma dK/dV reads q, k, v and dout through TMA maps; where TMA cannot address them the
