@@ -44,8 +44,9 @@ def hopper_tile(name: str):
 
 def threads(name: str) -> int:
     """Threads per block of the kernel `name`: the tile table's where it says (the warp-specialised
-    wgmma kernels' three warpgroups), else every kernel's."""
-    backward = next((t for t in _config.HOPPER_BACKWARD_TILES if t.name_expression(FP16) == name), None)
+    wgmma kernels' three warpgroups, the mma.sync dK/dV's warps), else every kernel's."""
+    backward = next((t for t in (*_config.HOPPER_BACKWARD_TILES, *_config.TENSOR_CORE_BACKWARD_TILES)
+                     if t.name_expression(FP16) == name), None)
     return getattr(hopper_tile(name) or backward, "threads", _config.THREADS)
 
 
@@ -78,6 +79,16 @@ def is_fp16_variant(name: str, prefix: str, head_dim: int) -> bool:
     return name.startswith(head) and name[len(head)] in ",>"
 
 
+def tile_keys(name: str, head_dim: int) -> str:
+    """", N keys" where the table has several tiles of one kernel and head dim (the wgmma forward's,
+    the mma.sync dK/dV's at D = 128), else ""."""
+    if name.startswith("attention_fwd_wgmma<"):
+        return f", {name.split(', ')[-1][:-1]} keys"
+    if name.startswith("attention_bwd_dkdv_tc<") and head_dim == 128:
+        return f", {name.split(', ')[3]} keys"
+    return ""
+
+
 def boundary(row: dict) -> str:
     """A plain build's boundary-tile issue_per_tensor and path (the report's --boundary), or —."""
     if row.get("boundary_issue_per_tensor") is None:
@@ -103,7 +114,7 @@ def table(rows: list[dict]) -> str:
                 tensors = ", ".join(f"{n} {op}" for op, n in r["tensor_instructions"].items())
                 blocks = blocks_per_sm(r["registers"], sizes[r["name"]], threads(r["name"]))
                 occupancy = f"{blocks} ({blocks * threads(r['name']) // 32})" if r["arch"] != "sm_80" else "—"
-                lines.append(f"| {kind} | {d} | {r['arch']} | {r['path_instructions']} / {r['loop_instructions']} "
+                lines.append(f"| {kind}{tile_keys(r['name'], d)} | {d} | {r['arch']} | {r['path_instructions']} / {r['loop_instructions']} "
                              f"| {built_in} | {tensors} | {r['ldsm']} | {r['lds']} | {r['sts']} | {r['bar']} | {r['mufu']} "
                              f"| {r['issue_per_tensor']:.2f} | {boundary(r)} | {r['registers']} | {occupancy} |")
     return "\n".join(lines)
@@ -133,7 +144,7 @@ def resources_table(rows: list[dict]) -> str:
                 blocks = [shown(registers.get((name, sm90, f)) and
                                 blocks_per_sm(registers[(name, sm90, f)], sizes[name], threads(name)))
                           for f in ("plain", "all")]
-                label = f"{kind}, D = {d}" + (f", {name.split(', ')[-1][:-1]} keys" if name.startswith("attention_fwd_wgmma<") else "")
+                label = f"{kind}, D = {d}" + tile_keys(name, d)
                 lines.append(f"| {label} | {regs(name, 'sm_80')} / {regs(name, sm90)}{' (sm_90a)' if hopper else ''} "
                              f"| {round(sizes[name] / 1024)} KB | {threads(name)} | {blocks[0]} ({blocks[1]}) |")
     return "\n".join(lines)

@@ -32,8 +32,8 @@ HEAD_DIMS = (64, 128)
 # two stages left the list when the softmax's scale moved into its FFMA: 255 registers and 12
 # bytes spilled; so did the D = 128 forward at 128 x 64: 108 bytes.)
 FORWARD_CANDIDATES = {64: ((128, 64), (64, 64), (128, 32), (64, 128)), 128: ((64, 64), (64, 32), (64, 128), (128, 32))}
-BACKWARD_CANDIDATES = {64: ((64, 64, 2), (32, 64, 2), (64, 32, 2), (64, 64, 1), (32, 32, 2)),
-                       128: ((32, 64, 2), (32, 32, 2), (32, 64, 1), (64, 32, 2))}
+BACKWARD_CANDIDATES = {64: ((64, 128, 2), (64, 64, 2), (32, 64, 2), (64, 32, 2), (64, 64, 1), (32, 32, 2)),
+                       128: ((32, 128, 2), (32, 64, 2), (32, 32, 2), (32, 64, 1), (64, 32, 2))}
 SHARED_LIMIT = 227 * 1024
 
 

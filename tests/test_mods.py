@@ -376,17 +376,19 @@ def test_a_block_mask_where_the_structure_leaves_tiles_nothing(rng, monkeypatch,
 def test_a_block_mask_skips_the_empty_tiles(rng):
     """Documents of 32 tokens in 256, with 8 global keys (forward) or 8 global queries (backward):
     with the block mask, each query tile reads K and V of the key tiles of 64 its documents span
-    and of key tile 0, and each key tile reads Q and dO of its documents' query tiles and of query
-    tile 0, stepping over the tiles between; without it, of every tile (the emulator's counters of
+    and of key tile 0, and each key block reads Q and dO of its documents' query tiles and of
+    query tile 0, stepping over the tiles between; without it, of every tile (the emulator's counters of
     the global sectors the mma.sync kernels stage)."""
     from cupy_attn.emulator._counters import counting
 
     forward_tile, backward_tile = _config.forward_tile(64, 64, np.float16), _config.backward_tile(64, 64, np.float16)
     assert forward_tile.block_n == 64 and forward_tile.block_m in (64, 128)
-    assert (backward_tile.block_m, backward_tile.block_n) == (64, 64)
-    # Key tiles of 64 each query tile needs: 0 and those of its rows (e.g. {0, 1}, {0, 2, 3} for 128 rows).
-    rows = forward_tile.block_m
+    assert backward_tile.block_m == 64 and backward_tile.block_n in (64, 128)
+    # Key tiles of 64 each query tile needs: 0 and those of its rows (e.g. {0, 1}, {0, 2, 3} for 128 rows),
+    # and query tiles of 64 each key block needs: 0 and those of its keys.
+    rows, keys = forward_tile.block_m, backward_tile.block_n
     needed_by_query_tiles = sum(len({0} | set(range(t * rows // 64, (t + 1) * rows // 64))) for t in range(256 // rows))
+    needed_by_key_blocks = sum(len({0} | set(range(t * keys // 64, (t + 1) * keys // 64))) for t in range(256 // keys))
     tile_sectors = 64 * 64 * 2 // 32  # one tile of 64 rows, D = 64, fp16
     doc = np.repeat(np.arange(8, dtype=np.int32), 32)[None]
     same_doc = "doc(0, q_idx) == doc(0, kv_idx)"
@@ -407,7 +409,7 @@ def test_a_block_mask_skips_the_empty_tiles(rng):
     # (pass, its mask_mod, the block's own tiles of 64 rows read (Q; K and V), the tiles of 64 rows
     # walked without the block mask and with it, 2 matrices each)
     for run, mod, own, walked in ((forward, global_keys, 4, (4 * (256 // rows), needed_by_query_tiles)),
-                                  (backward, global_queries, 8, (16, 1 + 2 + 2 + 2))):
+                                  (backward, global_queries, 8, (4 * (256 // keys), needed_by_key_blocks))):
         counts = []
         for blocks in (None, cupy_attn.block_mask(mod, 1, 1, 256, 256)):
             with counting() as counters:
