@@ -108,11 +108,12 @@ def fixed_turn(order, work, slots: int) -> float:
 
 def kernels(head_dim: int):
     """(name, axis, block rows or keys, the other side's tile) of the kernels the table chooses on
-    compute capability 9.0 for fp16/bf16 plain calls: the wgmma and mma.sync forwards and dK/dVs."""
+    compute capability 9.0 (the 227 KB of shared memory a block may have there) for fp16/bf16
+    plain calls: the wgmma and mma.sync forwards and dK/dVs."""
     out = []
     for family, cc in (("wgmma", 90), ("mma.sync", 80)):
         f = _config.forward_tile(head_dim, head_dim, DTYPE, cc)
-        b = _config.backward_tile(head_dim, head_dim, DTYPE, cc)
+        b = _config.backward_tile(head_dim, head_dim, DTYPE, cc, _config.HOPPER_SHARED_LIMIT)
         out += [(f"forward {family}", "queries", f.block_m, f.block_n), (f"dK/dV {family}", "keys", b.block_n, b.block_m)]
     return out
 
