@@ -88,7 +88,9 @@ def test_hopper_gpus_run_mma_sync_unless_wgmma_is_asked_for(monkeypatch, request
     dout = rng.standard_normal(out.shape).astype(BF16)
     launched.clear()
     grads = cupy_attn.attention_backward(cupy.asarray(dout), gq, gk, gv, out, lse, causal=True)
-    assert _config.backward_tile(128, 128, BF16, family).name_expression(BF16) in launched
+    # the H100/H200's 227 KB: the mma.sync dK/dV at D = 128 takes its 128-key tile
+    tile = _config.backward_tile(128, 128, BF16, family, _kernel_backend.shared_limit("cuda"))
+    assert tile.name_expression(BF16) in launched and (family == 90 or tile.block_n == 128)
     for g, w in zip(grads, reference.attention_gradients(dout, q, k, v, causal=True)):
         assert_close(g.get(), w, BF16, grad=True)
 
@@ -186,6 +188,29 @@ def test_backward(tensor_core_kernels, dtype, deterministic, d):
         again = cupy_attn.attention_backward(cupy.asarray(dout), gq, gk, gv, out, lse, deterministic=True, **gkw)
         for a, b in zip(grads, again):
             assert bool((a.view(cupy.uint8) == b.view(cupy.uint8)).all())
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
+@pytest.mark.parametrize("least", [False, True], ids=["this_gpus_limit", "99KB_limit"])
+def test_both_mma_sync_dkdv_tiles_at_d128(monkeypatch, dtype, least):
+    """The mma.sync dK/dV at D = 128 in the tile this GPU's shared memory takes (128 keys in 8
+    warps where a block may have 111 KB: A100, H100, H200) and in the 64-key one of 99 KB GPUs
+    (sm_86, sm_89, sm_120), chosen here by the limit the launcher is told."""
+    limit = _config.LEAST_SHARED_LIMIT if least else _kernel_backend.shared_limit("cuda")
+    monkeypatch.setattr(_kernel_backend, "shared_limit", lambda target: limit)
+    monkeypatch.setattr(_kernel_backend, "CUDA_COMPUTE_CAPABILITY", 80)
+    launched = launched_kernels(monkeypatch)
+    rng = np.random.default_rng(9)
+    q, k, v = random_qkv(rng, b=2, h=4, hkv=2, sq=333, sk=517, d=128, dtype=dtype)
+    kw = dict(causal=True, kv_lengths=np.array([517, 260]))
+    gkw = dict(kw, kv_lengths=cupy.asarray(kw["kv_lengths"]))
+    out, lse = cupy_attn.attention(*on_gpu(q, k, v), return_lse=True, **gkw)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    grads = cupy_attn.attention_backward(cupy.asarray(dout), *on_gpu(q, k, v), out, lse, **gkw)
+    for g, w in zip(grads, reference.attention_gradients(dout, q, k, v, **kw)):
+        assert_close(g.get(), w, dtype, grad=True)
+    tile = _config.backward_tile(128, 128, dtype, 80, limit)
+    assert tile.name_expression(dtype) in launched and tile.shared_bytes <= limit
 
 
 def test_cupy_compiles_with_the_options_the_report_uses(monkeypatch, tmp_path):
