@@ -322,7 +322,7 @@ class TensorCoreBackwardTile:
 # tile's Q and dO, and reduce its dQ, once per 128 keys instead of once per 64: half the global
 # traffic per key of the dK/dV loop (bench/RESULTS.md, 2026-12-06: the emulator's sectors, the
 # SASS audit's 16 instead of 32 reductions per thread and tile), at the same 8 warps per SM (one
-# block of 256 threads at 233-249 registers, against two of 128). At D = 128 that needs 111 KB,
+# block of 256 threads at 230-254 registers, against two of 128). At D = 128 that needs 111 KB,
 # above sm_86's 99 KB: those GPUs take the next tile of the head dim (backward_tile). D = 32
 # keeps 64 keys: its 184-196 registers give 3 blocks of 4 warps per SM, which 8-warp blocks would
 # cut to 1.

@@ -40,8 +40,8 @@ CAPABILITY_VARIABLE = "CUPY_ATTN_COMPUTE_CAPABILITY"
 # (_schedule.heads_per_section): an H100's. Tests shrink it to split small problems into sections.
 EMULATOR_L2_BYTES = 50 * 2**20
 # The dynamic shared memory a block may opt in to on the GPU the emulator stands in for (an A100's:
-# the mma.sync dK/dV at D = 128 then takes its 128-key tile; tests set _config.LEAST_SHARED_LIMIT
-# for the tile of sm_86, sm_89 and sm_120).
+# the mma.sync dK/dV at D = 128 then takes its 128-key tile; tests set it to
+# _config.LEAST_SHARED_LIMIT for the tile of sm_86, sm_89 and sm_120).
 EMULATOR_SHARED_LIMIT = 163 * 1024
 # The SMs the emulator stands in for, each running one block of a persistent kernel (the wgmma
 # forward): few, so that a test's blocks claim work tiles past their first. Tests vary it.

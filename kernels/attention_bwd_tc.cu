@@ -46,7 +46,8 @@ struct DkdvTcLayout {
     // Per warp, Sᵀ and dPᵀ partial sums in fragment order ([2][kBlockM / 8][4][32 lanes] floats,
     // conflict-free), when a key group's dims are split over several warps.
     static constexpr int kPartialFloats = kDimWarps > 1 ? 4 * 2 * kBlockM * 16 : 0;
-    static_assert(kBlockN % 16 == 0 && (4 % kKeyGroups == 0 || kDimWarps == 1), "whole groups of 16 keys per warp");
+    static_assert(kBlockN % 16 == 0 && (kKeyGroups < 4 ? 4 % kKeyGroups == 0 : kKeyGroups % 4 == 0),
+                  "4 warps sharing groups of 16 keys, or a warp per group in whole warpgroups");
     static_assert(kWarpDims % 16 == 0, "each warp's dims are whole pairs of 8-dim MMA tiles");
     static_assert(kStages == 1 || kStages == 2, "Q and dO tiles in one or two stages");
 };
