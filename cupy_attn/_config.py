@@ -318,7 +318,7 @@ class TensorCoreBackwardTile:
 # split over two warps (128 dims each; their Sᵀ, dPᵀ partial sums meet in shared memory). Q and
 # dO load in two stages (as FlashAttention-2's backward double-buffers them) where both fit
 # sm_86's 99 KB; D = 256 would need 118 KB and loads each tile after the previous one.
-# Blocks of 128 keys (8 warps of 16, FlashAttention-2's backward block on A100/H100) load each query
+# Blocks of 128 keys (8 warps of 16; FlashAttention-2's on A100/H100: 128 keys, 8 warps) load each query
 # tile's Q and dO, and reduce its dQ, once per 128 keys instead of once per 64: half the global
 # traffic per key of the dK/dV loop (bench/RESULTS.md, 2026-12-06: the emulator's sectors, the
 # SASS audit's 16 instead of 32 reductions per thread and tile), at the same 8 warps per SM (one
