@@ -288,7 +288,7 @@ class TensorCoreBackwardTile:
 
     @property
     def threads(self) -> int:
-        """The block's threads: a warp per dim share of each group of 16 keys (DkdvTcLayout::kThreads)."""
+        """The block's threads: a warp per dim share of each group of 16 keys (DkdvTcLayout::kBlockThreads)."""
         return 32 * self.block_n // 16 * self.dim_warps
 
     @property

@@ -41,7 +41,7 @@ struct DkdvTcLayout {
     static constexpr int kKeyGroups = kBlockN / 16;         // groups of 16 keys
     static constexpr int kDimWarps = kKeyGroups < 4 ? 4 / kKeyGroups : 1;  // warps sharing a group
     static constexpr int kWarps = kKeyGroups * kDimWarps;   // 4, or one per group past 64 keys
-    static constexpr int kThreads = 32 * kWarps;
+    static constexpr int kBlockThreads = 32 * kWarps;
     static constexpr int kWarpDims = kHeadDim / kDimWarps;  // dims of dK, dV per warp
     // Per warp, Sᵀ and dPᵀ partial sums in fragment order ([2][kBlockM / 8][4][32 lanes] floats,
     // conflict-free), when a key group's dims are split over several warps.
@@ -91,8 +91,8 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
     const int dim0 = dim_slice * kWarpDims;
     const TileSource<T, kHeadDim> k_source(k + at.k, at.k_row, b.kv_rows(p), p.head_dim, vectorised & 2);
     const TileSource<T, kHeadDim> v_source(v + at.v, at.v_row, b.kv_rows(p), p.head_dim_v, vectorised & 4);
-    stage_async<kBlockN, Layout::kThreads>(sK, k_source, n0);
-    stage_async<kBlockN, Layout::kThreads>(sV, v_source, n0);
+    stage_async<kBlockN, Layout::kBlockThreads>(sK, k_source, n0);
+    stage_async<kBlockN, Layout::kBlockThreads>(sV, v_source, n0);
 
     float dk[kDTiles][4], dv[kDTiles][4];
     #pragma unroll
@@ -107,9 +107,9 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
     // With two stages the next query tile loads while this one is worked on.
     auto stage_queries = [&](int m_block, int stage) {
         const int m0 = m_block * kBlockM;
-        stage_async_pair<kBlockM, Layout::kThreads>(sQ(stage), q_source, sDO(stage), do_source, m0,
+        stage_async_pair<kBlockM, Layout::kBlockThreads>(sQ(stage), q_source, sDO(stage), do_source, m0,
                                                     m_block < whole_tiles);
-        stage_row_stats<Layout::kThreads>(sLse2(stage), sDelta(stage), lse, delta, at.stats, m0, kBlockM, b.q_rows(p));
+        stage_row_stats<Layout::kBlockThreads>(sLse2(stage), sDelta(stage), lse, delta, at.stats, m0, kBlockM, b.q_rows(p));
         ptx::cp_async_commit();
     };
     if (kStages == 2 && rows.more()) stage_queries(rows.tile, rows.stage<kStages>());
@@ -296,7 +296,7 @@ attention_bwd_dq_tc(const T* q, const T* k, const T* v, const T* dout, const flo
 }
 
 // grid (pairs per section, ceil(Sk / kBlockN), sections) (key_block_place) up to D = 128, else
-// (ceil(Sk / kBlockN), H, B), block DkdvTcLayout::kThreads (128, or 256 for 128 keys), dynamic
+// (ceil(Sk / kBlockN), H, B), block DkdvTcLayout::kBlockThreads (128, or 256 for 128 keys), dynamic
 // shared memory (DkdvTcLayout): K, V (kBlockN rows)
 // of kHeadDim + 8 16-bit elements, dS (kBlockM x (kBlockN + 8), 16-bit), kStages x (Q, dO (kBlockM
 // rows of kHeadDim + 8), lse and delta (kBlockM floats each)), and with kBlockN < 64 the warps'
@@ -306,7 +306,7 @@ attention_bwd_dq_tc(const T* q, const T* k, const T* v, const T* dout, const flo
 // dout rows copyable in 16-byte chunks. minBlocksPerSM = 1 lets ptxas use up to 255 registers: dK
 // and dV stay in registers, unspilled.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
-__global__ void __launch_bounds__(attn::DkdvTcLayout<T, kHeadDim, kBlockM, kBlockN, kStages>::kThreads, 1)
+__global__ void __launch_bounds__(attn::DkdvTcLayout<T, kHeadDim, kBlockM, kBlockN, kStages>::kBlockThreads, 1)
 attention_bwd_dkdv_tc(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,
                       float* dq_accum, void* dk_out, void* dv_out, int accumulate_dq, int dkdv_in_input_type,
                       int vectorised, ATTN_PARAMS) {

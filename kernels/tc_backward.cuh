@@ -70,9 +70,9 @@ __device__ __forceinline__ void store_ds_rows(T* ds_tile, const float (&dst)[kQT
 
 // This warp's share (of the block's kWarps) of dS·K for the block's dS (kBlockM queries x kBlockN
 // keys, rows kSStride apart) and K (kBlockN x kHeadDim, padded rows) in shared memory: 16 rows and
-// every few pairs of 8-dim tiles. For each pair of adjacent products a lane holds (rows g and g + 8 of the warp's
-// 16, dims 2t and 2t + 1 of each 8-dim tile) calls add(pair, row, dim) with row and dim relative
-// to the tile's first row and dim 0. The pairs of dim tiles are unrolled fully (kUnrolled) or not
+// every few pairs of 8-dim tiles. For each pair of adjacent products a lane holds (rows g and
+// g + 8 of the warp's 16, dims 2t and 2t + 1 of each 8-dim tile) calls add(pair, row, dim) with
+// row and dim relative to the tile's first row and dim 0. The pairs of dim tiles are unrolled fully (kUnrolled) or not
 // at all (less code, fewer registers for a rarely taken copy).
 template <bool kUnrolled, class T, int kHeadDim, int kBlockM, int kBlockN, int kSStride, int kWarps, class Add>
 __device__ __forceinline__ void dq_products(const T* ds_tile, const T* k_tile, int warp, int lane, Add&& add) {
@@ -151,7 +151,7 @@ __device__ __forceinline__ void atomic_dq(const Params& p, const BlockInfo& b, c
         constexpr int kRowGroups = kBlockM / 16;
         const int row0 = (warp % kRowGroups) * 16 + lane / 4, dim0 = 16 * (warp / kRowGroups) + 2 * (lane % 4);
         dq_products<true, T, kHeadDim, kBlockM, kBlockN, kSStride, kWarps>(ds_tile, k_tile, warp, lane,
-                                                                   dq.interior_adder<kHeadDim>(row0, dim0));
+                                                                           dq.interior_adder<kHeadDim>(row0, dim0));
         return;
     }
     if (p.head_dim == kHeadDim) {  // a sequence's last tile: rolled, as the clipped copy below
