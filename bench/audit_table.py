@@ -31,8 +31,9 @@ FP16 = np.dtype(np.float16)
 def shared_bytes() -> dict[str, int]:
     """fp16 name expression -> dynamic shared memory per block, from the tile table."""
     sizes = {t.name_expression(FP16): t.shared_bytes for t in
-             (*_config.TENSOR_CORE_TILES, *_config.HOPPER_TILES, *_config.TENSOR_CORE_BACKWARD_TILES,
-              *_config.HOPPER_BACKWARD_TILES)}
+             (*_config.TENSOR_CORE_TILES, *_config.HOPPER_TILES, *_config.TENSOR_CORE_BACKWARD_TILES)}
+    sizes.update({t.name_expression(FP16, accumulate): t.shared_bytes for t in _config.HOPPER_BACKWARD_TILES
+                  for accumulate in (True, False)})
     sizes.update({t.dq_name(FP16): t.dq_shared_bytes for t in _config.TENSOR_CORE_TILES})
     return sizes
 
@@ -45,8 +46,9 @@ def hopper_tile(name: str):
 def threads(name: str) -> int:
     """Threads per block of the kernel `name`: the tile table's where it says (the warp-specialised
     wgmma kernels' three warpgroups, the mma.sync dK/dV's warps), else every kernel's."""
-    backward = next((t for t in (*_config.HOPPER_BACKWARD_TILES, *_config.TENSOR_CORE_BACKWARD_TILES)
-                     if t.name_expression(FP16) == name), None)
+    backward = next((t for t in _config.TENSOR_CORE_BACKWARD_TILES if t.name_expression(FP16) == name), None)
+    backward = backward or next((t for t in _config.HOPPER_BACKWARD_TILES for accumulate in (True, False)
+                                 if t.name_expression(FP16, accumulate) == name), None)
     return getattr(hopper_tile(name) or backward, "threads", _config.THREADS)
 
 
@@ -81,9 +83,12 @@ def is_fp16_variant(name: str, prefix: str, head_dim: int) -> bool:
 
 def tile_keys(name: str, head_dim: int) -> str:
     """", N keys" where the table has several tiles of one kernel and head dim (the wgmma forward's,
-    the mma.sync dK/dV's at D = 128), else ""."""
+    the mma.sync dK/dV's at D = 128), ", deterministic dQ" for the wgmma dK/dV that leaves dQ to
+    the deterministic kernel, else ""."""
     if name.startswith("attention_fwd_wgmma<"):
         return f", {name.split(', ')[-1][:-1]} keys"
+    if name.startswith("attention_bwd_dkdv_wgmma<") and name.endswith("false>"):
+        return ", deterministic dQ"
     if name.startswith("attention_bwd_dkdv_tc<") and head_dim == 128:
         return f", {name.split(', ')[3]} keys"
     return ""
@@ -96,11 +101,19 @@ def boundary(row: dict) -> str:
     return f"{row['boundary_issue_per_tensor']:.2f} ({row['boundary_path_instructions']})"
 
 
+def exposed(row: dict) -> str:
+    """A wgmma build's exposed_per_tensor and exposed instructions, or — (mma.sync)."""
+    if row.get("exposed_per_tensor") is None:
+        return "—"
+    return f"{row['exposed_per_tensor']:.2f} ({row['exposed_instructions']})"
+
+
 def table(rows: list[dict]) -> str:
     sizes = shared_bytes()
     lines = ["| kernel | D | arch | path / loop instructions | with softcap, ALiBi and a float mask | tensor instructions "
-             "| ldsm | lds | sts | bar | mufu | issue_per_tensor | boundary tile | registers | blocks (warps) per SM |",
-             "|" + "---|" * 15]
+             "| ldsm | lds | sts | bar | mufu | issue_per_tensor | exposed | boundary tile | registers "
+             "| blocks (warps) per SM |",
+             "|" + "---|" * 16]
     general = {(r["name"], r["arch"]): r for r in rows if r.get("features") == "all"}
     for kind, _, prefix in KERNELS:
         for d in (64, 128, 256):
@@ -116,7 +129,7 @@ def table(rows: list[dict]) -> str:
                 occupancy = f"{blocks} ({blocks * threads(r['name']) // 32})" if r["arch"] != "sm_80" else "—"
                 lines.append(f"| {kind}{tile_keys(r['name'], d)} | {d} | {r['arch']} | {r['path_instructions']} / {r['loop_instructions']} "
                              f"| {built_in} | {tensors} | {r['ldsm']} | {r['lds']} | {r['sts']} | {r['bar']} | {r['mufu']} "
-                             f"| {r['issue_per_tensor']:.2f} | {boundary(r)} | {r['registers']} | {occupancy} |")
+                             f"| {r['issue_per_tensor']:.2f} | {exposed(r)} | {boundary(r)} | {r['registers']} | {occupancy} |")
     return "\n".join(lines)
 
 

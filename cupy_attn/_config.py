@@ -370,8 +370,11 @@ class HopperBackwardTile:
         return {"q": self.block_m, "dout": self.block_m, "k": self.block_n, "v": self.block_n, "dk": 64,
                 "dv": 64}[operand]
 
-    def name_expression(self, dtype) -> str:
-        return f"attention_bwd_dkdv_wgmma<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_m}>"
+    def name_expression(self, dtype, accumulate_dq: bool = True) -> str:
+        """accumulate_dq: the kernel adds dQ by reductions (else the deterministic dQ kernel
+        computes it after), a template argument of the kernel."""
+        return (f"attention_bwd_dkdv_wgmma<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_m}, "
+                f"{str(accumulate_dq).lower()}>")
 
 
 # Per consumer thread: D/2 + D/2 floats of dK and dV, block_m/2 + block_m/2 of Sᵀ and dPᵀ,
@@ -607,7 +610,8 @@ def kernel_variants(arch: str = "sm_80"):
             variants += [("attention_fwd_tc.cu", tile.name_expression(dtype), dtype) for tile in TENSOR_CORE_TILES]
             if arch in ("sm_90", HOPPER_ARCH):
                 variants += [("attention_fwd_wgmma.cu", tile.name_expression(dtype), dtype) for tile in HOPPER_TILES]
-                variants += [("attention_bwd_wgmma.cu", t.name_expression(dtype), dtype) for t in HOPPER_BACKWARD_TILES]
+                variants += [("attention_bwd_wgmma.cu", t.name_expression(dtype, accumulate), dtype)
+                             for t in HOPPER_BACKWARD_TILES for accumulate in (True, False)]
         else:
             variants += [("attention_fwd.cu", tile.name_expression(dtype), dtype) for tile in FORWARD_TILES]
         variants.append(("attention_bwd.cu", preprocess_name(dtype), dtype))

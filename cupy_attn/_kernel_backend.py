@@ -621,9 +621,8 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
                 (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), *common), tile.dkdv_shared_bytes,
                 **module)
     elif isinstance(tile, _config.HopperBackwardTile):  # wgmma and TMA: q, k, v, dout, dk, dv through their maps
-        _launch(target, tile.filename, tile.name_expression(p.dtype), dkdv_grid,
-                (lse, delta, dq, I32(not deterministic), in_input_type, *maps, *common), tile.shared_bytes,
-                threads=tile.threads, **module)
+        _launch(target, tile.filename, tile.name_expression(p.dtype, accumulate_dq=not deterministic), dkdv_grid,
+                (lse, delta, dq, in_input_type, *maps, *common), tile.shared_bytes, threads=tile.threads, **module)
     else:  # mma.sync
         _launch(target, tile.filename, tile.name_expression(p.dtype), dkdv_grid,
                 (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), in_input_type, vectorised, *common),

@@ -30,6 +30,13 @@ per warp and iteration, whatever the occupancy. Below 1 the tensor cores bound t
 instruction issue does, and the tensor cores can be busy at most 1/issue_per_tensor of the time.
 Ignored: latency and dependency stalls, shared-memory and barrier waits, memory bandwidth,
 partial tiles, and time outside the loop.
+
+wgmma is asynchronous: a warpgroup's instructions between a wgmma and the wait that retires it
+overlap its tensor work. The path's instructions issued with none in flight are
+`exposed_instructions` (exposed_instructions() below); `exposed_per_tensor` divides them by the
+path's tensor cycles. With one warpgroup per tensor core the loop takes at least
+(exposed + tensor cycles) per iteration; the other consumer warpgroups of the block can fill the
+gap only where they are not exposed at the same time.
 """
 from __future__ import annotations
 
@@ -101,6 +108,7 @@ class Instruction:
     target: str | None = None  # a branch's label
     predicated: bool = False
     never: bool = False  # predicated on !PT: issued (ptxas pads cp.async with such loads) but never executed
+    operands: str = ""
 
     @property
     def ends_block(self) -> bool:
@@ -136,7 +144,8 @@ def parse(text: str) -> tuple[list[Instruction], dict[str, int]]:
         # "@P0 BRA P1, `(L)" and "BRA P1, `(L)" branch on a predicate operand too
         predicated = bool(match.group(2)) or (target is not None and re.match(r"\s*!?U?P[0-9],", operands) is not None)
         never = (match.group(2) or "").strip() == "@!PT"
-        instructions.append(Instruction(offset, opcode, target.group(1) if target else None, predicated, never))
+        instructions.append(Instruction(offset, opcode, target.group(1) if target else None, predicated, never,
+                                        operands.strip()))
     if not instructions:
         raise SassError("nvdisasm printed no instructions")
     return instructions, labels
@@ -189,11 +198,19 @@ class LoopReport:
     counts: dict = field(default_factory=dict)  # ldsm, lds, sts, ldgsts, tma, bar, mufu, atomics on the path
     tensor_cycles: float = 0.0
     issue_per_tensor: float | None = None  # None: no tensor instruction in any loop
+    exposed_instructions: int | None = None  # wgmma kernels: the path's issued with no wgmma in flight
+
+    @property
+    def exposed_per_tensor(self) -> float | None:
+        return None if self.exposed_instructions is None else self.exposed_instructions / self.tensor_cycles
 
     def as_row(self) -> dict:
+        exposed = self.exposed_per_tensor
         row = {"loop_instructions": self.loop_instructions, "path_instructions": self.path_instructions,
                "tensor_instructions": self.tensor_instructions,
-               "issue_per_tensor": None if self.issue_per_tensor is None else round(self.issue_per_tensor, 3)}
+               "issue_per_tensor": None if self.issue_per_tensor is None else round(self.issue_per_tensor, 3),
+               "exposed_instructions": self.exposed_instructions,
+               "exposed_per_tensor": None if exposed is None else round(exposed, 3)}
         row.update({name: self.counts.get(name, 0) for name in sorted(set(COUNTED.values()))})
         return row
 
@@ -278,6 +295,41 @@ def fastest_path(body: list[Instruction], labels: dict[str, int]) -> list[Instru
     return [instruction for n in path[::-1] for instruction in blocks[n]]
 
 
+_WGMMA_WAIT = re.compile(r"gsb0,\s*(0x[0-9a-f]+|\d+)")
+
+
+def exposed_instructions(path: list[Instruction]) -> int | None:
+    """Of the path's instructions, those a warpgroup issues while none of its wgmma is in flight:
+    issue its tensor work cannot hide. A wgmma (HGMMA) runs from its issue until a wait retires
+    its group (WARPGROUP.DEPBAR.LE gsb0, N: all but the N most recent committed groups; the last
+    HGMMA of a group carries gsb0), and the instructions issued meanwhile overlap it; those after
+    a wait for every group and before the next HGMMA do not, and a warpgroup alone leaves the
+    tensor cores idle for at least their issue (FlashAttention-3's reason to issue the next S
+    before the softmax, and dV before dS). Steady state: the path walked twice, the groups in
+    flight at its end carried round the back-edge. None for a path without HGMMA (mma.sync's HMMA
+    is synchronous to its warp's scoreboard: no such window)."""
+    if not any(i.opcode.startswith("HGMMA") for i in path):
+        return None
+
+    def walk(pending: int) -> tuple[int, int]:
+        exposed, open_group = 0, False
+        for i in path:
+            if i.opcode.startswith("HGMMA"):
+                ends_group = "gsb0" in i.operands
+                pending, open_group = pending + ends_group, not ends_group
+                continue
+            if i.opcode.startswith("WARPGROUP.DEPBAR"):
+                wait = _WGMMA_WAIT.search(i.operands)
+                if wait is None:
+                    raise SassError(f"a wgmma wait without its group count at {i.offset:#x}: {i.operands}")
+                pending = min(pending, int(wait.group(1), 0))
+            exposed += pending == 0 and not open_group
+        return pending, exposed
+
+    carried, _ = walk(0)
+    return walk(carried)[1]
+
+
 def hot_loop_report(instructions: list[Instruction], labels: dict[str, int], arch: str) -> LoopReport:
     def inside(span):
         return [i for i in instructions if span[0] <= i.offset <= span[1]]
@@ -300,6 +352,7 @@ def hot_loop_report(instructions: list[Instruction], labels: dict[str, int], arc
                                  if i.opcode.split(".")[0] in COUNTED and not i.never))
     report.tensor_cycles = sum(n * tensor_cycles(op, arch) for op, n in report.tensor_instructions.items())
     report.issue_per_tensor = report.path_instructions / report.tensor_cycles
+    report.exposed_instructions = exposed_instructions(path)
     return report
 
 

@@ -29,9 +29,12 @@
 //                               per block; float32 reductions of pairs (unscaled: the
 //                               launcher's conversion multiplies by the scale), unless the
 //                               deterministic dQ kernel runs after
-// and releases the stage once its dK, dV products are in. At the end each group stages its dK
-// and dV (swizzled; in the input type, or float32 where a GQA group's heads are summed after) in
-// shared memory the loop no longer needs and one of its threads stores them with TMA.
+// and releases the stage once its dK, dV products are in. The group's other work overlaps its
+// own wgmma, as FlashAttention-3's does: Pᵀ (and what dSᵀ needs of the scores: tc_backward.cuh
+// DsFactors) while dPᵀ multiplies, dSᵀ while dV does, and dQ's reductions while dK does (the
+// stage's last rows' dK issued after the dQ product). At the end each group stages its dK and dV
+// (swizzled; in the input type, or float32 where a GQA group's heads are summed after) in shared
+// memory the loop no longer needs and one of its threads stores them with TMA.
 // Head dims up to 128: dK and dV of 64 keys take D floats per thread, so D = 256 stays on the
 // mma.sync kernel, which splits its dims over two warps. The launcher uses this kernel where TMA
 // can address q, k, v and dout (cupy_attn/_tensor_map.py) and the mma.sync kernel elsewhere.
@@ -231,6 +234,18 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
         unsigned pa[kSubM / 16][4], da[kSubM / 16][4];
         unsigned(&pa_flat)[kSubM / 4] = reinterpret_cast<unsigned(&)[kSubM / 4]>(pa);
         unsigned(&da_flat)[kSubM / 4] = reinterpret_cast<unsigned(&)[kSubM / 4]>(da);
+        // dK += dSᵀ·Q for the stage's rows q0..q0 + kSubM - 1, da packed since the last wgmma.fence.
+        auto issue_dk = [&](int q0) {
+            ptx::fence_operands(da_flat);
+            ptx::fence_operands(dk_flat);
+            ptx::wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kSubM / 16; ++kk) {
+                const unsigned rows = sizeof(T) * QTile::offset(q0 + 16 * kk, 0);  // queries q0 + 16kk..
+                ptx::wgmma_m64k16_rs<T, kHeadDim, ptx::Major::MN>(dk_flat, da[kk], ptx::descriptor_plus(q_mn_desc, rows), 1);
+            }
+            ptx::wgmma_commit();
+        };
 #pragma unroll
         for (int q0 = 0; q0 < kBlockM; q0 += kSubM) {  // the stage's rows, kSubM at a time
             // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (64 keys x kSubM queries), 16 head dims per instruction.
@@ -245,34 +260,48 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
                 ptx::wgmma_m64k16_ss<T, kSubM, ptx::Major::K>(
                     st_flat, ptx::descriptor_plus(k_desc, sizeof(T) * KvTile::offset(0, 16 * kk)),
                     ptx::descriptor_plus(q_desc, sizeof(T) * QTile::offset(q0, 16 * kk)), kk > 0);
+            ptx::wgmma_commit();  // Sᵀ a group of its own: Pᵀ is worked out while dPᵀ is multiplied
 #pragma unroll
             for (int kk = 0; kk < kHeadDim / 16; ++kk)
                 ptx::wgmma_m64k16_ss<T, kSubM, ptx::Major::K>(
                     dpt_flat, ptx::descriptor_plus(v_desc, sizeof(T) * KvTile::offset(0, 16 * kk)),
                     ptx::descriptor_plus(do_desc, sizeof(T) * QTile::offset(q0, 16 * kk)), kk > 0);
             ptx::wgmma_commit();
-            ptx::wgmma_wait<0>();  // Sᵀ and dPᵀ are in registers, the previous rows' dV and dK too
+            ptx::wgmma_wait<1>();  // Sᵀ is in; the previous rows' dV and dK too: their fragments are free
             ptx::fence_operands(st_flat);
-            ptx::fence_operands(dpt_flat);
-            if (q0 > 0) {  // (unrolled: no test) the previous rows' fragments are free from here
+            if (q0 > 0) {  // (unrolled: no test)
                 ptx::fence_operands(pa_flat);
                 ptx::fence_operands(da_flat);
             }
 
-            // Pᵀ and dSᵀ in place of Sᵀ and dPᵀ.
-            probabilities_and_ds<true>(st, dpt, p, b, score, dropout, sLse2(stage) + q0, sDelta(stage) + q0,
-                                       m0 + q0, group_n0, warp * 16, g, t, checks);
-
-            // dV += Pᵀ·dO and dK += dSᵀ·Q, all fragments packed before the first instruction
-            // reads them. For dQ, dSᵀ's fragments also go to this group's buffer of the tile's
-            // parity as they are: register r of 16-query step kk holds key 16·warp + g (+ 8 for
-            // odd r), queries q0 + 16kk + 2t, + 1 (+ 8 from r = 2), one 4-byte store each, without
-            // bank conflicts in the swizzled box. A warp writes a buffer again two tiles on, past
-            // the dQ barrier of the tile between, which every warp reaches only once its dQ
-            // product of the buffer (if it had one) is complete.
+            // Pᵀ in place of Sᵀ, packed, and dV += Pᵀ·dO issued, while dPᵀ is multiplied; then
+            // dSᵀ in place of dPᵀ while dV is.
+            DsFactors<kQTiles> ds;
+            probabilities<true>(st, ds, p, b, score, dropout, sLse2(stage) + q0, m0 + q0, group_n0, warp * 16, g, t,
+                                checks);
+#pragma unroll
+            for (int kk = 0; kk < kSubM / 16; ++kk) accumulators_as_a<T>(pa[kk], st[2 * kk], st[2 * kk + 1]);
+            ptx::fence_operands(pa_flat);
+            ptx::fence_operands(dv_flat);
+            ptx::wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < kSubM / 16; ++kk) {
-                accumulators_as_a<T>(pa[kk], st[2 * kk], st[2 * kk + 1]);
+                const unsigned rows = sizeof(T) * QTile::offset(q0 + 16 * kk, 0);  // queries q0 + 16kk..
+                ptx::wgmma_m64k16_rs<T, kHeadDim, ptx::Major::MN>(dv_flat, pa[kk], ptx::descriptor_plus(do_mn_desc, rows), 1);
+            }
+            ptx::wgmma_commit();
+            ptx::wgmma_wait<1>();  // dPᵀ is in
+            ptx::fence_operands(dpt_flat);
+            ds_from_probabilities(ds, dpt, sDelta(stage) + q0, t);
+
+            // For dQ, dSᵀ's fragments also go to this group's buffer of the tile's parity as they
+            // are: register r of 16-query step kk holds key 16·warp + g (+ 8 for odd r), queries
+            // q0 + 16kk + 2t, + 1 (+ 8 from r = 2), one 4-byte store each, without bank conflicts
+            // in the swizzled box. A warp writes a buffer again two tiles on, past the dQ barrier
+            // of the tile between, which every warp reaches only once its dQ product of the buffer
+            // (if it had one) is complete.
+#pragma unroll
+            for (int kk = 0; kk < kSubM / 16; ++kk) {
                 accumulators_as_a<T>(da[kk], dpt[2 * kk], dpt[2 * kk + 1]);
                 if constexpr (kAccumulateDq) {
 #pragma unroll
@@ -283,28 +312,19 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
                     }
                 }
             }
-            ptx::fence_operands(pa_flat);
-            ptx::fence_operands(da_flat);
-            ptx::fence_operands(dk_flat);
-            ptx::fence_operands(dv_flat);
-            ptx::wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < kSubM / 16; ++kk) {
-                const unsigned rows = sizeof(T) * QTile::offset(q0 + 16 * kk, 0);  // queries q0 + 16kk..
-                ptx::wgmma_m64k16_rs<T, kHeadDim, ptx::Major::MN>(dv_flat, pa[kk], ptx::descriptor_plus(do_mn_desc, rows), 1);
-                ptx::wgmma_m64k16_rs<T, kHeadDim, ptx::Major::MN>(dk_flat, da[kk], ptx::descriptor_plus(q_mn_desc, rows), 1);
-            }
-            ptx::wgmma_commit();
+            // The stage's last rows' dK waits for the tile's dQ product (below), so that dQ's
+            // reductions overlap dK's multiply-adds.
+            if (!kAccumulateDq || q0 + kSubM < kBlockM) issue_dk(q0);
         }
 
         // This group's dQ product of the tile (kBlockM queries, 64 dims, the block's 128 keys
         // reduced), if it has one: product j goes to group (j + visits · kDqProducts) mod 2, once
-        // both groups stored their dS and made it visible to wgmma; added once it is in. Its wait
-        // also brings in dK and dV: Pᵀ, dSᵀ and the stage's Q, dO are then free. No wgmma.fence
-        // before it: since the one before dV and dK this thread touched none of the registers it
-        // writes (new ones, written with scale-d 0) or reads (none: both operands are in shared
-        // memory). dq_product is lane 0's, so that ptxas knows the branch to be uniform in the
-        // warp (at D = 64 it serialised the dropout build's wgmma in a divergent path otherwise).
+        // both groups stored their dS and made it visible to wgmma. Then the last rows' dK, and
+        // dQ's reductions once dQ is in (FlashAttention-3's order: the reductions overlap dK's
+        // multiply-adds). A wgmma.fence before dQ although it reads no register: the first wgmma
+        // since a wait (the emulator's rule, stricter than the PTX ISA's). dq_product is lane 0's,
+        // so that ptxas knows the branch to be uniform in the warp (at D = 64 it serialised the
+        // dropout build's wgmma in a divergent path otherwise).
         if constexpr (kAccumulateDq) {
             ptx::fence_proxy_async();
             ptx::named_barrier_sync(kGroupsBarrier, 128 * kBwdConsumerGroups);
@@ -318,6 +338,7 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
                                                                      sizeof(T) * KvTile::offset(0, kDqDims * dq_product));
                 float dq[kQueryRowTiles][kDqDims / 8][4];
                 float(&dq_flat)[kQueryRowTiles * kDqDims / 2] = reinterpret_cast<float(&)[kQueryRowTiles * kDqDims / 2]>(dq);
+                ptx::wgmma_fence();
 #pragma unroll
                 for (int r = 0; r < kQueryRowTiles; ++r)
 #pragma unroll
@@ -330,15 +351,18 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
                             ptx::descriptor_plus(k_dq, sizeof(T) * KvTile::offset(16 * kk, 0)), kk > 0);
                     }
                 ptx::wgmma_commit();
-                ptx::wgmma_wait<0>();
+                issue_dk(kBlockM - kSubM);
+                ptx::wgmma_wait<1>();  // dQ is in; dK may not be
                 ptx::fence_operands(dq_flat);
                 const DqTile dq_tile(p, b, at, dq_accum, m0);
 #pragma unroll
                 for (int r = 0; r < kQueryRowTiles; ++r)
                     add_dq_fragments<kHeadDim, kBlockM>(p, dq_tile, dq[r], 64 * r + 16 * warp, kDqDims * dq_product, g, t);
+            } else {
+                issue_dk(kBlockM - kSubM);
             }
         }
-        ptx::wgmma_wait<0>();  // (without dQ) dK and dV are in registers
+        ptx::wgmma_wait<0>();  // dK and dV are in registers
         ptx::fence_operands(dk_flat);
         ptx::fence_operands(dv_flat);
         ptx::fence_operands(pa_flat);
@@ -417,20 +441,20 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
 // rows (q, dout) or 128 keys (k, v); dk_map, dv_map: of dK, dV per query head (head dims, keys,
 // heads, batch), float32 or, with dkdv_in_input_type (no GQA group to sum), T; 128-byte swizzle,
 // boxes of one 128-byte line (32 or 64 dims) x 64 keys. Those six are read and written through them
-// only (the pointers and strides of q, k, v and dout in ATTN_PARAMS go unused). With accumulate_dq,
-// dS·K (without the scale) is added to dq_accum (float32, per query head, zeroed). Compiled for
-// sm_90a only.
-template <class T, int kHeadDim, int kBlockM>
+// only (the pointers and strides of q, k, v and dout in ATTN_PARAMS go unused). With kAccumulateDq,
+// dS·K (without the scale) is added to dq_accum (float32, per query head, zeroed); without, the
+// deterministic dQ kernel runs after and dq_accum goes unused. A template argument, not a run-time
+// one: ptxas allocating one kernel for both loops spilled 124 bytes at D = 128 (NVRTC 13.5),
+// either alone none. Compiled for sm_90a only.
+template <class T, int kHeadDim, int kBlockM, bool kAccumulateDq>
 __global__ void __launch_bounds__(attn::kBwdThreads, 1)
-attention_bwd_dkdv_wgmma(const float* lse, const float* delta, float* dq_accum, int accumulate_dq, int dkdv_in_input_type,
+attention_bwd_dkdv_wgmma(const float* lse, const float* delta, float* dq_accum, int dkdv_in_input_type,
                          const __grid_constant__ ptx::TensorMap q_map, const __grid_constant__ ptx::TensorMap k_map,
                          const __grid_constant__ ptx::TensorMap v_map, const __grid_constant__ ptx::TensorMap do_map,
                          const __grid_constant__ ptx::TensorMap dk_map, const __grid_constant__ ptx::TensorMap dv_map,
                          ATTN_PARAMS) {
     ATTN_UNPACK_PARAMS;
     const attn::BackwardMaps maps{q_map, k_map, v_map, do_map, dk_map, dv_map};
-    if (accumulate_dq)
-        attn::dkdv_wgmma_block<T, kHeadDim, kBlockM, true>(p, lse, delta, dq_accum, dkdv_in_input_type, strides, maps);
-    else
-        attn::dkdv_wgmma_block<T, kHeadDim, kBlockM, false>(p, lse, delta, dq_accum, dkdv_in_input_type, strides, maps);
+    attn::dkdv_wgmma_block<T, kHeadDim, kBlockM, kAccumulateDq>(p, lse, delta, dq_accum, dkdv_in_input_type, strides,
+                                                                maps);
 }

@@ -12,15 +12,17 @@
 
 namespace attn {
 
-// Pᵀ (after dropout: what dV needs) and dSᵀ in place of Sᵀ and dPᵀ for query tile m0 and key tile
-// n0. lse2 and delta: the tile's rows' statistics in shared memory. A boundary tile masks by the
-// lane's two keys' bands of rows (kBandsByKey: ScoreTransform::by_key, 4 registers held across
-// the tile) or by each row's band of keys (worked out per row, 8 instructions each).
-template <bool kBandsByKey, int kQTiles>
-__device__ __forceinline__ void probabilities_and_ds(float (&st)[kQTiles][4], float (&dpt)[kQTiles][4], const Params& p,
-                                                     const BlockInfo& b, const ScoreTransform& score,
-                                                     const Dropout& dropout, const float* lse2, const float* delta,
-                                                     int m0, int n0, int key0, int g, int t, int checks) {
+// Calls element(j, e, prob, qk, i, key, row_delta) for each score of Sᵀ (st[j][e] = q·k of query
+// row i and key `key`) of query tile m0 and key tile n0, prob its probability (before dropout).
+// lse2 and delta: the tile's rows' statistics in shared memory (an element that does not use
+// row_delta costs no load of it). A boundary tile masks by the lane's two keys' bands of rows
+// (kBandsByKey: ScoreTransform::by_key, 4 registers held across the tile) or by each row's band
+// of keys (worked out per row, 8 instructions each).
+template <bool kBandsByKey, int kQTiles, class Element>
+__device__ __forceinline__ void each_probability(const float (&st)[kQTiles][4], const Params& p, const BlockInfo& b,
+                                                 const ScoreTransform& score, const float* lse2, const float* delta,
+                                                 int m0, int n0, int key0, int g, int t, int checks,
+                                                 Element&& element) {
     auto tile = [&](int tile_checks) {
 #pragma unroll
         for (int j = 0; j < kQTiles; ++j) {
@@ -41,10 +43,7 @@ __device__ __forceinline__ void probabilities_and_ds(float (&st)[kQTiles][4], fl
                 const float prob = tile_checks && row_lse2[e & 1] == infinity()
                                        ? 0.f
                                        : probability(s2, row_lse2[e & 1], score.softmax_scale());
-                const float z = dropout.factor(m0 + query, n0 + key);  // out = (P ∘ z)·V
-                const float ds = prob * (dpt[j][e] * z - row_delta[e & 1]) * score.grad(p, b, qk, m0 + query, n0 + key, prob);
-                st[j][e] = prob * z;
-                dpt[j][e] = ds;
+                element(j, e, prob, qk, m0 + query, n0 + key, row_delta[e & 1]);
             }
         }
     };
@@ -52,6 +51,63 @@ __device__ __forceinline__ void probabilities_and_ds(float (&st)[kQTiles][4], fl
     // warp-specialised wgmma dK/dV at D = 64: a branch and a predicate per score without it).
     if (checks) tile(checks);
     else tile(0);
+}
+
+// Pᵀ (after dropout: what dV needs) and dSᵀ in place of Sᵀ and dPᵀ (each_probability's tile),
+// both once both are in: the mma.sync dK/dV's order. (Taken as the wgmma dK/dV takes them,
+// probabilities then ds_from_probabilities, its fp16 builds' paths per tile changed by -8 to +10
+// instructions, 25 of 36 up; NVRTC 13.5.)
+template <bool kBandsByKey, int kQTiles>
+__device__ __forceinline__ void probabilities_and_ds(float (&st)[kQTiles][4], float (&dpt)[kQTiles][4], const Params& p,
+                                                     const BlockInfo& b, const ScoreTransform& score,
+                                                     const Dropout& dropout, const float* lse2, const float* delta,
+                                                     int m0, int n0, int key0, int g, int t, int checks) {
+    each_probability<kBandsByKey>(st, p, b, score, lse2, delta, m0, n0, key0, g, t, checks,
+                                  [&](int j, int e, float prob, float qk, int i, int key, float row_delta) {
+                                      const float z = dropout.factor(i, key);  // out = (P ∘ z)·V
+                                      const float ds = prob * (dpt[j][e] * z - row_delta) * score.grad(p, b, qk, i, key, prob);
+                                      st[j][e] = prob * z;
+                                      dpt[j][e] = ds;
+                                  });
+}
+
+// What dSᵀ needs of each score of a tile once Pᵀ has gone to dV (probabilities, then
+// ds_from_probabilities): dS = c ∘ (dP ∘ z − δ) = (c ∘ z) ∘ dP − c ∘ δ, with c = P · (the
+// score's derivative through softcap and a score_mod, else 1) and z the dropout factor (1 / (1 −
+// p) where kept, else 0; 1 without dropout). Without dropout c ∘ z is c, and in a plain build c is
+// P itself: neither takes registers of its own there.
+template <int kQTiles>
+struct DsFactors {
+    float of_dp[kQTiles][4];     // c ∘ z
+    float of_delta[kQTiles][4];  // c
+};
+
+// Pᵀ (after dropout: what dV needs) in place of Sᵀ, and ds's factors (each_probability's tile),
+// so that dSᵀ can follow once dPᵀ is in while the tensor cores multiply Pᵀ·dO.
+template <bool kBandsByKey, int kQTiles>
+__device__ __forceinline__ void probabilities(float (&st)[kQTiles][4], DsFactors<kQTiles>& ds, const Params& p,
+                                              const BlockInfo& b, const ScoreTransform& score, const Dropout& dropout,
+                                              const float* lse2, int m0, int n0, int key0, int g, int t, int checks) {
+    each_probability<kBandsByKey>(st, p, b, score, lse2, lse2, m0, n0, key0, g, t, checks,
+                                  [&](int j, int e, float prob, float qk, int i, int key, float) {
+                                      const float z = dropout.factor(i, key);  // out = (P ∘ z)·V
+                                      const float c = prob * score.grad(p, b, qk, i, key, prob);
+                                      ds.of_dp[j][e] = c * z;
+                                      ds.of_delta[j][e] = c;
+                                      st[j][e] = prob * z;
+                                  });
+}
+
+// dSᵀ in place of dPᵀ from probabilities' factors; delta: the tile's rows' in shared memory.
+template <int kQTiles>
+__device__ __forceinline__ void ds_from_probabilities(const DsFactors<kQTiles>& ds, float (&dpt)[kQTiles][4],
+                                                      const float* delta, int t) {
+#pragma unroll
+    for (int j = 0; j < kQTiles; ++j) {
+        const float row_delta[2] = {delta[j * 8 + 2 * t], delta[j * 8 + 2 * t + 1]};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dpt[j][e] = ds.of_dp[j][e] * dpt[j][e] - ds.of_delta[j][e] * row_delta[e & 1];
+    }
 }
 
 // dS (probabilities_and_ds' dSᵀ, this warp's keys key0..key0 + 15) to a shared tile with the

@@ -131,6 +131,33 @@ def test_wgmma_backward_over_many_query_tiles(monkeypatch, schedule, d, sq, sk, 
     assert any(name.startswith("attention_bwd_dkdv_wgmma<") for name in launched), launched
 
 
+@pytest.mark.parametrize("schedule", ["forward", "reverse", "random", "warps", "warps_reverse"])
+@pytest.mark.parametrize("features", ["alibi_mask", "softcap"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_wgmma_backward_overlaps_the_softmax_with_its_tensor_work(monkeypatch, schedule, features, d):
+    """Each consumer group works out Pᵀ (and dS's factors) while dPᵀ is multiplied, dSᵀ while dV
+    is, and dQ's reductions while dK is (kernels/attention_bwd_wgmma.cu): in builds with score
+    features at D = 128 a stage's rows 32 at a time, so each tile takes every wait twice. ALiBi
+    and a float mask with -inf entries (dS = P ∘ (dP − δ)), or softcap (dS through its
+    derivative, a factor of its own); causal with both lengths, 150 queries × 203 keys (three
+    query tiles, two key blocks); atomic and deterministic dQ. (Dropout: tests/test_dropout.py.)"""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", schedule)
+    launched = spy_launches(monkeypatch)
+    rng = np.random.default_rng(d + len(schedule) + len(features))
+    sq, sk = 150, 203
+    q, k, v = random_qkv(rng, b=2, h=2, hkv=1, sq=sq, sk=sk, d=d, dtype=np.float16)
+    if features == "softcap":
+        kw = dict(softcap=2.5)
+    else:
+        mask = rng.standard_normal((2, 1, sq, sk)).astype(np.float32)
+        mask[rng.random(mask.shape) < 0.2] = -np.inf
+        kw = dict(alibi_slopes=rng.uniform(0, 0.1, 2), mask=mask)
+    check(rng, q, k, v, np.float16, schedule in ("reverse", "warps"), causal=True, q_lengths=[150, 97],
+          kv_lengths=[203, 140], **kw)
+    assert any(name.startswith("attention_bwd_dkdv_wgmma<") for name in launched), launched
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_wgmma_dq_is_reduced_once_per_key_block(monkeypatch, d):
     """Each element of a query tile's dQ leaves a block of 128 keys in one float32 reduction (the
@@ -157,7 +184,7 @@ MMA_SYNC_DKDV_64 = _config.backward_tile(64, 64, np.float16, 80).name_expression
 
 
 @pytest.mark.parametrize("case,kernel", [
-    ("padded_rows", "attention_bwd_dkdv_wgmma<__half, 64, 64>"),  # rows 144 bytes apart: TMA reads them
+    ("padded_rows", "attention_bwd_dkdv_wgmma<__half, 64, 64, true>"),  # rows 144 bytes apart: TMA reads them
     ("unaligned_k", MMA_SYNC_DKDV_64),     # k's rows 136 bytes apart
     ("unaligned_dout", MMA_SYNC_DKDV_64),  # dout's rows 136 bytes apart
     ("packed", MMA_SYNC_DKDV_64),          # a box would reach into the next sequence

@@ -225,3 +225,58 @@ def test_fastest_path_takes_the_shorter_of_two_copies_and_keeps_the_reductions()
 def test_steady_bytes(opcode, expected):
     assert _sass.steady_bytes(_sass.Instruction(0, opcode)) == expected
     assert _sass.steady_bytes(_sass.Instruction(0, opcode, never=True)) == 0
+
+
+# A backward-shaped wgmma loop (0x10..0xf0): S and dP issued as two groups, a wait that leaves dP
+# in flight while the softmax's exponential issues (0x50, 0x60), a wait for dP, then dS (0x80,
+# 0x90) with nothing in flight, dV issued, and the back-edge's test while dV runs; dV is retired
+# by the next iteration's first wait, so it overlaps the loop's head too.
+OVERLAPPED = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   WARPGROUP.ARRIVE ;
+        /*0020*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT, gsb0 ;
+        /*0030*/                   HGMMA.64x64x16.F32.BF16 R56, gdesc[UR8], RZ, !UPT, gsb0 ;
+        /*0040*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+        /*0050*/                   MUFU.EX2 R24, R24 ;
+        /*0060*/                   MUFU.EX2 R25, R25 ;
+        /*0070*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0080*/                   FADD R56, R56, -R3 ;
+        /*0090*/                   FMUL R56, R24, R56 ;
+        /*00a0*/                   WARPGROUP.ARRIVE ;
+        /*00b0*/                   HGMMA.64x128x16.F32.BF16 R88, R24, gdesc[UR12].tnspB, R88 ;
+        /*00c0*/                   UIADD3 UR12, UR12, 0x40, URZ ;
+        /*00d0*/                   HGMMA.64x128x16.F32.BF16 R88, R26, gdesc[UR12].tnspB, R88, gsb0 ;
+        /*00e0*/                   ISETP.GE.AND P1, PT, R0, R1, PT ;
+        /*00f0*/              @!P1 BRA `(.L_x_0) ;
+        /*0100*/                   EXIT ;
+"""
+
+
+def test_exposed_instructions_are_those_issued_with_no_wgmma_in_flight():
+    r = report(OVERLAPPED, "sm_90a")
+    assert r.path_instructions == 15
+    # with nothing in flight: the wait for dP itself and dS's two instructions, then the fence
+    # before dV; the loop's head (dV from the last iteration in flight) and the UIADD3 between dV's
+    # HGMMAs (the group open) are not
+    assert r.exposed_instructions == 4
+    tensor_cycles = 2 * 64 * 64 * 16 / 4 / 512 + 2 * 64 * 128 * 16 / 4 / 512
+    assert r.exposed_per_tensor == pytest.approx(4 / tensor_cycles)
+    # serialised: every group waited for at once, the exponentials exposed as well
+    serial = OVERLAPPED.replace("WARPGROUP.DEPBAR.LE gsb0, 0x1 ;", "WARPGROUP.DEPBAR.LE gsb0, 0x0 ;")
+    assert report(serial, "sm_90a").exposed_instructions == 7
+    # and the last group retired before the back-edge: the loop's head waits exposed too
+    drained = OVERLAPPED.replace("/*00e0*/                   ISETP.GE.AND P1, PT, R0, R1, PT ;",
+                                 "/*00e0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;")
+    assert report(drained, "sm_90a").exposed_instructions == 4 + 3  # + the wait, the branch, the head's fence
+
+
+def test_mma_sync_loops_have_no_exposed_count():
+    assert report(FEATURE_BEHIND_A_BRANCH, "sm_80").exposed_instructions is None
+    assert report(FEATURE_BEHIND_A_BRANCH, "sm_80").as_row()["exposed_per_tensor"] is None
+
+
+def test_a_wgmma_wait_without_its_count_is_refused():
+    text = OVERLAPPED.replace("WARPGROUP.DEPBAR.LE gsb0, 0x1 ;", "WARPGROUP.DEPBAR.LE gsb0 ;")
+    with pytest.raises(_sass.SassError, match="group count"):
+        report(text, "sm_90a")
