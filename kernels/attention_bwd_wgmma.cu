@@ -234,18 +234,22 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
         unsigned pa[kSubM / 16][4], da[kSubM / 16][4];
         unsigned(&pa_flat)[kSubM / 4] = reinterpret_cast<unsigned(&)[kSubM / 4]>(pa);
         unsigned(&da_flat)[kSubM / 4] = reinterpret_cast<unsigned(&)[kSubM / 4]>(da);
-        // dK += dSᵀ·Q for the stage's rows q0..q0 + kSubM - 1, da packed since the last wgmma.fence.
-        auto issue_dk = [&](int q0) {
-            ptx::fence_operands(da_flat);
-            ptx::fence_operands(dk_flat);
+        // acc += Aᵀ·B over the stage's rows q0..q0 + kSubM - 1 as one commit group: dV (A = Pᵀ,
+        // B = dO) or dK (dSᵀ, Q); A's fragments packed since the last wgmma.fence, B MN-major from
+        // b_desc's stage.
+        auto issue_rows_product = [&](float(&acc)[4 * kDTiles], unsigned(&a)[kSubM / 16][4],
+                                      unsigned long long b_desc, int q0) {
+            ptx::fence_operands(reinterpret_cast<unsigned(&)[kSubM / 4]>(a));
+            ptx::fence_operands(acc);
             ptx::wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < kSubM / 16; ++kk) {
                 const unsigned rows = sizeof(T) * QTile::offset(q0 + 16 * kk, 0);  // queries q0 + 16kk..
-                ptx::wgmma_m64k16_rs<T, kHeadDim, ptx::Major::MN>(dk_flat, da[kk], ptx::descriptor_plus(q_mn_desc, rows), 1);
+                ptx::wgmma_m64k16_rs<T, kHeadDim, ptx::Major::MN>(acc, a[kk], ptx::descriptor_plus(b_desc, rows), 1);
             }
             ptx::wgmma_commit();
         };
+        auto issue_dk = [&](int q0) { issue_rows_product(dk_flat, da, q_mn_desc, q0); };
 #pragma unroll
         for (int q0 = 0; q0 < kBlockM; q0 += kSubM) {  // the stage's rows, kSubM at a time
             // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (64 keys x kSubM queries), 16 head dims per instruction.
@@ -281,15 +285,7 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
                                 checks);
 #pragma unroll
             for (int kk = 0; kk < kSubM / 16; ++kk) accumulators_as_a<T>(pa[kk], st[2 * kk], st[2 * kk + 1]);
-            ptx::fence_operands(pa_flat);
-            ptx::fence_operands(dv_flat);
-            ptx::wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < kSubM / 16; ++kk) {
-                const unsigned rows = sizeof(T) * QTile::offset(q0 + 16 * kk, 0);  // queries q0 + 16kk..
-                ptx::wgmma_m64k16_rs<T, kHeadDim, ptx::Major::MN>(dv_flat, pa[kk], ptx::descriptor_plus(do_mn_desc, rows), 1);
-            }
-            ptx::wgmma_commit();
+            issue_rows_product(dv_flat, pa, do_mn_desc, q0);
             ptx::wgmma_wait<1>();  // dPᵀ is in
             ptx::fence_operands(dpt_flat);
             ds_from_probabilities(ds, dpt, sDelta(stage) + q0, t);
