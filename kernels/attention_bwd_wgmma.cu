@@ -89,6 +89,13 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
     // at 240 registers (NVRTC 13.5: 108 bytes with softcap, ALiBi and a float mask): those take
     // the stage's rows 32 at a time.
     constexpr int kSubM = ScoreTransform::kPlain || kHeadDim < 128 ? kBlockM : 32;
+    // Whether a tile's last dK may still be multiplying while the next tile starts (its stage
+    // released after the next tile's first wait, not at the end of its own): the loop's tail and
+    // the next tile's head then overlap it. That holds dK and dV (kHeadDim floats), dSᵀ's
+    // fragments (kSubM / 4) and the next Sᵀ, dPᵀ (kSubM) at once: 144 at D = 64 and 168 at D = 128
+    // with 32 rows at a time, where no build spills; at D = 128 with 64 rows, 208, ptxas spilled
+    // 8-16 bytes and serialised the wgmma (C7512; NVRTC 13.5), so that build waits for its dK.
+    constexpr bool kCarryDk = kHeadDim + 5 * kSubM / 4 <= 176;
     constexpr int kQTiles = kSubM / 8, kDTiles = kHeadDim / 8;
     constexpr int kQueryRowTiles = kBlockM / 64;  // M = 64 query rows per dQ instruction
     constexpr int kDqDims = 64;                   // and N = 64 head dims: a whole box of K
@@ -216,7 +223,15 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
     float(&dv_flat)[4 * kDTiles] = reinterpret_cast<float(&)[4 * kDTiles]>(dv);
 
     if (rows.more()) ptx::mbarrier_wait(&bars.kv_landed, 0);
-    StageCursor<kQueryStages> stage_at;
+    // Pᵀ and dSᵀ as A fragments (16 queries each), read by the dV and dK products until a wait
+    // retires them (the next Sᵀ's, which may be the next tile's; dQ's; the last): declared out
+    // here, so that they keep their registers until then.
+    unsigned pa[kSubM / 16][4], da[kSubM / 16][4];
+    unsigned(&pa_flat)[kSubM / 4] = reinterpret_cast<unsigned(&)[kSubM / 4]>(pa);
+    unsigned(&da_flat)[kSubM / 4] = reinterpret_cast<unsigned(&)[kSubM / 4]>(da);
+    // stage_at: the stage this tile reads; release_at (kCarryDk): the previous tile's, released
+    // once its dK and dV are in, which this tile's first wait tells.
+    StageCursor<kQueryStages> stage_at, release_at;
     for (TileWalk at_tile = rows; at_tile.more(); at_tile.advance(), stage_at.advance()) {
         const int m0 = at_tile.tile * kBlockM, stage = stage_at.stage;
         const unsigned long long q_desc = ptx::descriptor_plus(q_desc0, stage * kStageBytes);
@@ -229,11 +244,6 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
         T* ds_tile = sDS + ds_buffer * kDsElements;
         // Checks for the block's 128 keys (a block mask's tiles are the block's).
         const int checks = b.tile_checks(p, m0, kBlockM, n0, kBwdKeys);
-        // Pᵀ and dSᵀ as A fragments (16 queries each), read by the dV and dK products until the
-        // next wait: declared out here, so that they keep their registers until then.
-        unsigned pa[kSubM / 16][4], da[kSubM / 16][4];
-        unsigned(&pa_flat)[kSubM / 4] = reinterpret_cast<unsigned(&)[kSubM / 4]>(pa);
-        unsigned(&da_flat)[kSubM / 4] = reinterpret_cast<unsigned(&)[kSubM / 4]>(da);
         // acc += Aᵀ·B over the stage's rows q0..q0 + kSubM - 1 as one commit group: dV (A = Pᵀ,
         // B = dO) or dK (dSᵀ, Q); A's fragments packed since the last wgmma.fence, B MN-major from
         // b_desc's stage.
@@ -271,11 +281,17 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
                     dpt_flat, ptx::descriptor_plus(v_desc, sizeof(T) * KvTile::offset(0, 16 * kk)),
                     ptx::descriptor_plus(do_desc, sizeof(T) * QTile::offset(q0, 16 * kk)), kk > 0);
             ptx::wgmma_commit();
-            ptx::wgmma_wait<1>();  // Sᵀ is in; the previous rows' dV and dK too: their fragments are free
+            // Sᵀ is in; so are the previous rows' dV and dK (this tile's, or the previous tile's):
+            // their fragments are free, and at q0 = 0 the previous tile's stage.
+            ptx::wgmma_wait<1>();
             ptx::fence_operands(st_flat);
-            if (q0 > 0) {  // (unrolled: no test)
-                ptx::fence_operands(pa_flat);
-                ptx::fence_operands(da_flat);
+            ptx::fence_operands(pa_flat);
+            ptx::fence_operands(da_flat);
+            ptx::fence_operands(dk_flat);
+            ptx::fence_operands(dv_flat);
+            if (kCarryDk && q0 == 0 && at_tile.visits() > 0) {
+                consumer_release(bars.queries, release_at);
+                release_at.advance();
             }
 
             // Pᵀ in place of Sᵀ, packed, and dV += Pᵀ·dO issued, while dPᵀ is multiplied; then
@@ -317,16 +333,25 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
         // reduced), if it has one: product j goes to group (j + visits · kDqProducts) mod 2, once
         // both groups stored their dS and made it visible to wgmma. Then the last rows' dK, and
         // dQ's reductions once dQ is in (FlashAttention-3's order: the reductions overlap dK's
-        // multiply-adds). A wgmma.fence before dQ although it reads no register: the first wgmma
-        // since a wait (the emulator's rule, stricter than the PTX ISA's). dq_product is lane 0's,
-        // so that ptxas knows the branch to be uniform in the warp (at D = 64 it serialised the
-        // dropout build's wgmma in a divergent path otherwise).
+        // multiply-adds); a group without a product (at D = 64, every other tile) issues that
+        // dK before the barrier. A wgmma.fence before dQ although it reads no register: the first
+        // wgmma since a wait (the emulator's rule, stricter than the PTX ISA's). dq_product is
+        // lane 0's, so that ptxas knows the branch to be uniform in the warp (at D = 64 it
+        // serialised the dropout build's wgmma in a divergent path otherwise).
         if constexpr (kAccumulateDq) {
-            ptx::fence_proxy_async();
-            ptx::named_barrier_sync(kGroupsBarrier, 128 * kBwdConsumerGroups);
             const int dq_product =
                 __shfl_sync(0xffffffffu, (group + at_tile.visits() * kDqProducts) % kBwdConsumerGroups, 0);
-            if (dq_product < kDqProducts) {
+            // Both groups' dS stored and visible to wgmma (the barrier in each arm: the SASS
+            // audit's paths then see the arms as the alternatives they are).
+            auto ds_stored = [&] {
+                ptx::fence_proxy_async();
+                ptx::named_barrier_sync(kGroupsBarrier, 128 * kBwdConsumerGroups);
+            };
+            if (dq_product >= kDqProducts) {
+                issue_dk(kBlockM - kSubM);
+                ds_stored();
+            } else {
+                ds_stored();
                 const unsigned long long ds_desc = ptx::descriptor_plus(ds_desc0, ds_buffer * sizeof(T) * kDsElements);
                 // At D = 128 the k-steps' descriptors of K for dQ, hoisted out of the loop, spilled 12
                 // bytes (NVRTC 13.5); recomputed per tile they cost a uniform add each.
@@ -348,22 +373,29 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
                     }
                 ptx::wgmma_commit();
                 issue_dk(kBlockM - kSubM);
-                ptx::wgmma_wait<1>();  // dQ is in; dK may not be
+                ptx::wgmma_wait<1>();  // dQ is in (and the last rows' dV); dK may not be
                 ptx::fence_operands(dq_flat);
                 const DqTile dq_tile(p, b, at, dq_accum, m0);
 #pragma unroll
                 for (int r = 0; r < kQueryRowTiles; ++r)
                     add_dq_fragments<kHeadDim, kBlockM>(p, dq_tile, dq[r], 64 * r + 16 * warp, kDqDims * dq_product, g, t);
-            } else {
-                issue_dk(kBlockM - kSubM);
             }
         }
-        ptx::wgmma_wait<0>();  // dK and dV are in registers
+        if constexpr (!kCarryDk) {  // dK and dV are in registers, and the stage is free
+            ptx::wgmma_wait<0>();
+            ptx::fence_operands(dk_flat);
+            ptx::fence_operands(dv_flat);
+            consumer_release(bars.queries, stage_at);
+        }
+    }
+    if constexpr (kCarryDk) {
+        // The last tile's dK and dV are in registers, and its stage is free. (The wait whether or
+        // not the block had a tile: ptxas cannot tell that a block without one has no wgmma in
+        // flight, and injects a wait of its own, C7517.)
+        ptx::wgmma_wait<0>();
         ptx::fence_operands(dk_flat);
         ptx::fence_operands(dv_flat);
-        ptx::fence_operands(pa_flat);
-        ptx::fence_operands(da_flat);
-        consumer_release(bars.queries, stage_at);
+        if (rows.more()) consumer_release(bars.queries, release_at);
     }
 
     // dK (times scale) and dV out through shared memory and TMA, which clips keys past seq_k and

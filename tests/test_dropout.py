@@ -131,10 +131,13 @@ def test_numpy_backend(rng, dtype, feature):
 
 
 # Every feature on the fp32 and mma.sync kernels (compute capability 8.x); the wgmma kernels (9.0)
-# at both of their backward tile sizes, and the wgmma forward's tile of 32 keys at D = 256.
+# at both of their backward tile sizes, with atomic dQ and ("plain": test_kernels) the
+# deterministic dQ kernel after, and the wgmma forward's tile of 32 keys at D = 256.
 KERNEL_CASES = [(80, dtype, feature, 32) for dtype in (np.dtype(np.float32), np.dtype(np.float16), BF16)
                 for feature in FEATURES] + [(90, np.dtype(np.float16), "causal_lengths_gqa", 64),
                                             (90, BF16, "window_softcap_alibi_sinks", 128),
+                                            (90, np.dtype(np.float16), "plain", 64),
+                                            (90, BF16, "plain", 128),
                                             (90, np.dtype(np.float16), "mask_top_left", 256)]
 
 
