@@ -370,9 +370,10 @@ class HopperBackwardTile:
         return {"q": self.block_m, "dout": self.block_m, "k": self.block_n, "v": self.block_n, "dk": 64,
                 "dv": 64}[operand]
 
-    def name_expression(self, dtype, accumulate_dq: bool = True) -> str:
+    def name_expression(self, dtype, accumulate_dq: bool) -> str:
         """accumulate_dq: the kernel adds dQ by reductions (else the deterministic dQ kernel
-        computes it after), a template argument of the kernel."""
+        computes it after), a template argument of the kernel; no default, so that no caller
+        gets one of the two kernels without saying which."""
         return (f"attention_bwd_dkdv_wgmma<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_m}, "
                 f"{str(accumulate_dq).lower()}>")
 
