@@ -199,6 +199,7 @@ class HopperTile:
     block_n: int
     reason: str
     plain_only: bool = False  # for calls without score features or mods (whose build overlaps tiles)
+    diagonal: bool = True  # for calls whose rows end on a diagonal (causal or a window) too
     block_m: ClassVar[int] = 128  # attn::kConsumerGroups x 64, every tile
     threads: ClassVar[int] = WS_THREADS  # every tile
 
@@ -248,13 +249,22 @@ TMA_BOX_DIMS = TMA_LINE_BYTES // 2  # head dims per TMA box of q, k, v, out and 
 # among them, at D = 256 too). At D = 64, 128 keys spilled 8-152 bytes in 7 of the 24 feature sets
 # at 240 registers, 8-236 in 12 at 232 (the persistent forward's split; 2026-12-05): 64 keys in none.
 # So a plain call takes the first tile below for its head dim, a call with features the first that
-# is not plain_only. block_n is the N of the S instruction
-# (m64n176k16, FlashAttention-3's choice at D = 64, is not a shape ptx.cuh wraps). Shared memory
+# is not plain_only. block_n is the N of the S instruction. At D = 64 a plain call takes 176 keys
+# (m64n176k16, FlashAttention-3's choice there): the SASS audit's path per tile of 517
+# instructions against 392 for 128 keys (2.94 per key against 3.06; issue_per_tensor 0.73 against
+# 0.77), with the Q descriptors no longer hoisted (attention_fwd_wgmma.cu). Causal and windowed
+# calls keep 128 (not `diagonal`), as FlashAttention-3 does: a tile on the diagonal is issue-bound
+# (boundary issue_per_tensor 1.17 at 176 keys, 1.11 at 128), 128 query rows cross one tile of 128
+# keys but often two of 176, and the masked part of the last tile grows; the model (interior tiles
+# at the tensor cores' rate, boundary tiles at their issue rate) puts a causal call at 1.20x the
+# 128-key time at S = 1k, 1.06x at 4k and 1.01x at 16k (bench/RESULTS.md, 2026-12-06). Shared memory
 # within the 227 KB a block may use on sm_90. Earlier: with one warpgroup per block and cp.async,
 # 128 keys at D = 64 gave issue_per_tensor 1.01 against 1.31 with 64 (the softmax's ~4.5
 # instructions per score outweigh D = 64's tensor work, so the per-tile rest is what a longer tile
 # amortises); TMA staging (fourth session) gave 0.88 at D = 64, 0.70 at 128, 0.47 at 256.
 HOPPER_TILES = (
+    HopperTile(64, 176, "32 + 88 + 44 registers of O, S and P per consumer thread; 120 KB shared", plain_only=True,
+               diagonal=False),
     HopperTile(64, 128, "32 + 64 + 32 registers of O, S and P per consumer thread; 96 KB shared", plain_only=True),
     HopperTile(64, 64, "32 + 32 + 16 registers of O, S and P besides the features'; 64 KB shared"),
     HopperTile(128, 128, "64 + 64 + 32 registers of O, S and P; 192 KB shared", plain_only=True),
@@ -552,26 +562,30 @@ def _pick(tiles, head_dim: int, head_dim_v: int):
 
 
 def forward_tile(head_dim: int, head_dim_v: int, dtype=np.float32, compute_capability: int = 80,
-                 features: int = PLAIN_FEATURES, mods: bool = False):
+                 features: int = PLAIN_FEATURES, mods: bool = False, diagonal: bool = False):
     """The forward configuration for a call with these score features (and a score_mod or mask_mod
-    where mods): wgmma on compute capability 9.0 up to its widest tile (HOPPER_TILES' plain_only
-    tiles for plain calls only) and mma.sync otherwise for fp16/bf16, CUDA cores for fp32."""
+    where mods; causal or a window where diagonal): wgmma on compute capability 9.0 up to its
+    widest tile (HOPPER_TILES' plain_only tiles for plain calls only, those not `diagonal` for
+    calls without causal or a window only) and mma.sync otherwise for fp16/bf16, CUDA cores for
+    fp32."""
     if np.dtype(dtype) in TENSOR_CORE_DTYPES:
         if compute_capability == 90 and max(head_dim, head_dim_v) <= HOPPER_TILES[-1].head_dim:
             plain = features == PLAIN_FEATURES and not mods
-            return _pick([t for t in HOPPER_TILES if plain or not t.plain_only], head_dim, head_dim_v)
+            return _pick([t for t in HOPPER_TILES if (plain or not t.plain_only) and (t.diagonal or not diagonal)],
+                         head_dim, head_dim_v)
         return _pick(TENSOR_CORE_TILES, head_dim, head_dim_v)
     return _pick(FORWARD_TILES, head_dim, head_dim_v)
 
 
 def selectable(filename: str, name_expression: str, features: int) -> bool:
     """Whether a call with these features can run this variant: forward_tile's choice for its head
-    dim (of the wgmma forwards, the plain_only tiles for plain calls, the others for calls with
-    features); every variant of the other files."""
+    dim, with causal or a window or without (of the wgmma forwards, the plain_only tiles for plain
+    calls, the others for calls with features); every variant of the other files."""
     if filename != HopperTile.filename:
         return True
-    return any(forward_tile(t.head_dim, t.head_dim, dtype, 90, features) is t for t in HOPPER_TILES
-               for dtype in TENSOR_CORE_DTYPES if t.name_expression(dtype) == name_expression)
+    return any(forward_tile(t.head_dim, t.head_dim, dtype, 90, features, diagonal=diagonal) is t
+               for t in HOPPER_TILES for dtype in TENSOR_CORE_DTYPES if t.name_expression(dtype) == name_expression
+               for diagonal in (False, True))
 
 
 def tensor_core_dq_tile(head_dim: int, head_dim_v: int):

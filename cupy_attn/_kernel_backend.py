@@ -453,7 +453,7 @@ def forward(problem: Problem, q, k, v, *, target: str):
         return xp.zeros(p.out_shape, p.dtype), xp.zeros(p.lse_shape, np.float32)
     module = _module(p)
     tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype, compute_capability(target), module["features"],
-                                mods=module["mods"] is not None)
+                                mods=module["mods"] is not None, diagonal=p.causal is not None or p.window is not None)
     q, k, v = (_kernel_addressable(xp, x) for x in (q, k, v))
     hopper = isinstance(tile, _config.HopperTile)
     out = _output(p, hopper)

@@ -91,7 +91,8 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
     // accumulators per lane at D = 128), in instructions of 128 beyond.
     constexpr int kPvDims = kHeadDim < 128 ? kHeadDim : 128;
     static_assert(kHeadDim % 64 == 0 && kHeadDim % kPvDims == 0, "head-dim tiles are multiples of 64");
-    static_assert(kBlockN == 32 || kBlockN == 64 || kBlockN == 128, "S instructions m64n32k16, m64n64k16 or m64n128k16");
+    static_assert(kBlockN == 32 || kBlockN == 64 || kBlockN == 128 || kBlockN == 176,
+                  "S instructions m64n32k16, m64n64k16, m64n128k16 or m64n176k16");
     constexpr int kBlockM = 64 * kConsumerGroups;
     using QTile = SwizzledBoxLayout<kBlockM, kHeadDim>;   // Q, then O: rows x head dims
     using KvTile = SwizzledBoxLayout<kBlockN, kHeadDim>;  // K and V: keys x head dims
@@ -228,8 +229,9 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
             const unsigned long long k_desc = ptx::descriptor_plus(k_desc0, sizeof(T) * k_at.stage * kTileElements);
             // From D = 128 the k-steps' descriptors of Q, hoisted out of the key loop, would hold
             // 16 or 32 registers for the whole loop and spill (NVRTC 13.5); recomputed per tile
-            // they cost a uniform add per k-step. D = 64 keeps its four hoisted.
-            const unsigned long long q_tile = kHeadDim >= 128 ? ptx::opaque(q_desc) : q_desc;
+            // they cost a uniform add per k-step. D = 64 keeps its four hoisted, but for 176 keys
+            // (S and P 44 registers more than at 128), where the build spilled 16 bytes with them.
+            const unsigned long long q_tile = kHeadDim >= 128 || kBlockN > 128 ? ptx::opaque(q_desc) : q_desc;
             ptx::fence_operands(s_flat);
             ptx::wgmma_fence();
 #pragma unroll

@@ -97,6 +97,7 @@ inline void ldmatrix_fn(void* const* lanes, unsigned) {
 // One lane's share of a wgmma.mma_async (m64nNk16; operands K- or MN-major, swizzled or not). The
 // warpgroup's warp w computes rows 16w..16w+15 of D; the emulator runs each warp's share as a
 // warp collective when the warp waits for the operation's group.
+constexpr int kMaxWgmmaAccumulators = 88;  // per lane, of the widest shape wrapped (m64n176k16)
 struct WgmmaOperand {
     u32 a[4];                    // A fragment in registers (RS form), as for mma.m16n8k16
     const u32* a_registers;      // the caller's A fragment, which must still hold a[] at the wait
@@ -108,7 +109,7 @@ struct WgmmaOperand {
     int scale_d;                 // 0: D = A·B, else D = A·B + D
     int warp_in_group;
     float* d;                    // N / 2 accumulators of this lane
-    float d_at_issue[64];        // and what they held when the instruction was issued
+    float d_at_issue[kMaxWgmmaAccumulators];        // and what they held when the instruction was issued
     unsigned long long issued;   // register_clock at the issue
 };
 
@@ -121,7 +122,7 @@ struct WgmmaOperand {
 // per accumulator array, the values and time of the latest emulated write.
 struct WrittenAccumulators {
     unsigned long long at;
-    float values[64];
+    float values[kMaxWgmmaAccumulators];
 };
 inline thread_local unsigned long long register_clock = 0;  // a block runs on one host thread
 inline thread_local std::map<const float*, WrittenAccumulators> last_written;
@@ -181,6 +182,7 @@ inline float descriptor_element(unsigned long long desc, int row, int k, bool mn
 
 template <class T, int N>
 inline void wgmma_fn(void* const* lanes, unsigned) {
+    static_assert(N / 2 <= kMaxWgmmaAccumulators, "an emulated wgmma holds at most kMaxWgmmaAccumulators per lane");
     auto op = [&](int lane) { return static_cast<const WgmmaOperand*>(lanes[lane]); };
     const WgmmaOperand& first = *op(0);
     for (int lane = 1; lane < 32; ++lane)
@@ -696,6 +698,7 @@ __device__ __forceinline__ void set_max_registers() {
 #define WGMMA_ACCUMULATORS_32 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 #define WGMMA_ACCUMULATORS_64 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 #define WGMMA_ACCUMULATORS_128 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define WGMMA_ACCUMULATORS_176 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])
 #define WGMMA_SS_32(TYPE) \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" \
                  "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, " \
@@ -711,6 +714,11 @@ __device__ __forceinline__ void set_max_registers() {
                  "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
                  "%64, %65, p, 1, 1, %67, %68;\n}\n" \
                  : WGMMA_ACCUMULATORS_128 : "l"(a_desc), "l"(b_desc), "r"(scale_d), "n"(kTransA), "n"(kTransB))
+#define WGMMA_SS_176(TYPE) \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n" \
+                 "wgmma.mma_async.sync.aligned.m64n176k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}, " \
+                 "%88, %89, p, 1, 1, %91, %92;\n}\n" \
+                 : WGMMA_ACCUMULATORS_176 : "l"(a_desc), "l"(b_desc), "r"(scale_d), "n"(kTransA), "n"(kTransB))
 #define WGMMA_RS_32(TYPE) \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n" \
                  "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, " \
@@ -730,6 +738,12 @@ __device__ __forceinline__ void set_max_registers() {
                  "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n" \
                  : WGMMA_ACCUMULATORS_128 \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d), "n"(kTransB))
+#define WGMMA_RS_176(TYPE) \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %93, 0;\n" \
+                 "wgmma.mma_async.sync.aligned.m64n176k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}, " \
+                 "{%88, %89, %90, %91}, %92, p, 1, 1, %94;\n}\n" \
+                 : WGMMA_ACCUMULATORS_176 \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d), "n"(kTransB))
 
 // How an operand lies in its core matrices: K-major, each 16-byte line one row (m of A, n of B)
 // with 8 consecutive k (K of Q·Kᵀ as it lies in memory), or MN-major, each line one k with 8
@@ -738,12 +752,13 @@ __device__ __forceinline__ void set_max_registers() {
 // so no shared-memory transpose is needed.
 enum class Major { K = 0, MN = 1 };
 
-// SS form: B (kMajorB) and A (kMajorA, last: K-major unless told) from shared memory; N (32, 64 or
-// 128) columns, N / 2 accumulators per lane. scale_d = 0 overwrites d, 1 accumulates.
+// SS form: B (kMajorB) and A (kMajorA, last: K-major unless told) from shared memory; N (32, 64, 128
+// or 176: FlashAttention-3's key tile at D = 64) columns, N / 2 accumulators per lane. scale_d = 0 overwrites d, 1 accumulates.
 template <class T, int N, Major kMajorB, Major kMajorA = Major::K>
 __device__ __forceinline__ void wgmma_m64k16_ss(float (&d)[N / 2], unsigned long long a_desc, unsigned long long b_desc,
                                                 int scale_d) {
-    static_assert(N == 32 || N == 64 || N == 128, "wgmma shapes m64n32k16, m64n64k16 and m64n128k16");
+    static_assert(N == 32 || N == 64 || N == 128 || N == 176,
+                  "wgmma shapes m64n32k16, m64n64k16, m64n128k16 and m64n176k16");
     constexpr int kTransA = kMajorA == Major::MN, kTransB = kMajorB == Major::MN;
 #ifdef __CUDA_ARCH__
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -752,8 +767,10 @@ __device__ __forceinline__ void wgmma_m64k16_ss(float (&d)[N / 2], unsigned long
         if constexpr (kHalf) WGMMA_SS_32("f16"); else WGMMA_SS_32("bf16");
     } else if constexpr (N == 64) {
         if constexpr (kHalf) WGMMA_SS_64("f16"); else WGMMA_SS_64("bf16");
-    } else {
+    } else if constexpr (N == 128) {
         if constexpr (kHalf) WGMMA_SS_128("f16"); else WGMMA_SS_128("bf16");
+    } else {
+        if constexpr (kHalf) WGMMA_SS_176("f16"); else WGMMA_SS_176("bf16");
     }
 #else
     static_assert(sizeof(T) == 0, "wgmma needs the sm_90a target (-arch=sm_90a)");
@@ -774,7 +791,8 @@ __device__ __forceinline__ void wgmma_m64k16_ss(float (&d)[N / 2], unsigned long
 template <class T, int N, Major kMajorB>
 __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const u32 (&a)[4], unsigned long long b_desc,
                                                 int scale_d) {
-    static_assert(N == 32 || N == 64 || N == 128, "wgmma shapes m64n32k16, m64n64k16 and m64n128k16");
+    static_assert(N == 32 || N == 64 || N == 128 || N == 176,
+                  "wgmma shapes m64n32k16, m64n64k16, m64n128k16 and m64n176k16");
     constexpr int kTransB = kMajorB == Major::MN;
 #ifdef __CUDA_ARCH__
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -783,8 +801,10 @@ __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const u32 (&a
         if constexpr (kHalf) WGMMA_RS_32("f16"); else WGMMA_RS_32("bf16");
     } else if constexpr (N == 64) {
         if constexpr (kHalf) WGMMA_RS_64("f16"); else WGMMA_RS_64("bf16");
-    } else {
+    } else if constexpr (N == 128) {
         if constexpr (kHalf) WGMMA_RS_128("f16"); else WGMMA_RS_128("bf16");
+    } else {
+        if constexpr (kHalf) WGMMA_RS_176("f16"); else WGMMA_RS_176("bf16");
     }
 #else
     static_assert(sizeof(T) == 0, "wgmma needs the sm_90a target (-arch=sm_90a)");
@@ -805,8 +825,11 @@ __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const u32 (&a
 #undef WGMMA_RS_64
 #undef WGMMA_SS_128
 #undef WGMMA_RS_128
+#undef WGMMA_SS_176
+#undef WGMMA_RS_176
 #undef WGMMA_ACCUMULATORS_32
 #undef WGMMA_ACCUMULATORS_64
 #undef WGMMA_ACCUMULATORS_128
+#undef WGMMA_ACCUMULATORS_176
 
 }  // namespace ptx

@@ -139,11 +139,14 @@ def test_tile_tables_cover_every_head_dim():
         else:
             assert hopper is tc
         dropout = _config.forward_tile(d, d, BF16, compute_capability=90, features=_config.DROPOUT | _config.BOOL_MASK)
+        causal = _config.forward_tile(d, d, BF16, compute_capability=90, diagonal=True)
         if hopper is tc:
-            assert dropout is tc
+            assert dropout is tc and causal is tc
         else:  # the tile of calls with features: the plain call's unless that one is plain_only
             assert isinstance(dropout, _config.HopperTile) and not dropout.plain_only
             assert dropout.head_dim == hopper.head_dim and (dropout is hopper) == (not hopper.plain_only)
+            # a causal or windowed call's: the plain call's unless that one is for calls without a diagonal
+            assert causal.diagonal and causal.head_dim == hopper.head_dim and (causal is hopper) == hopper.diagonal
         assert _config.selectable(dropout.filename, dropout.name_expression(BF16), _config.DROPOUT)
         assert _config.selectable(hopper.filename, hopper.name_expression(BF16), _config.DROPOUT) \
             == (not getattr(hopper, "plain_only", False))
@@ -243,9 +246,10 @@ def test_boundary_tiles_stay_within_their_budgets():
     budgets = json.loads(BUDGETS.read_text())
     variants = boundary_variants()
     # two families' forward and dK/dV at two head dims, mma.sync on sm_80 and sm_90; at D = 128 the mma.sync
-    # dK/dV has two tiles (128 keys, and 64 for GPUs of 99 KB), and the wgmma dK/dV two kernels per head dim
-    # (dQ by its reductions, or by the deterministic kernel after)
-    assert len(variants) == 16
+    # dK/dV has two tiles (128 keys, and 64 for GPUs of 99 KB), the wgmma dK/dV two kernels per head dim
+    # (dQ by its reductions, or by the deterministic kernel after), and the wgmma forward at D = 64 two
+    # plain tiles (176 keys, and 128 for causal or windowed calls)
+    assert len(variants) == 17
     over, not_longer = {}, []
     for filename, name, arch in variants:
         boundary = cli.boundary_tile_report(filename, name, arch)["boundary_issue_per_tensor"]

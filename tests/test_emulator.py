@@ -411,7 +411,7 @@ def test_ldmatrix(primitives, count, trans):
 
 
 WGMMA_NAMES = [f"wgmma<{t}, {r}, {n}, {m}>" for t in ("__half", "__nv_bfloat16") for r in ("false", "true")
-               for n in (32, 64, 128) for m in ("false", "true")]
+               for n in (32, 64, 128, 176) for m in ("false", "true")]
 
 
 @pytest.fixture(scope="module", params=[None, "-DWRONG_LAYOUT", "-DWRONG_MAJOR"],
@@ -423,7 +423,7 @@ def wgmma_module(request):
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("a_from", ["shared", "registers"])
-@pytest.mark.parametrize("n", [32, 64, 128])
+@pytest.mark.parametrize("n", [32, 64, 128, 176])
 @pytest.mark.parametrize("b_major", ["k", "mn"])
 def test_wgmma_m64k16(wgmma_module, dtype, a_from, n, b_major):
     wrong, mod = wgmma_module
@@ -434,9 +434,11 @@ def test_wgmma_m64k16(wgmma_module, dtype, a_from, n, b_major):
     D = np.full((64, n), np.nan, np.float32)
     name = (f"wgmma<{'__half' if dtype == np.float16 else '__nv_bfloat16'}, {str(a_from == 'registers').lower()}, {n}, "
             f"{str(b_major == 'mn').lower()}>")
-    # 48 KB: the operands take at most 8 KB; a wrong layout reads into the (poisoned) rest, up to
-    # 35 KB in (LBO and SBO of B swapped at N = 128).
-    mod.get_function(name)(1, 128, (A, B, C, D, I32(1)), shared_mem=49152)
+    # 72 KB: the operands take at most 10 KB; a wrong layout reads into the (poisoned) rest, up to
+    # 66 KB in (LBO and SBO of B swapped at N = 176).
+    fn = mod.get_function(name)
+    fn.max_dynamic_shared_size_bytes = 73728
+    fn(1, 128, (A, B, C, D, I32(1)), shared_mem=73728)
     want = A.astype(np.float64) @ B.astype(np.float64) + C
     check_or_expect_failure(wrong, lambda: np.testing.assert_allclose(D, want, rtol=1e-5, atol=1e-5))
 

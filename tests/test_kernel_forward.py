@@ -194,14 +194,53 @@ def test_each_wgmma_forward_call_claims_work_tiles_from_none(monkeypatch):
     assert [(grid, c.tolist()) for grid, c in counters] == [((3, 1, 1), [12])] * 2, counters
 
 
+@pytest.mark.parametrize("kw,keys", [({}, 176), (dict(kv_lengths=[150, 9]), 176), (dict(causal=True), 128),
+                                     (dict(causal="top_left"), 128), (dict(window=(20, 0)), 128),
+                                     (dict(window=(None, 30)), 128), (dict(softcap=4.0), 64)])
+def test_wgmma_forward_tile_at_d64_follows_the_diagonal(monkeypatch, kw, keys):
+    """At D = 64 a plain call without causal or a window takes tiles of 176 keys (m64n176k16);
+    a causal or windowed one 128, whose diagonal tiles waste less (_config.HOPPER_TILES); a call
+    with score features 64."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
+    grids = recorded_launches(monkeypatch)
+    rng = np.random.default_rng(keys + len(kw))
+    q, k, v = random_qkv(rng, b=2, h=2, hkv=1, sq=40, sk=150, d=64, dtype=np.float16)
+    check(q, k, v, np.float16, **{key: np.array(x, np.int32) if key.endswith("lengths") else x for key, x in kw.items()})
+    assert [name for name, _ in grids] == [f"attention_fwd_wgmma<__half, 64, {keys}>"]
+
+
+@pytest.mark.parametrize("schedule_name", ["random", "warps", "warps_reverse"])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
+@pytest.mark.parametrize("sq,sk,kw", [
+    (1, 1, {}), (7, 7, {}), (113, 203, {}), (203, 113, dict(dv=40)), (70, 353, dict(d=40, layout="bshd")),
+    (129, 530, dict(q_lengths=[129, 1], kv_lengths=[177, 352])), (90, 1000, dict(hkv=2)),
+])
+def test_wgmma_forward_of_176_key_tiles(monkeypatch, schedule_name, dtype, sq, sk, kw):
+    """The plain tile of 176 keys (11 k-steps of P·V, 22 column tiles of S): one key, a tile
+    and a part, key lengths that end one past a tile (177) and inside the second, query lengths
+    that leave a block one row, Dv < D, head dims padded to 64, a bshd layout, GQA and more key
+    tiles (six) than the stage rings have stages; the producer far ahead (warps) or starving the
+    consumers (warps_reverse)."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", schedule_name)
+    grids = recorded_launches(monkeypatch)
+    rng = np.random.default_rng(sq * 1009 + sk)
+    shape = dict(dict(b=2, h=2, hkv=1, d=64), **{key: x for key, x in kw.items() if key in ("d", "dv", "hkv", "layout")})
+    call = {key: np.array(x, np.int32) for key, x in kw.items() if key.endswith("lengths")}
+    q, k, v = random_qkv(rng, sq=sq, sk=sk, dtype=dtype, **shape)
+    check(*(tma_addressable(x) for x in (q, k, v)), dtype, layout=shape.get("layout", "bhsd"), **call)
+    assert [name for name, _ in grids] == [f"attention_fwd_wgmma<{'__half' if dtype == np.float16 else '__nv_bfloat16'}, 64, 176>"]
+
+
 @pytest.mark.parametrize("schedule_name", ["forward", "reverse", "random", "warps", "warps_reverse"])
 @pytest.mark.parametrize("sq,sk,kw", [(1, 1100, {}), (203, 1000, dict(causal=True)),
                                       (113, 1030, dict(causal="top_left", softcap=3.0, kv_lengths=[1030, 517]))])
 def test_wgmma_forward_over_many_key_tiles(monkeypatch, schedule_name, sq, sk, kw):
-    """Eight or nine key tiles: the producer's stage rings go round four times and the consumer
-    groups take as many turns, on every schedule, the producer far ahead of the consumers (warps)
-    and starving them (warps_reverse); a plain build (overlapping tiles) and one with softcap (one
-    tile after the other); a block of one query row, whose second consumer group has none."""
+    """Many key tiles: 7 of 176 keys (a plain call) and 8 of 128 (a causal one), so the producer's
+    stage rings go round three or four times and the consumer groups take as many turns, on every
+    schedule, the producer far ahead of the consumers (warps) and starving them (warps_reverse);
+    plain builds (overlapping tiles) and one with softcap (one tile after the other); a block of
+    one query row, whose second consumer group has none."""
     monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
     monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", schedule_name)
     rng = np.random.default_rng(sq + sk)
@@ -285,9 +324,10 @@ def rising_scores(dtype):
 def test_running_max_that_rises_tile_after_tile(monkeypatch, dtype, compute_capability):
     """rising_scores: the tensor-core forwards' online softmax moves its reference max only when a
     tile exceeds it by more than 8 (base 2; tc_forward.cuh, TcSoftmax; the fp32 forward keeps the
-    exact max), so tiles of 64 keys (mma.sync) and of 128 (wgmma) take probabilities up to
-    2^7.5 against a lagging max and others rescale O. A max that lagged without bound would
-    overflow fp16 P (2^16), one that moved without rescaling O would be wrong."""
+    exact max), so tiles of 64 keys (mma.sync) and of 128 (wgmma, causal) take probabilities up to
+    2^7.5 against a lagging max and others rescale O (the wgmma forward's 176-key tiles without
+    causal: the second tile moves the max past the jump and rescales). A max that lagged without
+    bound would overflow fp16 P (2^16), one that moved without rescaling O would be wrong."""
     monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", compute_capability)
     q, k, v = rising_scores(dtype)
     check(q, k, v, dtype)
@@ -394,8 +434,8 @@ def test_compute_capability_selects_the_forward(monkeypatch):
     real_function = _compile.function
     monkeypatch.setattr(_compile, "function", lambda target, f, name, **kw: launched.append(name) or real_function(target, f, name, **kw))
     q, k, v = random_qkv(np.random.default_rng(13), d=64, dtype=np.float16)
-    for capability, dtype, kernel in ((90, np.float16, "attention_fwd_wgmma<__half, 64, 128>"),
-                                      (90, BF16, "attention_fwd_wgmma<__nv_bfloat16, 64, 128>"),
+    for capability, dtype, kernel in ((90, np.float16, "attention_fwd_wgmma<__half, 64, 176>"),
+                                      (90, BF16, "attention_fwd_wgmma<__nv_bfloat16, 64, 176>"),
                                       (80, np.float16, "attention_fwd_tc<__half, 64, 128, 64, 64, 1>"),
                                       (90, np.float32, "attention_fwd<float, 64, 64, 64, 2>")):
         monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", capability)
@@ -453,7 +493,7 @@ def test_environment_chooses_the_compute_capability(monkeypatch):
     real_function = _compile.function
     monkeypatch.setattr(_compile, "function", lambda target, f, name, **kw: launched.append(name) or real_function(target, f, name, **kw))
     q, k, v = random_qkv(np.random.default_rng(14), d=64, dtype=np.float16)
-    for value, kernel in (("90", "attention_fwd_wgmma<__half, 64, 128>"), ("80", "attention_fwd_tc<__half, 64, 128, 64, 64, 1>"),
+    for value, kernel in (("90", "attention_fwd_wgmma<__half, 64, 176>"), ("80", "attention_fwd_tc<__half, 64, 128, 64, 64, 1>"),
                           ("", "attention_fwd_tc<__half, 64, 128, 64, 64, 1>")):
         monkeypatch.setenv("CUPY_ATTN_COMPUTE_CAPABILITY", value)
         launched.clear()
