@@ -240,14 +240,16 @@ TMA_BOX_DIMS = TMA_LINE_BYTES // 2  # head dims per TMA box of q, k, v, out and 
 
 
 # Per consumer thread (232 registers after setmaxnreg): D/2 floats of O, block_n/2 of S and
-# block_n/4 registers of packed P. A plain build (no score feature, no mods) overlaps the softmax of
-# one tile with P·V of the previous, so all three are live at once; builds with features take each
-# tile in turn but hold the features' state (attention_fwd_wgmma.cu, kOverlap). Measured with
-# NVRTC 13.5 (fp16; bench/RESULTS.md, 2026-12-01, fifth session): without the overlap 128 keys at
+# block_n/4 registers of packed P. Every build without mods overlaps the softmax of one tile with
+# P·V of the previous, so all three are live at once, besides the features' state in builds with
+# score features (attention_fwd_wgmma.cu, kOverlap; builds with mods take each tile in turn).
+# Measured with NVRTC 13.5 (fp16; bench/RESULTS.md, 2026-12-01, fifth session): without the overlap 128 keys at
 # D = 128 spill 4-24 bytes with softcap, ALiBi and a float mask (and dropout), 64 keys at D = 256
 # 12-120 with a float mask; 64 and 32 keys spilled with none of the feature sets tried (dropout
 # among them, at D = 256 too). At D = 64, 128 keys spilled 8-152 bytes in 7 of the 24 feature sets
 # at 240 registers, 8-236 in 12 at 232 (the persistent forward's split; 2026-12-05): 64 keys in none.
+# With the overlap (2026-12-06, eighteenth session) 64 keys at D <= 128 and 32 at 256 spill in none
+# of the 23 feature sets, fp16 or bf16.
 # So a plain call takes the first tile below for its head dim, a call with features the first that
 # is not plain_only. block_n is the N of the S instruction. At D = 64 a plain call takes 176 keys
 # (m64n176k16, FlashAttention-3's choice there): the SASS audit's path per tile of 517

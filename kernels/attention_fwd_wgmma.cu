@@ -21,7 +21,7 @@
 //                       128 head dims per instruction
 // and then computes the softmax of S_n while the tensor cores still work on P_{n-1}·V_{n-1}
 // (wgmma.wait_group 1: FlashAttention-3's intra-warpgroup overlap; O is rescaled once that
-// product is in). The two groups take turns at the tensor cores on two named barriers (ping-
+// product is in; builds with a score_mod or mask_mod take each tile in turn). The two groups take turns at the tensor cores on two named barriers (ping-
 // pong): a group issues its products once the other has issued its own, so one group's softmax
 // runs while the other's products do. Rows whose scores the mask kills are handled as in every
 // kernel (tc_forward.cuh); the key range is the whole block's, so a group may visit a tile none
@@ -99,11 +99,13 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
     constexpr int kNTiles = kBlockN / 8;     // 8-key column tiles of S
     constexpr int kDTiles = kHeadDim / 8;    // 8-dim column tiles of O
     // The softmax of a tile overlapping P·V of the previous one holds S, P and O at once (D/2 +
-    // 3·kBlockN/4 registers) besides what the score features need: builds with none of them do it;
-    // with softcap, ALiBi, a mask, mods or dropout, ptxas spilled at 240 registers (NVRTC 13.5:
-    // 8-284 bytes at D = 128, 12-52 at D = 64 with dropout and ALiBi), so those take each tile's
+    // 3·kBlockN/4 registers) besides what the score features need. Every build without mods does
+    // it: with the features' tiles (64 keys at D <= 128, 32 at 256; the tile table) and the rows'
+    // scores one after the other (softmax_scores' kRowByRow) no build of the 24 feature sets
+    // spills at 232 registers (NVRTC 13.5; with 128 keys at D = 128 ptxas spilled 8-284 bytes).
+    // Builds with a score_mod or mask_mod, whose registers are the user's code's, take each tile's
     // S, softmax and P·V in turn.
-    constexpr bool kOverlap = ScoreTransform::kPlain;
+    constexpr bool kOverlap = !ATTN_MODS;
     constexpr unsigned kTileElements = kBlockN * kHeadDim;  // one stage of K or of V
     // Persistent where O has a staging tile of its own beside Q, K and V (HopperTile.persistent: all
     // but D = 256 with 64 keys): a block then takes work tile after work tile, and the next one's Q,
@@ -262,7 +264,7 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
             consumer_release(bars.k, k_at);
             k_at.advance();
             const int n0 = n_block * kBlockN;
-            softmax_scores(s, softmax, p, b, score, dropout, row_lo, n0, t,
+            softmax_scores<!ScoreTransform::kPlain>(s, softmax, p, b, score, dropout, row_lo, n0, t,
                            b.tile_checks(p, interior.contains(n_block), place.tile, n_block));
         };
         auto pack_p = [&] {

@@ -429,6 +429,15 @@ __device__ __forceinline__ unsigned long long opaque(unsigned long long x) {
     return x;
 }
 
+// A compiler barrier: NVVM moves no memory access across it, so the code before it is emitted
+// before the code after it (ptxas still schedules both). Nothing is emitted; the emulator, which
+// runs the source in order, needs nothing.
+__device__ __forceinline__ void compiler_barrier() {
+#ifdef __CUDA_ARCH__
+    asm volatile("" ::: "memory");
+#endif
+}
+
 // Order this thread's earlier register writes (accumulators, A fragments) before the next wgmma.
 __device__ __forceinline__ void wgmma_fence() {
 #ifdef __CUDA_ARCH__

@@ -28,8 +28,14 @@ using TcSoftmax = TcSoftmaxOf<>;
 // accumulators must then be scaled to the new running max (rescale_rows: a caller whose O is
 // still being summed by the tensor cores scales it once they are done, before the next tile's
 // softmax). Dropout then zeroes (or scales) the probabilities P·V sees, after the row sums took
-// them all.
-template <int kNTiles, class Softmax>
+// them all. kRowByRow: one row after the other (a compiler barrier between them), for a caller
+// whose registers hold more besides (the wgmma forward's builds with score features, whose
+// softmax runs beside the next S and the previous P): with both rows' features interleaved (mask
+// loads, softcap's tanh), ptxas ran out of registers there and spilled (NVRTC 13.5: 12-28 bytes
+// at D = 128 with a float mask, 24-72 with softcap and a float mask, in the key loop), none with
+// the barrier. Elsewhere the rows stay interleaved: with the barrier the mma.sync forward's
+// dropout builds issued 0.6-1.2 % more, the wgmma forward's plain boundary tiles 0.2-0.4 %.
+template <bool kRowByRow = false, int kNTiles, class Softmax>
 __device__ __forceinline__ void softmax_scores(float (&s)[kNTiles][4], Softmax (&softmax)[2],
                                                const Params& p, const BlockInfo& b, const ScoreTransform& score,
                                                const Dropout& dropout, int row_lo, int n0, int t, int checks) {
@@ -45,6 +51,7 @@ __device__ __forceinline__ void softmax_scores(float (&s)[kNTiles][4], Softmax (
 #pragma unroll
             for (int c = 0; c < 2 * kNTiles; ++c)
                 s[c / 2][2 * r + c % 2] = row[c] * dropout.factor(row_lo + 8 * r, n0 + (c / 2) * 8 + 2 * t + c % 2);
+            if constexpr (kRowByRow) ptx::compiler_barrier();
         }
     };
     // An interior tile's copy with the checks a constant 0: no test per score. Without it the

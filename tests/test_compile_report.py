@@ -1,6 +1,8 @@
 """Every kernel variant compiles under NVRTC for sm_80 and sm_90 (the wgmma forward for sm_90a),
 without spills or local memory (no GPU needed)."""
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +12,7 @@ from helpers import BF16
 
 
 BUDGETS = Path(__file__).with_name("sass_budgets.json")
+ROOT = Path(__file__).resolve().parent.parent
 # The builds CI compiles: every variant's plain build on sm_80 and sm_90, the fp16 and fp32 variants'
 # two others on sm_80, and on sm_90 those of the kernels only sm_90 runs (the wgmma kernels, sm_90a).
 # A bf16 variant's code differs from its fp16 twin's only in conversions and the MMA's input type,
@@ -117,6 +120,22 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
                 elif tensor_cores and kernel not in ("attention_bwd_preprocess", "attention_bwd_dq"):
                     assert all("mma.sync.aligned.m16n8k16" in f.read_text() and "ldmatrix" in f.read_text()
                                and "cp.async" in f.read_text() for f in files), (kernel, dtype, arch)
+
+
+def test_every_feature_build_of_the_wgmma_forward_compiles_without_spills():
+    """A call runs the build of exactly its score features, and the wgmma forward overlaps its
+    softmax in all of them but the mods' (attention_fwd_wgmma.cu, kOverlap), where ptxas had
+    spilled in some feature sets and not others: bench/feature_builds.py builds every one a call
+    can choose (the compile report above builds three) and exits 1 where one spills."""
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "feature_builds.py"), "--kernels", "attention_fwd_wgmma",
+                             "--json"], capture_output=True, text=True, timeout=900)
+    rows = json.loads(result.stdout)
+    assert result.returncode == 0, [r for r in rows if r["spill_stores"] or r["spill_loads"]]
+    plain = [t for t in _config.HOPPER_TILES if t.plain_only]
+    featured = [t for t in _config.HOPPER_TILES if not t.plain_only]
+    assert len(rows) == len(plain) + len(featured) * (len(_config.FEATURE_SETS) - 1)
+    assert {r["features"] for r in rows} == {_config.feature_words(f) for f in _config.FEATURE_SETS}
+    assert all(r["issue_per_tensor"] > 0 and r["exposed_per_tensor"] is not None for r in rows)
 
 
 def test_tile_tables_cover_every_head_dim():

@@ -129,9 +129,9 @@ def test_wgmma_features(monkeypatch, feature, layout):
 @pytest.mark.parametrize("d,dv", [(100, 100), (200, 136)])
 @pytest.mark.parametrize("feature", ["everything", "softcap", "window_both"])
 def test_wgmma_tiles_of_calls_with_features(monkeypatch, schedule, d, dv, feature):
-    """Calls with score features at D > 64 take the wgmma forward's tiles of 64 and 32 keys, which
-    compute each tile in turn (plain calls take 128 and 64 keys and overlap the softmax of one tile
-    with P·V of the previous); a window alone is no score feature, so it keeps the plain tile."""
+    """Calls with score features at D > 64 take the wgmma forward's tiles of 64 and 32 keys (plain
+    calls 128 and 64; both overlap the softmax of one tile with P·V of the previous); a window
+    alone is no score feature, so it keeps the plain tile."""
     monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
     launched = []
     real_function = _compile.function
@@ -234,13 +234,15 @@ def test_wgmma_forward_of_176_key_tiles(monkeypatch, schedule_name, dtype, sq, s
 
 @pytest.mark.parametrize("schedule_name", ["forward", "reverse", "random", "warps", "warps_reverse"])
 @pytest.mark.parametrize("sq,sk,kw", [(1, 1100, {}), (203, 1000, dict(causal=True)),
-                                      (113, 1030, dict(causal="top_left", softcap=3.0, kv_lengths=[1030, 517]))])
+                                      (113, 1030, dict(causal="top_left", softcap=3.0, kv_lengths=[1030, 517])),
+                                      (70, 1000, dict(causal=True, softcap=3.0, kv_lengths=[1000, 517]))])
 def test_wgmma_forward_over_many_key_tiles(monkeypatch, schedule_name, sq, sk, kw):
     """Many key tiles: 7 of 176 keys (a plain call) and 8 of 128 (a causal one), so the producer's
     stage rings go round three or four times and the consumer groups take as many turns, on every
     schedule, the producer far ahead of the consumers (warps) and starving them (warps_reverse);
-    plain builds (overlapping tiles) and one with softcap (one tile after the other); a block of
-    one query row, whose second consumer group has none."""
+    plain builds and builds with softcap, one with key lengths over 16 tiles of 64 keys (each tile's
+    softmax overlapping P·V of the one before); a block of one query row, whose second consumer
+    group has none."""
     monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
     monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", schedule_name)
     rng = np.random.default_rng(sq + sk)

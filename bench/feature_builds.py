@@ -1,0 +1,69 @@
+"""Every score-feature build of the tensor-core kernels through ptxas and the SASS audit: the
+compile report (`python -m cupy_attn kernels --sass`) builds three feature sets (plain, all and
+dropout); a call runs the build of exactly its own features, one of _config.FEATURE_SETS, so this
+builds each one the launcher can choose and reports its spills and hot loop.
+
+    python bench/feature_builds.py [--kernels attention_fwd_wgmma] [--dtypes float16] [--json]
+
+One row per (kernel, feature set): registers, spill stores and loads, the hot loop's fastest path
+per tile, issue_per_tensor and exposed_per_tensor (wgmma kernels), as the compile report gives
+them. Exit status 1 where a build spills. No GPU needed: NVRTC and nvdisasm from the pip wheels.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cupy_attn import _compile, _config, _nvrtc, _sass  # noqa: E402
+
+
+def feature_build_rows(kernels, dtypes, arch: str = "sm_90") -> list[dict]:
+    """Rows for each variant of `kernels` (names without template arguments) that the table lists
+    on `arch`, in `dtypes`, and each feature set a call can run it with (_config.selectable)."""
+    rows = []
+    for filename, name, dtype in _config.kernel_variants(arch):
+        if name.split("<")[0] not in kernels or str(dtype) not in dtypes:
+            continue
+        build_arch = _config.FILE_ARCH.get(filename, arch)
+        for features in _config.FEATURE_SETS:
+            if not _config.selectable(filename, name, features):
+                continue
+            c, _ = _nvrtc.compile_kernel_least_spills(_compile.kernel_source(filename), name, build_arch,
+                                                      _compile.gpu_build_options(filename, features))
+            report = _sass.hot_loop_report(*_sass.disassemble(c.cubin), build_arch).as_row()
+            rows.append({"name": name, "arch": build_arch, "features": _config.feature_words(features),
+                         "registers": c.registers, "spill_stores": c.spill_stores, "spill_loads": c.spill_loads,
+                         **{k: report[k] for k in ("path_instructions", "issue_per_tensor", "exposed_instructions",
+                                                   "exposed_per_tensor")}})
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernels", nargs="+", default=["attention_fwd_wgmma"],
+                        help="kernel names without template arguments (default: the wgmma forward)")
+    parser.add_argument("--dtypes", nargs="+", default=["float16"], choices=["float16", "bfloat16"])
+    parser.add_argument("--arch", default="sm_90", choices=["sm_80", "sm_86", "sm_89", "sm_90"])
+    parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    args = parser.parse_args(argv)
+    rows = feature_build_rows(set(args.kernels), set(args.dtypes), args.arch)
+    if not rows:
+        parser.error(f"no variant of {', '.join(args.kernels)} in {', '.join(args.dtypes)} on {args.arch}")
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(f"NVRTC {_nvrtc.version()}\n")
+        print("| kernel | features | registers | spill stores / loads | path | issue_per_tensor | exposed |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            exposed = "—" if r["exposed_per_tensor"] is None else f"{r['exposed_per_tensor']:.3f} ({r['exposed_instructions']})"
+            print(f"| `{r['name']}` | {r['features']} | {r['registers']} | {r['spill_stores']} / {r['spill_loads']} "
+                  f"| {r['path_instructions']} | {r['issue_per_tensor']:.3f} | {exposed} |")
+    return 1 if any(r["spill_stores"] or r["spill_loads"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
