@@ -240,9 +240,9 @@ TMA_BOX_DIMS = TMA_LINE_BYTES // 2  # head dims per TMA box of q, k, v, out and 
 
 
 # Per consumer thread (232 registers after setmaxnreg): D/2 floats of O, block_n/2 of S and
-# block_n/4 registers of packed P. Every build without mods overlaps the softmax of one tile with
-# P·V of the previous, so all three are live at once, besides the features' state in builds with
-# score features (attention_fwd_wgmma.cu, kOverlap; builds with mods take each tile in turn).
+# block_n/4 registers of packed P. Every build overlaps the softmax of one tile with P·V of the
+# previous, so all three are live at once, besides the state of its score features and mods
+# (attention_fwd_wgmma.cu).
 # Measured with NVRTC 13.5 (fp16; bench/RESULTS.md, 2026-12-01, fifth session): without the overlap 128 keys at
 # D = 128 spill 4-24 bytes with softcap, ALiBi and a float mask (and dropout), 64 keys at D = 256
 # 12-120 with a float mask; 64 and 32 keys spilled with none of the feature sets tried (dropout

@@ -21,7 +21,7 @@
 //                       128 head dims per instruction
 // and then computes the softmax of S_n while the tensor cores still work on P_{n-1}·V_{n-1}
 // (wgmma.wait_group 1: FlashAttention-3's intra-warpgroup overlap; O is rescaled once that
-// product is in; builds with a score_mod or mask_mod take each tile in turn). The two groups take turns at the tensor cores on two named barriers (ping-
+// product is in). The two groups take turns at the tensor cores on two named barriers (ping-
 // pong): a group issues its products once the other has issued its own, so one group's softmax
 // runs while the other's products do. Rows whose scores the mask kills are handled as in every
 // kernel (tc_forward.cuh); the key range is the whole block's, so a group may visit a tile none
@@ -98,14 +98,13 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
     using KvTile = SwizzledBoxLayout<kBlockN, kHeadDim>;  // K and V: keys x head dims
     constexpr int kNTiles = kBlockN / 8;     // 8-key column tiles of S
     constexpr int kDTiles = kHeadDim / 8;    // 8-dim column tiles of O
-    // The softmax of a tile overlapping P·V of the previous one holds S, P and O at once (D/2 +
-    // 3·kBlockN/4 registers) besides what the score features need. Every build without mods does
-    // it: with the features' tiles (64 keys at D <= 128, 32 at 256; the tile table) and the rows'
-    // scores one after the other (softmax_scores' kRowByRow) no build of the 24 feature sets
-    // spills at 232 registers (NVRTC 13.5; with 128 keys at D = 128 ptxas spilled 8-284 bytes).
-    // Builds with a score_mod or mask_mod, whose registers are the user's code's, take each tile's
-    // S, softmax and P·V in turn.
-    constexpr bool kOverlap = !ATTN_MODS;
+    // Every build overlaps the softmax of a tile with P·V of the previous one, so it holds S, P and
+    // O at once (D/2 + 3·kBlockN/4 registers) besides what its score features and mods need: with
+    // the features' tiles (64 keys at D <= 128, 32 at 256; the tile table) and the rows' scores one
+    // after the other (softmax_scores' kRowByRow) no build of the 24 feature sets spills at 232
+    // registers (NVRTC 13.5; bench/feature_builds.py), nor do bench/bench_mods.py's mods (a
+    // document mask, a window with global tokens, a bias table; with and without a block mask).
+    // With 128 keys at D = 128 ptxas spilled 8-284 bytes.
     constexpr unsigned kTileElements = kBlockN * kHeadDim;  // one stage of K or of V
     // Persistent where O has a staging tile of its own beside Q, K and V (HopperTile.persistent: all
     // but D = 256 with 64 keys): a block then takes work tile after work tile, and the next one's Q,
@@ -299,39 +298,27 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
         if (keys.more()) {
             if (group == 1 && q_tiles == 0) pass_turn();  // group 0 goes first
             ptx::mbarrier_wait(&bars.q_landed, q_tiles & 1);
-            if constexpr (!kOverlap) {  // one tile after the other
-                for (TileWalk at_tile = keys; at_tile.more(); at_tile.advance()) {
-                    start_s();
-                    pass_turn();
-                    ptx::wgmma_wait<0>();
-                    softmax_of(at_tile.tile);
-                    rescale_rows(o, softmax);
-                    pack_p();
-                    finish_pv();
-                }
-                q_done();
-            } else {  // S of each tile issued with P·V of the one before
-                TileWalk at_tile = keys;
+            // S of each tile issued with P·V of the one before
+            TileWalk at_tile = keys;
+            start_s();
+            pass_turn();
+            ptx::wgmma_wait<0>();
+            softmax_of(at_tile.tile);  // O is 0: its rescale is moot
+            pack_p();
+            for (at_tile.advance(); at_tile.more(); at_tile.advance()) {
                 start_s();
+                consumer_wait(bars.v, v_at);
+                issue_pv();
                 pass_turn();
+                ptx::wgmma_wait<1>();  // S is in; P·V of the previous tile may still run
+                softmax_of(at_tile.tile);
                 ptx::wgmma_wait<0>();
-                softmax_of(at_tile.tile);  // O is 0: its rescale is moot
+                pv_done();
+                rescale_rows(o, softmax);
                 pack_p();
-                for (at_tile.advance(); at_tile.more(); at_tile.advance()) {
-                    start_s();
-                    consumer_wait(bars.v, v_at);
-                    issue_pv();
-                    pass_turn();
-                    ptx::wgmma_wait<1>();  // S is in; P·V of the previous tile may still run
-                    softmax_of(at_tile.tile);
-                    ptx::wgmma_wait<0>();
-                    pv_done();
-                    rescale_rows(o, softmax);
-                    pack_p();
-                }
-                q_done();  // the last S is in (P·V of the last tile does not read Q)
-                finish_pv();
             }
+            q_done();  // the last S is in (P·V of the last tile does not read Q)
+            finish_pv();
             ++q_tiles;
         }
 

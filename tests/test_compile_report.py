@@ -124,9 +124,9 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
 
 def test_every_feature_build_of_the_wgmma_forward_compiles_without_spills():
     """A call runs the build of exactly its score features, and the wgmma forward overlaps its
-    softmax in all of them but the mods' (attention_fwd_wgmma.cu, kOverlap), where ptxas had
-    spilled in some feature sets and not others: bench/feature_builds.py builds every one a call
-    can choose (the compile report above builds three) and exits 1 where one spills."""
+    softmax with P·V in every build, where ptxas had spilled in some feature sets and not others:
+    bench/feature_builds.py builds every one a call can choose (the compile report above builds
+    three) and exits 1 where one spills."""
     result = subprocess.run([sys.executable, str(ROOT / "bench" / "feature_builds.py"), "--kernels", "attention_fwd_wgmma",
                              "--json"], capture_output=True, text=True, timeout=900)
     rows = json.loads(result.stdout)

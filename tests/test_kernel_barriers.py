@@ -63,10 +63,11 @@ def results(filename):
         return decode_results(rng)
     dtype = np.float32 if filename in ("attention_fwd.cu", "attention_bwd.cu") else np.float16  # fp16: tensor cores
     if filename.startswith("attention_fwd"):
-        # The wgmma forward's 128-key tiles: three, so the third reloads the first one's stage.
-        q, k, v = random_qkv(rng, b=1, h=2, sq=150, sk=300 if "wgmma" in filename else 200, d=32, dtype=dtype)
+        # The wgmma forward's 176-key tiles (D = 32 pads to 64): three, so the third reloads the
+        # first one's stage.
+        q, k, v = random_qkv(rng, b=1, h=2, sq=150, sk=400 if "wgmma" in filename else 200, d=32, dtype=dtype)
         outs = [cupy_attn.attention(q, k, v, backend="emulator")]
-        if "wgmma" in filename:  # a build with a score feature: one tile after the other (kOverlap)
+        if "wgmma" in filename:  # a build with a score feature: tiles of 64 keys, rows one after the other
             outs.append(cupy_attn.attention(q, k, v, softcap=5.0, backend="emulator"))
             # work tiles without keys, whose next work tile the consumers read at once, among
             # others: 8 on the emulator's 3 SMs
