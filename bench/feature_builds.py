@@ -3,11 +3,14 @@ compile report (`python -m cupy_attn kernels --sass`) builds three feature sets 
 dropout); a call runs the build of exactly its own features, one of _config.FEATURE_SETS, so this
 builds each one the launcher can choose and reports its spills and hot loop.
 
-    python bench/feature_builds.py [--kernels attention_fwd_wgmma] [--dtypes float16] [--json]
+    python bench/feature_builds.py [--kernels attention_fwd_wgmma] [--dtypes float16] [--mods] [--json]
 
 One row per (kernel, feature set): registers, spill stores and loads, the hot loop's fastest path
 per tile, issue_per_tensor and exposed_per_tensor (wgmma kernels), as the compile report gives
-them. Exit status 1 where a build spills. No GPU needed: NVRTC and nvdisasm from the pip wheels.
+them. With --mods, the builds of bench/bench_mods.py's three mods instead (a document mask, a
+window with global tokens, a bias table; each with and without a block mask, without score
+features and with softcap), for the variants a call with mods runs. Exit status 1 where a build
+spills. No GPU needed: NVRTC and nvdisasm from the pip wheels.
 """
 from __future__ import annotations
 
@@ -17,24 +20,52 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cupy_attn import _compile, _config, _nvrtc, _sass  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cupy_attn import _compile, _config, _mods_source, _nvrtc, _sass  # noqa: E402
 
 
-def feature_build_rows(kernels, dtypes, arch: str = "sm_90") -> list[dict]:
+def bench_mods():
+    """(label, ModSource) of bench_mods.py's three cases, each with and without a block mask."""
+    import numpy as np
+    from bench_mods import mods_for
+
+    s = 256
+    doc, table, buckets = np.zeros((1, s), np.int32), np.zeros((4, 33), np.float32), np.zeros((s, s), np.int32)
+    return [(f"{case}{' + block mask' if block else ''}",
+             _mods_source.mod_source(m.get("score_mod"), m.get("mask_mod"), block_sparse=block))
+            for case in ("document", "window", "bias") for m in [mods_for(case, np, doc, table, buckets, 64)]
+            for block in (False, True)]
+
+
+def runs_with_mods(filename: str, name: str) -> bool:
+    """Whether a call with mods can run this variant (of the wgmma forward, the tiles that are not
+    plain_only; every variant of the other files)."""
+    if filename != _config.HopperTile.filename:
+        return True
+    return any(not t.plain_only for t in _config.HOPPER_TILES for dtype in _config.TENSOR_CORE_DTYPES
+               if t.name_expression(dtype) == name)
+
+
+def feature_build_rows(kernels, dtypes, arch: str = "sm_90", mods: bool = False) -> list[dict]:
     """Rows for each variant of `kernels` (names without template arguments) that the table lists
-    on `arch`, in `dtypes`, and each feature set a call can run it with (_config.selectable)."""
+    on `arch`, in `dtypes`, and each feature set a call can run it with (_config.selectable); with
+    `mods`, each of bench_mods' mods without score features and with softcap instead."""
     rows = []
+    builds = ([(label, m, f) for label, m in bench_mods() for f in (_config.PLAIN_FEATURES, _config.SOFTCAP)] if mods
+              else [(None, None, f) for f in _config.FEATURE_SETS])
     for filename, name, dtype in _config.kernel_variants(arch):
         if name.split("<")[0] not in kernels or str(dtype) not in dtypes:
             continue
         build_arch = _config.FILE_ARCH.get(filename, arch)
-        for features in _config.FEATURE_SETS:
-            if not _config.selectable(filename, name, features):
+        for label, mod, features in builds:
+            if not (runs_with_mods(filename, name) if mods else _config.selectable(filename, name, features)):
                 continue
-            c, _ = _nvrtc.compile_kernel_least_spills(_compile.kernel_source(filename), name, build_arch,
-                                                      _compile.gpu_build_options(filename, features))
+            c, _ = _nvrtc.compile_kernel_least_spills(
+                _compile.kernel_source(filename) + (mod.code if mod else ""), name, build_arch,
+                _compile.gpu_build_options(filename, features) + (mod.options if mod else ()))
             report = _sass.hot_loop_report(*_sass.disassemble(c.cubin), build_arch).as_row()
-            rows.append({"name": name, "arch": build_arch, "features": _config.feature_words(features),
+            words = _config.feature_words(features)
+            rows.append({"name": name, "arch": build_arch, "features": f"{label}, {words}" if mod else words,
                          "registers": c.registers, "spill_stores": c.spill_stores, "spill_loads": c.spill_loads,
                          **{k: report[k] for k in ("path_instructions", "issue_per_tensor", "exposed_instructions",
                                                    "exposed_per_tensor")}})
@@ -47,9 +78,10 @@ def main(argv=None) -> int:
                         help="kernel names without template arguments (default: the wgmma forward)")
     parser.add_argument("--dtypes", nargs="+", default=["float16"], choices=["float16", "bfloat16"])
     parser.add_argument("--arch", default="sm_90", choices=["sm_80", "sm_86", "sm_89", "sm_90"])
+    parser.add_argument("--mods", action="store_true", help="build bench_mods.py's mods instead of the feature sets")
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     args = parser.parse_args(argv)
-    rows = feature_build_rows(set(args.kernels), set(args.dtypes), args.arch)
+    rows = feature_build_rows(set(args.kernels), set(args.dtypes), args.arch, args.mods)
     if not rows:
         parser.error(f"no variant of {', '.join(args.kernels)} in {', '.join(args.dtypes)} on {args.arch}")
     if args.json:

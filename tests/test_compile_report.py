@@ -122,7 +122,7 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
                                and "cp.async" in f.read_text() for f in files), (kernel, dtype, arch)
 
 
-def test_every_feature_build_of_the_wgmma_forward_compiles_without_spills():
+def test_every_feature_build_of_the_wgmma_forward_and_its_mods_compile_without_spills():
     """A call runs the build of exactly its score features, and the wgmma forward overlaps its
     softmax with P·V in every build, where ptxas had spilled in some feature sets and not others:
     bench/feature_builds.py builds every one a call can choose (the compile report above builds
@@ -136,6 +136,13 @@ def test_every_feature_build_of_the_wgmma_forward_compiles_without_spills():
     assert len(rows) == len(plain) + len(featured) * (len(_config.FEATURE_SETS) - 1)
     assert {r["features"] for r in rows} == {_config.feature_words(f) for f in _config.FEATURE_SETS}
     assert all(r["issue_per_tensor"] > 0 and r["exposed_per_tensor"] is not None for r in rows)
+    # and with bench_mods.py's mods (each with and without a block mask, plain and with softcap),
+    # whose builds overlap too, on the tiles of calls with mods
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "feature_builds.py"), "--kernels", "attention_fwd_wgmma",
+                             "--mods", "--json"], capture_output=True, text=True, timeout=900)
+    rows = json.loads(result.stdout)
+    assert result.returncode == 0, [r for r in rows if r["spill_stores"] or r["spill_loads"]]
+    assert len(rows) == len(featured) * 3 * 2 * 2 and {r["features"].split(", ")[1] for r in rows} == {"plain", "softcap"}
 
 
 def test_tile_tables_cover_every_head_dim():
