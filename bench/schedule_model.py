@@ -106,13 +106,13 @@ def fixed_turn(order, work, slots: int) -> float:
     return max(loads) / lower_bound(order, work, slots) - 1
 
 
-def kernels(head_dim: int):
+def kernels(head_dim: int, causal: bool):
     """(name, axis, block rows or keys, the other side's tile) of the kernels the table chooses on
     compute capability 9.0 (the 227 KB of shared memory a block may have there) for fp16/bf16
-    plain calls: the wgmma and mma.sync forwards and dK/dVs."""
+    plain calls, causal or not: the wgmma and mma.sync forwards and dK/dVs."""
     out = []
     for family, cc in (("wgmma", 90), ("mma.sync", 80)):
-        f = _config.forward_tile(head_dim, head_dim, DTYPE, cc)
+        f = _config.forward_tile(head_dim, head_dim, DTYPE, cc, diagonal=causal)
         b = _config.backward_tile(head_dim, head_dim, DTYPE, cc, _config.HOPPER_SHARED_LIMIT)
         out += [(f"forward {family}", "queries", f.block_m, f.block_n), (f"dK/dV {family}", "keys", b.block_n, b.block_m)]
     return out
@@ -125,15 +125,15 @@ def model_rows(sms: int = 132, l2_bytes: int = 50 * 2**20, blocks_per_sm=(1, 2),
     out = []
     for d in (64, 128):
         heads = 2048 // d
-        for name, axis, block, other in kernels(d):
-            for seq in (1024, 2048, 4096, 8192, 16384):
-                entries, tiles = 16384 // seq, -(-seq // block)
-                pairs, row_bytes = heads * entries, 2 * d * DTYPE.itemsize
-                shared = seq * row_bytes if axis == "queries" else seq * (row_bytes + 8)
-                before = [(t, pair % heads, pair // heads) for pair in range(pairs) for t in range(tiles)]
-                grid = _schedule.sectioned_grid(tiles, pairs, _schedule.heads_per_section(shared, pairs, l2_bytes))
-                now = _schedule.launch_order(grid, heads, axis == "queries")
-                for causal in (False, True):
+        for causal in (False, True):
+            for name, axis, block, other in kernels(d, causal):
+                for seq in (1024, 2048, 4096, 8192, 16384):
+                    entries, tiles = 16384 // seq, -(-seq // block)
+                    pairs, row_bytes = heads * entries, 2 * d * DTYPE.itemsize
+                    shared = seq * row_bytes if axis == "queries" else seq * (row_bytes + 8)
+                    before = [(t, pair % heads, pair // heads) for pair in range(pairs) for t in range(tiles)]
+                    grid = _schedule.sectioned_grid(tiles, pairs, _schedule.heads_per_section(shared, pairs, l2_bytes))
+                    now = _schedule.launch_order(grid, heads, axis == "queries")
                     work = [tile_work(axis, t, seq, block, other, causal) + overhead for t in range(tiles)]
                     for per_sm in blocks_per_sm:
                         (tail0, l2_0), (tail1, l2_1) = (simulate(o, work, sms * per_sm, shared) for o in (before, now))

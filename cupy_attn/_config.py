@@ -198,7 +198,7 @@ class HopperTile:
     head_dim: int
     block_n: int
     reason: str
-    plain_only: bool = False  # for calls without score features or mods (whose build overlaps tiles)
+    plain_only: bool = False  # for calls without score features or mods (whose state next to this tile's spilled)
     diagonal: bool = True  # for calls whose rows end on a diagonal (causal or a window) too
     block_m: ClassVar[int] = 128  # attn::kConsumerGroups x 64, every tile
     threads: ClassVar[int] = WS_THREADS  # every tile

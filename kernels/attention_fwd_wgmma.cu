@@ -101,7 +101,7 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
     // Every build overlaps the softmax of a tile with P·V of the previous one, so it holds S, P and
     // O at once (D/2 + 3·kBlockN/4 registers) besides what its score features and mods need: with
     // the features' tiles (64 keys at D <= 128, 32 at 256; the tile table) and the rows' scores one
-    // after the other (softmax_scores' kRowByRow) no build of the 24 feature sets spills at 232
+    // after the other (softmax_scores' kRowByRow) no build of the 23 feature sets spills at 232
     // registers (NVRTC 13.5; bench/feature_builds.py), nor do bench/bench_mods.py's mods (a
     // document mask, a window with global tokens, a bias table; with and without a block mask).
     // With 128 keys at D = 128 ptxas spilled 8-284 bytes.

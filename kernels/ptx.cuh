@@ -429,9 +429,10 @@ __device__ __forceinline__ unsigned long long opaque(unsigned long long x) {
     return x;
 }
 
-// A compiler barrier: NVVM moves no memory access across it, so the code before it is emitted
-// before the code after it (ptxas still schedules both). Nothing is emitted; the emulator, which
-// runs the source in order, needs nothing.
+// A compiler barrier: NVVM moves no memory access (or volatile asm) across it, so the loads and
+// stores before it are emitted before those after it (arithmetic may still move, and ptxas
+// schedules the rest). Nothing is emitted; the emulator, which runs the source in order, needs
+// nothing.
 __device__ __forceinline__ void compiler_barrier() {
 #ifdef __CUDA_ARCH__
     asm volatile("" ::: "memory");

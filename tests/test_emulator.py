@@ -435,7 +435,7 @@ def test_wgmma_m64k16(wgmma_module, dtype, a_from, n, b_major):
     name = (f"wgmma<{'__half' if dtype == np.float16 else '__nv_bfloat16'}, {str(a_from == 'registers').lower()}, {n}, "
             f"{str(b_major == 'mn').lower()}>")
     # 72 KB: the operands take at most 10 KB; a wrong layout reads into the (poisoned) rest, up to
-    # 66 KB in (LBO and SBO of B swapped at N = 176).
+    # 62 KB in (LBO and SBO of B swapped at N = 176).
     fn = mod.get_function(name)
     fn.max_dynamic_shared_size_bytes = 73728
     fn(1, 128, (A, B, C, D, I32(1)), shared_mem=73728)

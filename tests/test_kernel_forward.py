@@ -148,7 +148,7 @@ def test_wgmma_tiles_of_calls_with_features(monkeypatch, schedule, d, dv, featur
 @pytest.mark.parametrize("schedule_name", ["forward", "reverse", "random", "warps", "warps_reverse"])
 @pytest.mark.parametrize("d,kw", [
     (64, dict(causal=True, q_lengths=[300, 70, 0], kv_lengths=[200, 150, 200])),  # plain, 128 keys
-    (64, dict(causal="top_left", softcap=4.0, kv_lengths=[200, 0, 37])),  # features: 64 keys, one at a time
+    (64, dict(causal="top_left", softcap=4.0, kv_lengths=[200, 0, 37])),  # features: 64 keys, rows one by one
     (256, dict(causal=True, q_lengths=[300, 129, 1])),                    # 64 keys, O staged in Q's rows
     (64, {}),                                                             # every tile as much work
     (64, dict(softcap=4.0)),
@@ -233,10 +233,10 @@ def test_wgmma_forward_of_176_key_tiles(monkeypatch, schedule_name, dtype, sq, s
 
 
 @pytest.mark.parametrize("schedule_name", ["forward", "reverse", "random", "warps", "warps_reverse"])
-@pytest.mark.parametrize("sq,sk,kw", [(1, 1100, {}), (203, 1000, dict(causal=True)),
-                                      (113, 1030, dict(causal="top_left", softcap=3.0, kv_lengths=[1030, 517])),
-                                      (70, 1000, dict(causal=True, softcap=3.0, kv_lengths=[1000, 517]))])
-def test_wgmma_forward_over_many_key_tiles(monkeypatch, schedule_name, sq, sk, kw):
+@pytest.mark.parametrize("sq,sk,kw,keys", [(1, 1100, {}, 176), (203, 1000, dict(causal=True), 128),
+                                           (113, 1030, dict(causal="top_left", softcap=3.0, kv_lengths=[1030, 517]), 64),
+                                           (70, 1000, dict(causal=True, softcap=3.0, kv_lengths=[1000, 517]), 64)])
+def test_wgmma_forward_over_many_key_tiles(monkeypatch, schedule_name, sq, sk, kw, keys):
     """Many key tiles: 7 of 176 keys (a plain call) and 8 of 128 (a causal one), so the producer's
     stage rings go round three or four times and the consumer groups take as many turns, on every
     schedule, the producer far ahead of the consumers (warps) and starving them (warps_reverse);
@@ -245,9 +245,11 @@ def test_wgmma_forward_over_many_key_tiles(monkeypatch, schedule_name, sq, sk, k
     group has none."""
     monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
     monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", schedule_name)
+    grids = recorded_launches(monkeypatch)
     rng = np.random.default_rng(sq + sk)
     q, k, v = random_qkv(rng, b=2, h=2, hkv=1, sq=sq, sk=sk, d=64, dtype=np.float16)
     check(q, k, v, np.float16, **kw)
+    assert [name for name, _ in grids] == [f"attention_fwd_wgmma<__half, 64, {keys}>"]
 
 
 @pytest.mark.parametrize("feature", ["everything", "lengths_causal", "bool_mask"])
