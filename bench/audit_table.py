@@ -28,12 +28,17 @@ from cupy_attn._memory_report import ratio  # noqa: E402
 FP16 = np.dtype(np.float16)
 
 
+def hopper_backward_tiles() -> dict:
+    """fp16 name expression -> tile of the wgmma dK/dV, both kernels of each tile (dQ by its
+    reductions, or by the deterministic kernel after)."""
+    return {t.name_expression(FP16, accumulate): t for t in _config.HOPPER_BACKWARD_TILES for accumulate in (True, False)}
+
+
 def shared_bytes() -> dict[str, int]:
     """fp16 name expression -> dynamic shared memory per block, from the tile table."""
     sizes = {t.name_expression(FP16): t.shared_bytes for t in
              (*_config.TENSOR_CORE_TILES, *_config.HOPPER_TILES, *_config.TENSOR_CORE_BACKWARD_TILES)}
-    sizes.update({t.name_expression(FP16, accumulate): t.shared_bytes for t in _config.HOPPER_BACKWARD_TILES
-                  for accumulate in (True, False)})
+    sizes.update({name: t.shared_bytes for name, t in hopper_backward_tiles().items()})
     sizes.update({t.dq_name(FP16): t.dq_shared_bytes for t in _config.TENSOR_CORE_TILES})
     return sizes
 
@@ -47,8 +52,7 @@ def threads(name: str) -> int:
     """Threads per block of the kernel `name`: the tile table's where it says (the warp-specialised
     wgmma kernels' three warpgroups, the mma.sync dK/dV's warps), else every kernel's."""
     backward = next((t for t in _config.TENSOR_CORE_BACKWARD_TILES if t.name_expression(FP16) == name), None)
-    backward = backward or next((t for t in _config.HOPPER_BACKWARD_TILES for accumulate in (True, False)
-                                 if t.name_expression(FP16, accumulate) == name), None)
+    backward = backward or hopper_backward_tiles().get(name)
     return getattr(hopper_tile(name) or backward, "threads", _config.THREADS)
 
 

@@ -38,15 +38,6 @@ def bench_mods():
             for block in ((False, True) if "mask_mod" in m else (False,))]
 
 
-def runs_with_mods(filename: str, name: str) -> bool:
-    """Whether a call with mods can run this variant (of the wgmma forward, the tiles that are not
-    plain_only; every variant of the other files)."""
-    if filename != _config.HopperTile.filename:
-        return True
-    return any(not t.plain_only for t in _config.HOPPER_TILES for dtype in _config.TENSOR_CORE_DTYPES
-               if t.name_expression(dtype) == name)
-
-
 def feature_build_rows(kernels, dtypes, arch: str = "sm_90", mods: bool = False) -> list[dict]:
     """Rows for each variant of `kernels` (names without template arguments) that the table lists
     on `arch`, in `dtypes`, and each feature set a call can run it with (_config.selectable); with
@@ -59,7 +50,7 @@ def feature_build_rows(kernels, dtypes, arch: str = "sm_90", mods: bool = False)
             continue
         build_arch = _config.FILE_ARCH.get(filename, arch)
         for label, mod, features in builds:
-            if not (runs_with_mods(filename, name) if mods else _config.selectable(filename, name, features)):
+            if not _config.selectable(filename, name, features, mods=mod is not None):
                 continue
             c, _ = _nvrtc.compile_kernel_least_spills(
                 _compile.kernel_source(filename) + (mod.code if mod else ""), name, build_arch,

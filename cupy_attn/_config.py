@@ -579,13 +579,14 @@ def forward_tile(head_dim: int, head_dim_v: int, dtype=np.float32, compute_capab
     return _pick(FORWARD_TILES, head_dim, head_dim_v)
 
 
-def selectable(filename: str, name_expression: str, features: int) -> bool:
-    """Whether a call with these features can run this variant: forward_tile's choice for its head
-    dim, with causal or a window or without (of the wgmma forwards, the plain_only tiles for plain
-    calls, the others for calls with features); every variant of the other files."""
+def selectable(filename: str, name_expression: str, features: int, mods: bool = False) -> bool:
+    """Whether a call with these features (and a score_mod or mask_mod where mods) can run this
+    variant: forward_tile's choice for its head dim, with causal or a window or without (of the
+    wgmma forwards, the plain_only tiles for plain calls, the others for calls with features or
+    mods); every variant of the other files."""
     if filename != HopperTile.filename:
         return True
-    return any(forward_tile(t.head_dim, t.head_dim, dtype, 90, features, diagonal=diagonal) is t
+    return any(forward_tile(t.head_dim, t.head_dim, dtype, 90, features, mods, diagonal) is t
                for t in HOPPER_TILES for dtype in TENSOR_CORE_DTYPES if t.name_expression(dtype) == name_expression
                for diagonal in (False, True))
 

@@ -109,7 +109,7 @@ struct WgmmaOperand {
     int scale_d;                 // 0: D = A·B, else D = A·B + D
     int warp_in_group;
     float* d;                    // N / 2 accumulators of this lane
-    float d_at_issue[kMaxWgmmaAccumulators];        // and what they held when the instruction was issued
+    float d_at_issue[kMaxWgmmaAccumulators];  // and what they held when the instruction was issued
     unsigned long long issued;   // register_clock at the issue
 };
 
@@ -762,8 +762,9 @@ __device__ __forceinline__ void set_max_registers() {
 // so no shared-memory transpose is needed.
 enum class Major { K = 0, MN = 1 };
 
-// SS form: B (kMajorB) and A (kMajorA, last: K-major unless told) from shared memory; N (32, 64, 128
-// or 176: FlashAttention-3's key tile at D = 64) columns, N / 2 accumulators per lane. scale_d = 0 overwrites d, 1 accumulates.
+// SS form: B (kMajorB) and A (kMajorA, last: K-major unless told) from shared memory; N (32, 64,
+// 128 or 176: FlashAttention-3's key tile at D = 64) columns, N / 2 accumulators per lane.
+// scale_d = 0 overwrites d, 1 accumulates.
 template <class T, int N, Major kMajorB, Major kMajorA = Major::K>
 __device__ __forceinline__ void wgmma_m64k16_ss(float (&d)[N / 2], unsigned long long a_desc, unsigned long long b_desc,
                                                 int scale_d) {

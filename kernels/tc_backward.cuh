@@ -88,6 +88,7 @@ template <bool kBandsByKey, int kQTiles>
 __device__ __forceinline__ void probabilities(float (&st)[kQTiles][4], DsFactors<kQTiles>& ds, const Params& p,
                                               const BlockInfo& b, const ScoreTransform& score, const Dropout& dropout,
                                               const float* lse2, int m0, int n0, int key0, int g, int t, int checks) {
+    // (delta: lse2 stands in for the row statistic this element never reads, so nothing loads it)
     each_probability<kBandsByKey>(st, p, b, score, lse2, lse2, m0, n0, key0, g, t, checks,
                                   [&](int j, int e, float prob, float qk, int i, int key, float) {
                                       const float z = dropout.factor(i, key);  // out = (P ∘ z)·V

@@ -30,10 +30,10 @@ using TcSoftmax = TcSoftmaxOf<>;
 // softmax). Dropout then zeroes (or scales) the probabilities P·V sees, after the row sums took
 // them all. kRowByRow: one row after the other (a compiler barrier between them), for a caller
 // whose registers hold more besides (the wgmma forward's builds with score features or mods,
-// whose softmax runs beside the next S and the previous P): with both rows' features interleaved (mask
-// loads, softcap's tanh), ptxas ran out of registers there and spilled (NVRTC 13.5: 12-28 bytes
-// at D = 128 with a float mask, 24-72 with softcap and a float mask, in the key loop), none with
-// the barrier. Elsewhere the rows stay interleaved: with the barrier the mma.sync forward's
+// whose softmax runs beside the next S and the previous P): with both rows' features interleaved
+// (mask loads, softcap's tanh), ptxas ran out of registers there and spilled (NVRTC 13.5: 12-28
+// bytes at D = 128 with a float mask, 24-72 with softcap and a float mask, in the key loop), none
+// with the barrier. Elsewhere the rows stay interleaved: with the barrier the mma.sync forward's
 // dropout builds issued 0.6-1.2 % more, the wgmma forward's plain boundary tiles 0.2-0.4 %.
 template <bool kRowByRow = false, int kNTiles, class Softmax>
 __device__ __forceinline__ void softmax_scores(float (&s)[kNTiles][4], Softmax (&softmax)[2],
