@@ -121,21 +121,38 @@ def _packing_args(problem: Problem) -> tuple:
 
 
 def _mask_arguments(problem: Problem):
-    """(mask array, 4 element strides with 0 on broadcast axes, kind) for the kernel."""
+    """(mask array, its batch, head and query strides in elements with 0 on broadcast axes, kind)
+    for the kernel, which reads each mask row's keys contiguously (kernels/mask.cuh)."""
     xp, mask = problem.xp, problem.mask
     if mask is None:
-        return _constant(xp, np.uint8), [I64(0)] * 4, I32(0)
+        return _constant(xp, np.uint8), [I64(0)] * 3, I32(0)
     if mask.dtype == np.bool_:
         kind = 1
     else:
         kind = 2
         with np.errstate(over="ignore"):  # a float64 mask below float32's range: -inf, which masks
             mask = mask.astype(np.float32, copy=False)  # keeps the mask's own (broadcastable) shape
-    if not whole_element_strides(mask):  # a structured array's field: copied (broadcast axes have stride 0)
-        mask = xp.ascontiguousarray(mask)
     mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
-    strides = [I64(0 if n == 1 else st // mask.itemsize) for n, st in zip(mask.shape, mask.strides)]
+    if not _keys_contiguous(mask, problem.seq_k):
+        mask = _copy_keys_contiguous(xp, mask, problem.seq_k)
+    strides = [I64(0 if n == 1 else st // mask.itemsize) for n, st in zip(mask.shape[:3], mask.strides[:3])]
     return mask, strides, I32(kind)
+
+
+def _keys_contiguous(mask, seq_k: int) -> bool:
+    """Whether the kernels can read mask (4-d) in place: seq_k keys one element apart, and every
+    other stride a whole number of elements (a structured array's field may step by any number of
+    bytes)."""
+    return mask.shape[-1] == seq_k and (seq_k <= 1 or mask.strides[-1] == mask.itemsize) \
+        and whole_element_strides(mask)
+
+
+def _copy_keys_contiguous(xp, mask, seq_k: int):
+    """mask copied with its keys contiguous: a mask broadcast over the keys, or one whose keys are
+    strided (a transposed view). The other axes keep their own sizes (those broadcast by stride 0
+    are taken once), so the copy is the mask's own rows, seq_k keys each."""
+    own = mask[tuple(slice(0, 1) if st == 0 else slice(None) for st in mask.strides[:3])]
+    return xp.ascontiguousarray(xp.broadcast_to(own, own.shape[:3] + (seq_k,)))
 
 
 def _lengths(problem: Problem, lengths, full: int):

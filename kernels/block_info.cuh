@@ -63,12 +63,12 @@ struct Params {
     int packed, total_q, total_k;
     const float* alibi_slopes;   // (B, H), contiguous
     const float* sinks;          // (H,) natural-log logits; read only when has_sinks
-    const void* mask;            // bool (uint8) or float32, read through mask strides
+    const void* mask;            // bool (uint8) or float32: batch, head and query strides, keys contiguous
     int heads;
     unsigned heads_magic;        // pair / heads = umulhi(2 · pair, heads_magic) >> heads_shift
     int heads_shift;             //   (cupy_attn/_schedule.py, division_magic)
     int kv_group, seq_q, seq_k, head_dim, head_dim_v;
-    long long mask_stride_b, mask_stride_h, mask_stride_q, mask_stride_k;
+    long long mask_stride_b, mask_stride_h, mask_stride_q;  // elements, 0 on broadcast axes
     int mask_kind;               // 0 none, 1 bool (True = may attend), 2 additive float
     int causal;                  // 0 none, 1 bottom-right, 2 top-left
     int window_left, window_right;  // -1: unbounded
@@ -476,14 +476,14 @@ __device__ __forceinline__ HeadView head_view(const Params& p, const BlockInfo& 
         unsigned heads_magic, int heads_shift, int kv_group, int seq_q, int seq_k, int head_dim, int head_dim_v, \
         long long q_sb, long long q_sh, long long q_sr, long long k_sb, long long k_sh, long long k_sr,          \
         long long v_sb, long long v_sh, long long v_sr, long long o_sb, long long o_sh, long long o_sr,          \
-        long long mask_sb, long long mask_sh, long long mask_sq, long long mask_sk, int mask_kind, int causal,   \
-        int window_left, int window_right, int has_alibi, int has_sinks, float scale, float softcap,             \
+        long long mask_sb, long long mask_sh, long long mask_sq, int mask_kind, int causal, int window_left,     \
+        int window_right, int has_alibi, int has_sinks, float scale, float softcap,                              \
         unsigned long long dropout_seed, unsigned dropout_offset, unsigned dropout_threshold,                    \
         float dropout_scale ATTN_MOD_PARAM ATTN_BLOCK_PARAM
 #define ATTN_UNPACK_PARAMS                                                                                       \
     const attn::Params p{q_lengths, kv_lengths, q_starts, kv_starts, packed, total_q, total_k, alibi_slopes,     \
                          sinks, mask, heads, heads_magic, heads_shift, kv_group, seq_q, seq_k, head_dim,         \
-                         head_dim_v, mask_sb, mask_sh, mask_sq, mask_sk, mask_kind, causal, window_left,         \
+                         head_dim_v, mask_sb, mask_sh, mask_sq, mask_kind, causal, window_left,                  \
                          window_right, has_alibi, has_sinks, scale, softcap, dropout_seed, dropout_offset,       \
                          dropout_threshold, dropout_scale ATTN_MOD_FIELD ATTN_BLOCK_FIELD};                      \
     const long long strides[12] = {q_sb, q_sh, q_sr, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, o_sb, o_sh, o_sr}

@@ -10,6 +10,7 @@ import cupy_attn
 from cupy_attn import _compile, _config, _kernel_backend, _paths, emulator, reference
 from helpers import BF16, assert_close, random_qkv, tma_addressable
 from test_forward import FEATURES, feature_keywords
+from test_kernel_forward import strided_key_masks
 
 
 @pytest.fixture(autouse=True)
@@ -249,6 +250,18 @@ def test_half_precision_everything(tensor_core_kernel, dtype, d, dv, determinist
     rng = np.random.default_rng(21)
     q, k, v = random_qkv(rng, b=3, h=4, hkv=2, sq=113, sk=203, d=d, dv=dv, dtype=dtype)
     check(rng, q, k, v, dtype, deterministic, **feature_keywords("everything", rng))
+
+
+def test_masks_with_strided_or_broadcast_keys(monkeypatch, tensor_core_kernel):
+    """Each backward kernel family reads the key-contiguous copy of such masks (the forward's test:
+    test_kernel_forward.py) as the forward does."""
+    rng = np.random.default_rng(24)
+    q, k, v = (tma_addressable(x) for x in random_qkv(rng, b=2, h=3, sq=33, sk=77, d=16, dtype=np.float16))
+    launched = spy_launches(monkeypatch)
+    for mask, _ in strided_key_masks(rng, 2, 3, 33, 77):
+        check(rng, q, k, v, np.float16, False, addressable=True, mask=mask)
+    dkdv = {name.split("<")[0] for name in launched if "dkdv" in name}
+    assert dkdv == {"attention_bwd_dkdv_wgmma" if tensor_core_kernel == 90 else "attention_bwd_dkdv_tc"}, dkdv
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])

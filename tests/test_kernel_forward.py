@@ -372,12 +372,50 @@ def test_mma_sync_forward_normalises_by_the_rounded_probabilities(monkeypatch, d
     assert out.dtype == dtype and np.all(out.astype(np.float64) == 1)
 
 
-def test_broadcast_masks_are_read_in_place():
+def passed_mask(q, k, v, mask):
+    """The mask array the kernels are given for a call with `mask`."""
+    return _kernel_backend._mask_arguments(_problem.make_problem(q, k, v, mask=mask))[0]
+
+
+def test_masks_with_contiguous_keys_are_read_in_place():
+    """Broadcast over batch, heads or queries (stride 0, or an axis of 1), or stepping backwards
+    over the queries: the kernels read the caller's array through its strides."""
     rng = np.random.default_rng(12)
     q, k, v = random_qkv(rng, b=3, h=4, sq=33, sk=77, d=16)
-    for mask in (rng.random((3, 1, 1, 77)) < 0.8, rng.standard_normal((33, 1)).astype(np.float32),
-                 np.broadcast_to(rng.random((1, 4, 1, 77)) < 0.5, (3, 4, 33, 77))):
+    for mask in (rng.random((3, 1, 1, 77)) < 0.8, np.broadcast_to(rng.random((1, 4, 1, 77)) < 0.5, (3, 4, 33, 77)),
+                 rng.standard_normal((4, 33, 77)).astype(np.float32)[:, ::-1]):
         check(q, k, v, np.float32, mask=mask)
+        assert np.shares_memory(passed_mask(q, k, v, mask), mask)
+
+
+def strided_key_masks(rng, b, h, sq, sk):
+    """(mask, the shape the kernels get it in) for masks whose keys are not contiguous: strided (a
+    transposed view), broadcast over the keys (an axis of 1, or stride 0 with the batch too)."""
+    return [((rng.random((sk, sq)) < 0.7).T, (1, 1, sq, sk)),
+            (rng.standard_normal((h, sq, 1)).astype(np.float32), (1, h, sq, sk)),
+            (np.broadcast_to(rng.random((1, h, sq, 1)) < 0.6, (b, h, sq, sk)), (1, h, sq, sk)),
+            (rng.standard_normal((b, 1, 2 * sk, sq)).astype(np.float32)[:, :, ::-2].swapaxes(2, 3), (b, 1, sq, sk))]
+
+
+@pytest.mark.parametrize("capability", [80, 90], ids=["mma_sync", "wgmma"])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16)], ids=str)
+def test_masks_with_strided_or_broadcast_keys_are_copied_once_with_their_keys_contiguous(monkeypatch, capability,
+                                                                                        dtype):
+    """The kernels read a mask row's keys contiguously (kernels/mask.cuh): any other mask is
+    copied, its own rows only (axes broadcast by stride 0 taken once); the caller's is untouched."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", capability)
+    launches = recorded_launches(monkeypatch)
+    rng = np.random.default_rng(16)
+    q, k, v = random_qkv(rng, b=2, h=3, sq=33, sk=77, d=16, dtype=dtype)
+    for mask, shape in strided_key_masks(rng, 2, 3, 33, 77):
+        before = mask.copy()
+        check(q, k, v, dtype, mask=mask)
+        kernel = launches[-1][0].split("<")[0]
+        assert kernel == ("attention_fwd" if dtype == np.float32 else
+                          "attention_fwd_wgmma" if capability == 90 else "attention_fwd_tc"), kernel
+        passed = passed_mask(q, k, v, mask)
+        assert passed.shape == shape and passed.flags.c_contiguous and not np.shares_memory(passed, mask)
+        assert np.array_equal(mask, before)
 
 
 def test_the_most_negative_float_masks_like_minus_infinity():
