@@ -2,6 +2,7 @@
 //   s = q·k·scale;  softcap c: s = c·tanh(s / c);  s -= slope·|i + off - j|;  s += float mask;
 //   -inf where the bool mask, causal, window or lengths remove the key.
 #pragma once
+#include "access_count.cuh"
 #include "block_info.cuh"
 #include "numeric.cuh"
 
@@ -52,6 +53,25 @@ __device__ __forceinline__ bool mask_mod(int b, int h, int q_idx, int kv_idx, co
 }  // namespace mods
 #endif
 
+// (1 - tanh x) / 2 = 1 / (2^x2 + 1) for x2 = 2x · log2 e: the softcap's tanh as one exp2 and one
+// reciprocal on the MUFU unit, which tanhf issues too, without its ~10 other instructions per
+// score (the wgmma forward's build with softcap, ALiBi and a float mask at D = 128: 1014 → 628 per
+// tile of 64 keys, NVRTC 13.5). The result is within about 2^-22 of (1 - tanh x) / 2 (2 ulp of
+// the exp2, 1 of the reciprocal, of values at most 1), so the softcap's c · tanh is within
+// c · 2^-21 absolutely, tanhf's within c · 2^-22. x2 = +inf gives 0 (tanh 1), -inf gives 1 (-1).
+__device__ __forceinline__ float half_one_minus_tanh(float x2) { return __fdividef(1.f, exp2f(x2) + 1.f); }
+
+// The mask's element at `at` where the structure keeps the pair (inside), else `outside`: outside
+// it the element need not exist (a key past the sequence's end, a padding row). Counted in the
+// emulator, where a counted access outside every array argument fails the launch.
+template <class Element>
+__device__ __forceinline__ Element mask_value(const Params& p, long long at, bool inside, Element outside) {
+    if (!inside) return outside;
+    const Element* element = static_cast<const Element*>(p.mask) + at;
+    ATTN_COUNT_GLOBAL(element, sizeof(Element));
+    return *element;
+}
+
 struct ScoreTransform {
     float scale_log2;      // scale · log2 e (no softcap)
     // A build whose scores need nothing but the scale (no softcap, ALiBi, mask or mods) returns
@@ -59,7 +79,7 @@ struct ScoreTransform {
     static constexpr bool kDeferScale = !kSoftcapBuilt && !kAlibiBuilt && kMaskBuilt == kMaskNone && !ATTN_MODS;
     // A build with no feature at all: the one whose registers the tile table's min_blocks is for.
     static constexpr bool kPlain = kScoreFeatures == 0 && !ATTN_MODS;
-    float scale_over_cap;  // scale / c
+    float tanh_scale;      // 2 · log2 e · scale / c: half_one_minus_tanh's argument per q·k
     float cap_log2;        // c · log2 e
     float slope_log2;      // ALiBi slope of this (batch, head) · log2 e
     // kSoftcapBuilt, held as a member: read from the constant where it is used, the same code
@@ -73,7 +93,7 @@ struct ScoreTransform {
             __trap();
         softcap = kSoftcapBuilt;
         scale_log2 = p.scale * kLog2e;
-        scale_over_cap = kSoftcapBuilt ? p.scale / p.softcap : 0.f;
+        tanh_scale = kSoftcapBuilt ? 2.f * kLog2e * p.scale / p.softcap : 0.f;
         cap_log2 = p.softcap * kLog2e;
         slope_log2 = kAlibiBuilt ? p.alibi_slopes[b.bidb * p.heads + b.bidh] * kLog2e : 0.f;
     }
@@ -81,7 +101,9 @@ struct ScoreTransform {
     // The base-2 score of q·k = qk for query row i and key j with softcap and ALiBi applied: what
     // a score_mod modifies.
     __device__ __forceinline__ float capped(const Params& p, const BlockInfo& b, float qk, int i, int j) const {
-        float s = softcap ? cap_log2 * tanhf(qk * scale_over_cap) : kDeferScale ? qk : qk * scale_log2;
+        float s = softcap ? fmaf(-2.f * cap_log2, half_one_minus_tanh(qk * tanh_scale), cap_log2)
+                  : kDeferScale ? qk
+                                : qk * scale_log2;
         if (kAlibiBuilt) s -= slope_log2 * fabsf(static_cast<float>(i + b.diag_offset - j));
         return s;
     }
@@ -92,8 +114,8 @@ struct ScoreTransform {
     // does not count, and the mod's tensors need not be defined at (i, j).
     __device__ __forceinline__ float grad(const Params& p, const BlockInfo& b, float qk, int i, int j, float prob) const {
         float g = 1.f;
-        if (softcap) {
-            const float t = tanhf(qk * scale_over_cap);
+        if (softcap) {  // tanh from the h capped() takes, which the compiler computes once for both
+            const float t = fmaf(-2.f, half_one_minus_tanh(qk * tanh_scale), 1.f);
             g = 1.f - t * t;
         }
 #if ATTN_SCORE_MOD
@@ -115,8 +137,8 @@ struct ScoreTransform {
     // boundary tile (NVRTC 13.5). For callers whose lanes hold many rows and few keys, by_key.
     __device__ __forceinline__ float operator()(const Params& p, const BlockInfo& b, float qk, int i, int j,
                                                 int checks) const {
-        if ((checks & kCheckStructure) && !b.key_band(p, i).contains(j)) return -infinity();
-        return unstructured(p, b, qk, i, j, checks);
+        if (!(checks & kCheckStructure)) return unstructured(p, b, qk, i, j, checks, true);
+        return kept(p, b, qk, i, j, checks, b.key_band(p, i).contains(j));
     }
 
     // operator() with the structure as the key's band of rows (BlockInfo::query_band, once per
@@ -125,13 +147,31 @@ struct ScoreTransform {
     // D = 64 on sm_90 against 805, and 686 against 655 in the wgmma one; NVRTC 13.5).
     __device__ __forceinline__ float by_key(const Params& p, const BlockInfo& b, float qk, int i, int j,
                                             int checks) const {
-        if ((checks & kCheckStructure) && !b.query_band(p, j).contains(i)) return -infinity();
-        return unstructured(p, b, qk, i, j, checks);
+        if (!(checks & kCheckStructure)) return unstructured(p, b, qk, i, j, checks, true);
+        return kept(p, b, qk, i, j, checks, b.query_band(p, j).contains(i));
     }
 
-    // The score past the structure: softcap, ALiBi, the mods and the mask.
+    // The score of a pair of a boundary tile: the one the structure keeps (inside), else -inf.
+    // The features' work is done for both and the pair selected after (only the mask's load
+    // waits for inside: a key past the sequence's end need not exist). Returning -inf first,
+    // ptxas branched around each score's softcap (a branch and a BSSY/BSYNC pair per score), and
+    // the SASS audit's fastest path ran through that copy with every score masked, below what an
+    // interior tile of a softcap build issues (the wgmma forward at D = 128 with softcap, ALiBi
+    // and a float mask: 499 instructions per tile of 64 keys, an interior tile 1014 with tanhf;
+    // NVRTC 13.5). A build with mods returns -inf first all the same: a mod's tensors need not be
+    // defined outside.
+    __device__ __forceinline__ float kept(const Params& p, const BlockInfo& b, float qk, int i, int j, int checks,
+                                          bool inside) const {
+#if ATTN_MODS
+        if (!inside) return -infinity();
+#endif
+        const float s = unstructured(p, b, qk, i, j, checks, inside);
+        return inside ? s : -infinity();
+    }
+
+    // The score past the structure: softcap, ALiBi, the mods and the mask (read only inside).
     __device__ __forceinline__ float unstructured(const Params& p, const BlockInfo& b, float qk, int i, int j,
-                                                  int checks) const {
+                                                  int checks, bool inside) const {
         float s = capped(p, b, qk, i, j);
 #if ATTN_MASK_MOD
         if ((checks & kCheckMods) && !mods::mask_mod(b.bidb, b.bidh, i, j, p.mod_words)) return -infinity();
@@ -146,9 +186,9 @@ struct ScoreTransform {
             // key column and 2 per score (an 8-byte product and sum).
             const long long at = b.bidb * p.mask_stride_b + b.bidh * p.mask_stride_h + i * p.mask_stride_q + j;
             if (kMaskBuilt == kMaskBool) {
-                if (!static_cast<const unsigned char*>(p.mask)[at]) return -infinity();
+                if (!mask_value<unsigned char>(p, at, inside, 0)) return -infinity();
             } else {
-                s += static_cast<const float*>(p.mask)[at] * kLog2e;  // -inf stays -inf
+                s += mask_value(p, at, inside, 0.f) * kLog2e;  // -inf stays -inf
             }
         }
         return s;

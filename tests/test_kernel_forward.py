@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cupy_attn
-from cupy_attn import _compile, _config, _kernel_backend, _problem, reference
+from cupy_attn import _compile, _config, _kernel_backend, _problem, emulator, reference
 from helpers import BF16, assert_close, random_qkv, recorded_launches, tma_addressable
 from test_forward import FEATURES, feature_keywords
 
@@ -416,6 +416,25 @@ def test_masks_with_strided_or_broadcast_keys_are_copied_once_with_their_keys_co
         passed = passed_mask(q, k, v, mask)
         assert passed.shape == shape and passed.flags.c_contiguous and not np.shares_memory(passed, mask)
         assert np.array_equal(mask, before)
+
+
+@pytest.mark.parametrize("capability", [80, 90], ids=["mma_sync", "wgmma"])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16)], ids=str)
+def test_masks_are_read_only_where_the_structure_keeps_the_pair(monkeypatch, capability, dtype):
+    """Keys past a sequence's end and padding rows need no mask element: the kernels compute every
+    feature of a boundary tile's scores and select after, but load the mask only inside the
+    structure. The emulator's counters fail a launch whose counted access leaves every array
+    argument, as the loads of the last mask row's keys past Sk, or of padding rows, would."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", capability)
+    rng = np.random.default_rng(17)
+    q, k, v = random_qkv(rng, b=2, h=3, sq=33, sk=77, d=16, dtype=dtype)
+    for mask in (rng.random((33, 77)) < 0.7, rng.standard_normal((3, 33, 77)).astype(np.float32)):
+        with emulator.counting() as counters:
+            out, lse = check(q, k, v, dtype, mask=mask, causal=True, softcap=4.0)
+            for deterministic in (False, True):
+                cupy_attn.attention_backward(out, q, k, v, out, lse, mask=mask, causal=True, softcap=4.0,
+                                             backend="emulator", deterministic=deterministic)
+        assert any(site.startswith("mask.cuh") for _, site, _ in counters._sites)
 
 
 def test_the_most_negative_float_masks_like_minus_infinity():
