@@ -115,7 +115,7 @@ def exposed(row: dict) -> str:
 def table(rows: list[dict]) -> str:
     sizes = shared_bytes()
     lines = ["| kernel | D | arch | path / loop instructions | with softcap, ALiBi and a float mask | tensor instructions "
-             "| ldsm | lds | sts | bar | mufu | issue_per_tensor | exposed | boundary tile | registers "
+             "| ldsm | lds | sts | bar | mufu (per tensor cycle) | issue_per_tensor | exposed | boundary tile | registers "
              "| blocks (warps) per SM |",
              "|" + "---|" * 16]
     general = {(r["name"], r["arch"]): r for r in rows if r.get("features") == "all"}
@@ -132,7 +132,7 @@ def table(rows: list[dict]) -> str:
                 blocks = blocks_per_sm(r["registers"], sizes[r["name"]], threads(r["name"]))
                 occupancy = f"{blocks} ({blocks * threads(r['name']) // 32})" if r["arch"] != "sm_80" else "—"
                 lines.append(f"| {kind}{tile_keys(r['name'], d)} | {d} | {r['arch']} | {r['path_instructions']} / {r['loop_instructions']} "
-                             f"| {built_in} | {tensors} | {r['ldsm']} | {r['lds']} | {r['sts']} | {r['bar']} | {r['mufu']} "
+                             f"| {built_in} | {tensors} | {r['ldsm']} | {r['lds']} | {r['sts']} | {r['bar']} | {r['mufu']} ({r['mufu_per_tensor']:.2f}) "
                              f"| {r['issue_per_tensor']:.2f} | {exposed(r)} | {boundary(r)} | {r['registers']} | {occupancy} |")
     return "\n".join(lines)
 

@@ -37,6 +37,11 @@ overlap its tensor work. The path's instructions issued with none in flight are
 path's tensor cycles. With one warpgroup per tensor core the loop takes at least
 (exposed + tensor cycles) per iteration; the other consumer warpgroups of the block can fill the
 gap only where they are not exposed at the same time.
+
+Issue slots are not the only budget: the special-function unit (MUFU: the softmax's exp2, the
+softcap's exp2 and reciprocal) returns 16 results per clock per SM, so a warp's MUFU instruction
+holds its sub-partition's unit for MUFU_CYCLES; `mufu_per_tensor` is the path's MUFU cycles per
+tensor cycle, and above 1 that unit bounds the loop (FlashAttention-3's exp2 limit at D = 64).
 """
 from __future__ import annotations
 
@@ -61,6 +66,11 @@ TENSOR_OPCODES = ("HMMA", "HGMMA")
 # sub-partitions each. Assumed for mma.sync on sm_90 too, which makes its tensor cycles a lower
 # bound and issue_per_tensor an upper bound there.
 FMA_PER_CYCLE = {"sm_80": 256, "sm_86": 128, "sm_89": 128, "sm_90": 512, "sm_90a": 512}
+
+# Special-function results (MUFU: exp2, reciprocal, tanh, ...) per clock per SM: 16 on every arch
+# above (the CUDA C++ Programming Guide's throughput table; FlashAttention-3's 3.9 TFLOP/s on the
+# H100 SXM), 4 per sub-partition, so one warp's MUFU holds its sub-partition's unit for 8 cycles.
+MUFU_CYCLES = 8
 
 
 class SassError(RuntimeError):
@@ -204,13 +214,20 @@ class LoopReport:
     def exposed_per_tensor(self) -> float | None:
         return None if self.exposed_instructions is None else self.exposed_instructions / self.tensor_cycles
 
+    @property
+    def mufu_per_tensor(self) -> float | None:
+        """The path's MUFU instructions' cycles on their sub-partition's unit (MUFU_CYCLES each) per
+        tensor cycle: above 1 that unit bounds the loop, whatever issue_per_tensor says."""
+        return None if self.issue_per_tensor is None else self.counts.get("mufu", 0) * MUFU_CYCLES / self.tensor_cycles
+
     def as_row(self) -> dict:
         exposed = self.exposed_per_tensor
         row = {"loop_instructions": self.loop_instructions, "path_instructions": self.path_instructions,
                "tensor_instructions": self.tensor_instructions,
                "issue_per_tensor": None if self.issue_per_tensor is None else round(self.issue_per_tensor, 3),
                "exposed_instructions": self.exposed_instructions,
-               "exposed_per_tensor": None if exposed is None else round(exposed, 3)}
+               "exposed_per_tensor": None if exposed is None else round(exposed, 3),
+               "mufu_per_tensor": None if self.mufu_per_tensor is None else round(self.mufu_per_tensor, 3)}
         row.update({name: self.counts.get(name, 0) for name in sorted(set(COUNTED.values()))})
         return row
 

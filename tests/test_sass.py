@@ -83,7 +83,10 @@ def test_fastest_path_skips_optional_work_and_the_model_divides_issue_by_tensor_
     assert r.tensor_instructions == {"HMMA.16816.F32": 1}
     assert r.counts == {"ldsm": 1, "mufu": 1}
     assert r.issue_per_tensor == pytest.approx(5 / 8)  # m16n8k16: 2048 FMA at 256 per cycle on sm_80
-    assert report(FEATURE_BEHIND_A_BRANCH, "sm_90").issue_per_tensor == pytest.approx(5 / 4)  # 512 per cycle
+    assert r.mufu_per_tensor == pytest.approx(8 / 8)  # one MUFU: 8 cycles of the sub-partition's unit
+    on_sm90 = report(FEATURE_BEHIND_A_BRANCH, "sm_90")
+    assert on_sm90.issue_per_tensor == pytest.approx(5 / 4)  # 512 per cycle
+    assert on_sm90.mufu_per_tensor == pytest.approx(8 / 4) and on_sm90.as_row()["mufu_per_tensor"] == 2.0
 
 
 def test_fastest_path_keeps_tensor_work_and_asynchronous_copies():
