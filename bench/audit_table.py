@@ -39,7 +39,7 @@ def shared_bytes() -> dict[str, int]:
     sizes = {t.name_expression(FP16): t.shared_bytes for t in
              (*_config.TENSOR_CORE_TILES, *_config.HOPPER_TILES, *_config.TENSOR_CORE_BACKWARD_TILES)}
     sizes.update({name: t.shared_bytes for name, t in hopper_backward_tiles().items()})
-    sizes.update({t.dq_name(FP16): t.dq_shared_bytes for t in _config.TENSOR_CORE_TILES})
+    sizes.update({t.dq_name(FP16): t.dq_shared_bytes for t in _config.DQ_TENSOR_CORE_TILES})
     return sizes
 
 
@@ -64,11 +64,15 @@ def blocks_per_sm(registers: int, shared: int, block_threads: int = _config.THRE
 
 def featured_name(name: str) -> str:
     """The kernel a call with softcap, ALiBi and a float mask runs where a plain call runs `name`:
-    the same, except for a wgmma forward tile that serves plain calls only."""
+    the same, except for a wgmma forward tile that serves plain calls only and an mma.sync forward
+    tile that serves calls without a mask only."""
     tile = hopper_tile(name)
-    if tile is None or not tile.plain_only:
-        return name
-    return _config.forward_tile(tile.head_dim, tile.head_dim, FP16, 90, _config.ALL_FEATURES).name_expression(FP16)
+    if tile is not None and tile.plain_only:
+        return _config.forward_tile(tile.head_dim, tile.head_dim, FP16, 90, _config.ALL_FEATURES).name_expression(FP16)
+    tile = next((t for t in _config.TENSOR_CORE_TILES if t.name_expression(FP16) == name), None)
+    if tile is not None and tile.unmasked_only:
+        return _config.forward_tile(tile.head_dim, tile.head_dim, FP16, 80, _config.ALL_FEATURES).name_expression(FP16)
+    return name
 
 
 # The tensor-core kernels the tables show: (audit table label, resource table label, name prefix).
@@ -95,6 +99,8 @@ def tile_keys(name: str, head_dim: int) -> str:
         return ", deterministic dQ"
     if name.startswith("attention_bwd_dkdv_tc<") and head_dim == 128:
         return f", {name.split(', ')[3]} keys"
+    if name.startswith("attention_fwd_tc<") and sum(t.head_dim == head_dim for t in _config.TENSOR_CORE_TILES) > 1:
+        return f", {name.split(', ')[2]} rows"
     return ""
 
 
@@ -115,9 +121,9 @@ def exposed(row: dict) -> str:
 def table(rows: list[dict]) -> str:
     sizes = shared_bytes()
     lines = ["| kernel | D | arch | path / loop instructions | with softcap, ALiBi and a float mask | tensor instructions "
-             "| ldsm | lds | sts | bar | mufu (per tensor cycle) | issue_per_tensor | exposed | boundary tile | registers "
-             "| blocks (warps) per SM |",
-             "|" + "---|" * 16]
+             "| ldsm | lds | sts | bar | mufu (per tensor cycle) | shared wavefronts (per tensor cycle) | issue_per_tensor "
+             "| exposed | boundary tile | registers | blocks (warps) per SM |",
+             "|" + "---|" * 17]
     general = {(r["name"], r["arch"]): r for r in rows if r.get("features") == "all"}
     for kind, _, prefix in KERNELS:
         for d in (64, 128, 256):
@@ -133,7 +139,7 @@ def table(rows: list[dict]) -> str:
                 occupancy = f"{blocks} ({blocks * threads(r['name']) // 32})" if r["arch"] != "sm_80" else "—"
                 lines.append(f"| {kind}{tile_keys(r['name'], d)} | {d} | {r['arch']} | {r['path_instructions']} / {r['loop_instructions']} "
                              f"| {built_in} | {tensors} | {r['ldsm']} | {r['lds']} | {r['sts']} | {r['bar']} | {r['mufu']} ({r['mufu_per_tensor']:.2f}) "
-                             f"| {r['issue_per_tensor']:.2f} | {exposed(r)} | {boundary(r)} | {r['registers']} | {occupancy} |")
+                             f"| {r['shared_wavefronts']:g} ({r['shared_per_tensor']:.2f}) | {r['issue_per_tensor']:.2f} | {exposed(r)} | {boundary(r)} | {r['registers']} | {occupancy} |")
     return "\n".join(lines)
 
 

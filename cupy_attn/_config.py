@@ -108,8 +108,9 @@ class BackwardTile:
 @dataclass(frozen=True)
 class TensorCoreTile:
     """The fp16/bf16 forward on mma.sync: block_m query rows per block of 4 warps (64: one row
-    tile of 16 rows per warp; 128: two, 64 rows apart). The deterministic dQ kernel takes the same
-    tile's block_n, with dq_block_m rows."""
+    tile of 16 rows per warp; 128: two, 64 rows apart). The deterministic dQ kernel takes the
+    block_n of its head dim's tile for every call (the one not unmasked_only), with dq_block_m
+    rows."""
 
     filename: ClassVar[str] = "attention_fwd_tc.cu"
     dq_block_m: ClassVar[int] = 64  # the deterministic dQ kernel's rows per block: kTcBlockM
@@ -123,6 +124,9 @@ class TensorCoreTile:
     reason: str
     value_slice: int = 0  # value dims per launch when fewer than head_dim (0: all of them)
     min_blocks: int = 1   # blocks per SM ptxas must leave registers for in the plain build (__launch_bounds__)
+    # For calls without a mask, score_mod or mask_mod (whose per-row addressing spilled beside this
+    # tile's accumulators); such calls take the next tile of the same head dim.
+    unmasked_only: bool = False
 
     @property
     def value_dim(self) -> int:
@@ -158,20 +162,31 @@ class TensorCoreTile:
 # D = 32 2.29 with 128 rows against 2.81 with 64, at D = 64 1.40 against 1.73, at the price of
 # 168 and 231 registers (3 and 2 blocks per SM, against 4); at D = 64 a call with ALiBi and a
 # mask spills 4-36 bytes in 7 of its 48 feature builds on sm_80/sm_90 (a GPU run weighs that
-# against the 64-row tile's longer path). At D = 128, 128 rows spill (108
-# bytes with 64-key tiles; with 32-key tiles no spill at 255 registers, but 1.25 against 1.15 for
-# 64 x 64), so it keeps 64 rows. D = 256 takes 16-key tiles so that O's 128 accumulators fit and
-# the two K/V stages stay within sm_86's 99 KB. Which wins on a GPU is the next GPU run's to say
+# against the 64-row tile's longer path). At D = 128, shared memory's bandwidth decides (the SASS
+# audit's shared_per_tensor: 128 bytes per clock per SM, and a warp reads every K and V fragment
+# of a tile whatever its rows): with 16 rows per warp (64 x 64) a tile's ldmatrix and cp.async
+# take 2.67 cycles of shared memory per tensor cycle on sm_90 (1.33 on sm_80), with 32 (128 x 32)
+# 1.70 (0.85), and the path is shorter too (NVRTC 13.5, fp16: 455 → 429 instructions on sm_90,
+# 0.86 → 0.81 per tensor cycle; bench/RESULTS.md, 2026-12-06, twentieth session). 128 x 64 spills
+# (40-48 bytes), and so does 128 x 32 beside a mask or mods (4-72 bytes: the per-row mask
+# addresses), so calls with either keep 64 x 64. D = 256 takes 16-key tiles so that O's 128
+# accumulators fit with two blocks per SM (32 keys: 99 KB of shared memory, one block) and the two
+# K/V stages stay within sm_86's 99 KB. Which wins on a GPU is the next GPU run's to say
 # (bench/tile_sweep.py).
 TENSOR_CORE_TILES = (
     TensorCoreTile(32, 128, 64, "2 x (16 + 32 + 4) accumulators per thread; 30 KB shared"),
     TensorCoreTile(64, 128, 64, "2 x (32 + 32 + 4) accumulators per thread; 54 KB shared"),
+    TensorCoreTile(128, 128, 32, "2 x (64 + 16 + 4) accumulators per thread; 68 KB shared", unmasked_only=True),
     TensorCoreTile(128, 64, 64, "64 + 32 + 4 accumulators per thread; 85 KB shared"),
     TensorCoreTile(256, 64, 16, "128 + 8 + 4 accumulators per thread; 66 KB shared"),
     TensorCoreTile(576, 64, 16, "value dims in launches of 256: 128 + 8 + 4 accumulators per thread; 126 KB shared (WIDE)",
                    value_slice=256),
 )
 TENSOR_CORE_DTYPES = (np.dtype(np.float16), BFLOAT16)
+# The tiles whose block_n the deterministic dQ kernel takes: one per head dim, the one for every
+# call (with 32 keys, unmasked_only's, its path per tensor cycle was longer: 0.85 against 0.74 at
+# D = 128 on sm_90, NVRTC 13.5).
+DQ_TENSOR_CORE_TILES = tuple(t for t in TENSOR_CORE_TILES if not t.unmasked_only)
 
 
 # The warp-specialised wgmma kernels' threads (attn::kWsThreads: a producer warpgroup and two
@@ -568,14 +583,15 @@ def forward_tile(head_dim: int, head_dim_v: int, dtype=np.float32, compute_capab
     """The forward configuration for a call with these score features (and a score_mod or mask_mod
     where mods; causal or a window where diagonal): wgmma on compute capability 9.0 up to its
     widest tile (HOPPER_TILES' plain_only tiles for plain calls only, those not `diagonal` for
-    calls without causal or a window only) and mma.sync otherwise for fp16/bf16, CUDA cores for
-    fp32."""
+    calls without causal or a window only) and mma.sync otherwise for fp16/bf16 (TENSOR_CORE_TILES'
+    unmasked_only tiles for calls without a mask or mods only), CUDA cores for fp32."""
     if np.dtype(dtype) in TENSOR_CORE_DTYPES:
         if compute_capability == 90 and max(head_dim, head_dim_v) <= HOPPER_TILES[-1].head_dim:
             plain = features == PLAIN_FEATURES and not mods
             return _pick([t for t in HOPPER_TILES if (plain or not t.plain_only) and (t.diagonal or not diagonal)],
                          head_dim, head_dim_v)
-        return _pick(TENSOR_CORE_TILES, head_dim, head_dim_v)
+        unmasked = not features & (BOOL_MASK | FLOAT_MASK) and not mods
+        return _pick([t for t in TENSOR_CORE_TILES if unmasked or not t.unmasked_only], head_dim, head_dim_v)
     return _pick(FORWARD_TILES, head_dim, head_dim_v)
 
 
@@ -583,11 +599,16 @@ def selectable(filename: str, name_expression: str, features: int, mods: bool = 
     """Whether a call with these features (and a score_mod or mask_mod where mods) can run this
     variant: forward_tile's choice for its head dim, with causal or a window or without (of the
     wgmma forwards, the plain_only tiles for plain calls, the others for calls with features or
-    mods); every variant of the other files."""
-    if filename != HopperTile.filename:
+    mods; of the mma.sync forwards, the unmasked_only tiles for calls without a mask or mods, the
+    others of their head dims for calls with either); every variant of the other files."""
+    if filename == HopperTile.filename:
+        tiles, compute_capability = HOPPER_TILES, 90
+    elif filename == TensorCoreTile.filename:
+        tiles, compute_capability = TENSOR_CORE_TILES, 80
+    else:
         return True
-    return any(forward_tile(t.head_dim, t.head_dim, dtype, 90, features, mods, diagonal) is t
-               for t in HOPPER_TILES for dtype in TENSOR_CORE_DTYPES if t.name_expression(dtype) == name_expression
+    return any(forward_tile(t.head_dim, t.head_dim, dtype, compute_capability, features, mods, diagonal) is t
+               for t in tiles for dtype in TENSOR_CORE_DTYPES if t.name_expression(dtype) == name_expression
                for diagonal in (False, True))
 
 
@@ -597,7 +618,7 @@ def tensor_core_dq_tile(head_dim: int, head_dim_v: int):
     type), since 64 query rows of Q and dO at 576 dims would need 187 KB of shared memory and dQ's
     576 accumulators per row more registers than a warp has."""
     if max(head_dim, head_dim_v) <= NARROW_HEAD_DIM:
-        return _pick(TENSOR_CORE_TILES, head_dim, head_dim_v)
+        return _pick(DQ_TENSOR_CORE_TILES, head_dim, head_dim_v)
     return _pick(BACKWARD_TILES, head_dim, head_dim_v)
 
 
@@ -635,7 +656,7 @@ def kernel_variants(arch: str = "sm_80"):
         variants.append(("attention_bwd.cu", preprocess_name(dtype), dtype))
         if dtype in TENSOR_CORE_DTYPES:
             variants += [("attention_bwd_tc.cu", t.name_expression(dtype), dtype) for t in TENSOR_CORE_BACKWARD_TILES]
-            variants += [("attention_bwd_tc.cu", t.dq_name(dtype), dtype) for t in TENSOR_CORE_TILES
+            variants += [("attention_bwd_tc.cu", t.dq_name(dtype), dtype) for t in DQ_TENSOR_CORE_TILES
                          if t.head_dim <= NARROW_HEAD_DIM]
             variants += [("attention_bwd.cu", t.dq_name(dtype), dtype) for t in BACKWARD_TILES
                          if t.head_dim > NARROW_HEAD_DIM]

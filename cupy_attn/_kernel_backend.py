@@ -483,7 +483,8 @@ def forward(problem: Problem, q, k, v, *, target: str):
             if why_not:
                 _say_once(f"the wgmma forward needs TMA, which cannot address this call's operands ({why_not}): "
                           "the mma.sync forward runs instead")
-            tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype, 80, module["features"])
+            tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype, 80, module["features"],
+                                        mods=module["mods"] is not None)
             out, maps = _output(p, False), ()
     # The tensor-core forwards start their blocks in the order _query_grid shapes; the CUDA-core
     # one keeps the grid (query tiles, heads, batch entries) (kernels/block_info.cuh).

@@ -42,6 +42,15 @@ Issue slots are not the only budget: the special-function unit (MUFU: the softma
 softcap's exp2 and reciprocal) returns 16 results per clock per SM, so a warp's MUFU instruction
 holds its sub-partition's unit for MUFU_CYCLES; `mufu_per_tensor` is the path's MUFU cycles per
 tensor cycle, and above 1 that unit bounds the loop (FlashAttention-3's exp2 limit at D = 64).
+
+Nor is shared memory: it returns one 128-byte wavefront per clock per SM (A100, H100: 128 bytes
+per clock), for the SM's SUBPARTITIONS sub-partitions together, so each warp's wavefront takes
+SUBPARTITIONS of its own sub-partition's cycles. `shared_per_tensor` is the path's wavefronts
+(shared_wavefronts: ldmatrix, LDS, STS, cp.async's writes and wgmma's operands read from shared
+memory, each without bank conflicts, as the emulator's memory counters find every kernel's) times
+SUBPARTITIONS per tensor cycle; above 1 shared memory bounds the loop. A warp's fragments of K and
+V serve as many MMAs as it has rows, so this is the ratio a tile's rows per warp set. Not counted:
+TMA's writes (a box's size is not in the instruction) and bank conflicts.
 """
 from __future__ import annotations
 
@@ -71,6 +80,9 @@ FMA_PER_CYCLE = {"sm_80": 256, "sm_86": 128, "sm_89": 128, "sm_90": 512, "sm_90a
 # above (the CUDA C++ Programming Guide's throughput table; FlashAttention-3's 3.9 TFLOP/s on the
 # H100 SXM), 4 per sub-partition, so one warp's MUFU holds its sub-partition's unit for 8 cycles.
 MUFU_CYCLES = 8
+
+# Shared memory's 128-byte wavefronts per clock per SM (A100, H100), shared by its sub-partitions.
+SUBPARTITIONS = 4
 
 
 class SassError(RuntimeError):
@@ -209,6 +221,7 @@ class LoopReport:
     tensor_cycles: float = 0.0
     issue_per_tensor: float | None = None  # None: no tensor instruction in any loop
     exposed_instructions: int | None = None  # wgmma kernels: the path's issued with no wgmma in flight
+    shared_wavefronts: float = 0.0  # the path's 128-byte shared-memory wavefronts (shared_wavefronts())
 
     @property
     def exposed_per_tensor(self) -> float | None:
@@ -220,14 +233,24 @@ class LoopReport:
         tensor cycle: above 1 that unit bounds the loop, whatever issue_per_tensor says."""
         return None if self.issue_per_tensor is None else self.counts.get("mufu", 0) * MUFU_CYCLES / self.tensor_cycles
 
+    @property
+    def shared_per_tensor(self) -> float | None:
+        """The path's shared-memory wavefronts, each SUBPARTITIONS cycles of its sub-partition's
+        share of the SM's one wavefront per clock, per tensor cycle: above 1 shared memory's
+        bandwidth bounds the loop, whatever issue_per_tensor says."""
+        return None if self.issue_per_tensor is None else SUBPARTITIONS * self.shared_wavefronts / self.tensor_cycles
+
     def as_row(self) -> dict:
         exposed = self.exposed_per_tensor
+        shared = self.shared_per_tensor
         row = {"loop_instructions": self.loop_instructions, "path_instructions": self.path_instructions,
                "tensor_instructions": self.tensor_instructions,
                "issue_per_tensor": None if self.issue_per_tensor is None else round(self.issue_per_tensor, 3),
                "exposed_instructions": self.exposed_instructions,
                "exposed_per_tensor": None if exposed is None else round(exposed, 3),
-               "mufu_per_tensor": None if self.mufu_per_tensor is None else round(self.mufu_per_tensor, 3)}
+               "mufu_per_tensor": None if self.mufu_per_tensor is None else round(self.mufu_per_tensor, 3),
+               "shared_wavefronts": self.shared_wavefronts,
+               "shared_per_tensor": None if shared is None else round(shared, 3)}
         row.update({name: self.counts.get(name, 0) for name in sorted(set(COUNTED.values()))})
         return row
 
@@ -254,6 +277,27 @@ def steady_bytes(instruction: Instruction) -> int:
         return 16
     if op.split(".")[0] in ("RED", "REDG", "ATOM", "ATOMG"):  # not REDUX, a warp reduction
         return 4 * (4 if "x4" in op else 2 if "x2" in op else 1)
+    return 0
+
+
+def shared_wavefronts(instruction: Instruction) -> float:
+    """The 128-byte shared-memory wavefronts one warp's instruction takes without bank conflicts:
+    ldmatrix and stmatrix by their matrices (.x1, .x2, .x4: 8 rows of 16 bytes each); LDS, STS
+    and ATOMS by their width (a warp's 4-byte or narrower, 8- and 16-byte accesses: 1, 2, 4);
+    LDGSTS by the chunk it writes into shared memory (the same); a wgmma by its operands read from
+    shared memory (a k-step's 32 bytes per row: B's N rows, and A's 64 unless A comes from
+    registers; a warpgroup's instruction, a quarter per warp)."""
+    parts = instruction.opcode.split(".")
+    if instruction.never:
+        return 0
+    if parts[0] in ("LDSM", "STSM"):
+        return 4 if parts[-1] == "4" else 2 if parts[-1] == "2" else 1
+    if parts[0] in ("LDS", "STS", "LDGSTS", "ATOMS"):
+        return 4 if "128" in parts else 2 if "64" in parts else 1
+    if parts[0] == "HGMMA":
+        n = int(parts[1].split("x")[1])
+        a_from_shared = instruction.operands.split(",")[1].strip().startswith("gdesc")
+        return (64 * a_from_shared + n) * 32 / 128 / 4
     return 0
 
 
@@ -370,6 +414,7 @@ def hot_loop_report(instructions: list[Instruction], labels: dict[str, int], arc
     report.tensor_cycles = sum(n * tensor_cycles(op, arch) for op, n in report.tensor_instructions.items())
     report.issue_per_tensor = report.path_instructions / report.tensor_cycles
     report.exposed_instructions = exposed_instructions(path)
+    report.shared_wavefronts = sum(map(shared_wavefronts, path))
     return report
 
 

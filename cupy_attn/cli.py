@@ -195,7 +195,7 @@ def kernels(args) -> int:
     else:
         print(f"NVRTC {_nvrtc.version()}")
         sass = f" {'loop':>5} {'path':>5} {'tensor':>6} {'ldsm':>4} {'lds':>4} {'sts':>4} {'ldgsts':>6} {'tma':>3} {'bar':>3} " \
-               f"{'mufu':>4} {'atom':>4} {'issue/tensor':>12} {'exposed':>7}" if args.sass else ""
+               f"{'mufu':>4} {'atom':>4} {'issue/tensor':>12} {'shared/tensor':>13} {'exposed':>7}" if args.sass else ""
         sass += f" {'boundary':>8}" if args.sass and args.boundary else ""
         print(f"{'kernel':<58} {'features':<8} {'arch':<7} {'regs':>4} {'spill st':>8} {'spill ld':>8} {'stack':>5} {'static smem':>11} "
               f"{'s':>6}{sass}")
@@ -205,9 +205,10 @@ def kernels(args) -> int:
             if args.sass:
                 ratio = "—" if r["issue_per_tensor"] is None else f"{r['issue_per_tensor']:.2f}"
                 exposed = "—" if r["exposed_per_tensor"] is None else f"{r['exposed_per_tensor']:.2f}"
+                shared = "—" if r["shared_per_tensor"] is None else f"{r['shared_per_tensor']:.2f}"
                 line += (f" {r['loop_instructions']:>5} {r['path_instructions']:>5} {sum(r['tensor_instructions'].values()):>6} "
                          f"{r['ldsm']:>4} {r['lds']:>4} {r['sts']:>4} {r['ldgsts']:>6} {r['tma']:>3} {r['bar']:>3} {r['mufu']:>4} "
-                         f"{r['atomics']:>4} {ratio:>12} {exposed:>7}")
+                         f"{r['atomics']:>4} {ratio:>12} {shared:>13} {exposed:>7}")
                 if r.get("boundary_issue_per_tensor") is not None:
                     line += f" {r['boundary_issue_per_tensor']:>8.2f}"
             print(line)

@@ -1,6 +1,7 @@
 """Every kernel variant compiles under NVRTC for sm_80 and sm_90 (the wgmma forward for sm_90a),
 without spills or local memory (no GPU needed)."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -76,6 +77,13 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
                                       _compile.gpu_build_options(filename, _config.ALL_FEATURES))
     assert next(r for r in rows if r["name"] == name and r["arch"] == "sm_80" and r["features"] == "all")["registers"] \
         == as_on_gpu.registers
+    # the mma.sync forward's tiles for calls without a mask or mods, whose build with a float mask no call runs
+    plain_tc_tiles = [t for t in _config.TENSOR_CORE_TILES
+                      if _config.selectable(_config.TensorCoreTile.filename, t.name_expression(np.float16), _config.PLAIN_FEATURES)]
+    unmasked_only = tuple("_".join(re.findall(r"\w+", t.name_expression(dtype))) + "_"
+                          for t in _config.TENSOR_CORE_TILES if t.unmasked_only for dtype in _config.TENSOR_CORE_DTYPES)
+    assert unmasked_only and not any(_config.selectable(_config.TensorCoreTile.filename, t.name_expression(np.float16),
+                                                        _config.ALL_FEATURES) for t in _config.TENSOR_CORE_TILES if t.unmasked_only)
     for arch in ("sm_80", "sm_90", "sm_90a"):
         for dtype in ("float16", "bfloat16", "float32"):
             tensor_cores = dtype != "float32"
@@ -93,21 +101,23 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
                 continue
             expected = {
                 "attention_fwd": 0 if tensor_cores else len(_config.FORWARD_TILES),
-                "attention_fwd_tc": len(_config.TENSOR_CORE_TILES) if tensor_cores else 0,
+                # the tiles calls without score features can choose (not those for calls with a mask)
+                "attention_fwd_tc": len(plain_tc_tiles) if tensor_cores else 0,
                 "attention_bwd_preprocess": 1,
                 "attention_bwd_dkdv": 0 if tensor_cores else len(_config.BACKWARD_TILES),
                 # fp16/bf16 head dims above 256 take the CUDA-core dQ kernel in deterministic mode
                 "attention_bwd_dq": len([t for t in _config.BACKWARD_TILES
                                          if not tensor_cores or t.head_dim > _config.NARROW_HEAD_DIM]),
                 "attention_bwd_dkdv_tc": len(_config.TENSOR_CORE_BACKWARD_TILES) if tensor_cores else 0,
-                "attention_bwd_dq_tc": len([t for t in _config.TENSOR_CORE_TILES
+                "attention_bwd_dq_tc": len([t for t in _config.DQ_TENSOR_CORE_TILES
                                             if t.head_dim <= _config.NARROW_HEAD_DIM]) if tensor_cores else 0,
                 "attention_decode": len(_config.DECODE_TILES),
             }
             for kernel, count in expected.items():
                 files = [f for f in tmp_path.glob(f"{kernel}_*_{dtype}_{arch}_plain.ptx")
                          if not f.name.startswith((kernel + "_tc_", kernel + "_wgmma_"))]
-                assert all(f.with_name(f.name.replace("_plain.ptx", "_all.ptx")).exists() == ci_builds(arch, kernel, dtype, "all")
+                assert all(f.with_name(f.name.replace("_plain.ptx", "_all.ptx")).exists()
+                           == (ci_builds(arch, kernel, dtype, "all") and not f.name.startswith(unmasked_only))
                            for f in files)
                 assert len(files) == count, (kernel, dtype, arch)
                 assert all(".entry" in f.read_text() for f in files)
@@ -182,9 +192,15 @@ def test_tile_tables_cover_every_head_dim():
         tc = _config.forward_tile(d, d, np.float16)
         assert tc.head_dim >= d and tc.head_dim % 16 == 0 and tc.block_n % 16 == 0 and tc.value_dim % 16 == 0
         assert tc.shared_bytes <= limit and tc.value_dim <= _config.NARROW_HEAD_DIM
+        # a call with a mask or mods: the tile of the same head dim for every call
+        masked = _config.forward_tile(d, d, np.float16, features=_config.BOOL_MASK)
+        assert masked.head_dim == tc.head_dim and not masked.unmasked_only and masked.shared_bytes <= limit
+        assert _config.forward_tile(d, d, np.float16, mods=True) is masked
+        assert (masked is tc) == (not tc.unmasked_only)
+        assert _config.forward_tile(d, d, np.float16, features=_config.SOFTCAP | _config.ALIBI | _config.DROPOUT) is tc
         dq = _config.tensor_core_dq_tile(d, d)
-        if d <= _config.NARROW_HEAD_DIM:
-            assert dq is tc and tc.dq_shared_bytes <= limit
+        if d <= _config.NARROW_HEAD_DIM:  # the deterministic dQ takes the block_n of the tile for every call
+            assert dq is masked and dq.dq_shared_bytes <= limit
         else:
             assert isinstance(dq, _config.BackwardTile) and dq.head_dim >= d and dq.dq_shared_bytes <= limit
         hopper = _config.forward_tile(d, d, BF16, compute_capability=90)
@@ -255,9 +271,13 @@ def check_sass_budgets(rows):
     assert all((value is not None) == ("_wgmma<" in name) for name, value in exposed.items()), exposed
     measured.update({f"{key(r)[:-1]}, exposed]": r["exposed_per_tensor"] for r in rows
                      if r.get("exposed_per_tensor") is not None})
+    # every tensor-core loop's shared-memory wavefronts per tensor cycle ("[..., shared]")
+    assert all(r["shared_per_tensor"] > 0 for r in rows if r.get("issue_per_tensor") is not None)
+    measured.update({f"{key(r)[:-1]}, shared]": r["shared_per_tensor"] for r in rows
+                     if r.get("issue_per_tensor") is not None})
     assert sorted(measured.keys() - budgets.keys()) == [], "new variants need a budget in tests/sass_budgets.json"
     over = {k: (v, budgets[k]) for k, v in measured.items() if v > budgets[k] + 5e-4}
-    assert over == {}, "issue_per_tensor or exposed_per_tensor above its budget (measured, budget)"
+    assert over == {}, "issue_per_tensor, exposed_per_tensor or shared_per_tensor above its budget (measured, budget)"
     for r in rows:
         if r.get("issue_per_tensor") is not None:
             assert r["path_instructions"] <= r["loop_instructions"]

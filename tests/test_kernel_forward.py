@@ -94,13 +94,14 @@ def test_sequence_lengths(schedule, sq, sk, causal):
     check(q, k, v, np.float32, causal=causal)
 
 
-@pytest.mark.parametrize("d", [32, 64])
+@pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("sq,sk", [(1, 203), (7, 7), (113, 203), (203, 113), (257, 31)])
 @pytest.mark.parametrize("causal", [False, True, "top_left"])
 def test_row_tiles_of_the_128_row_forward(schedule, d, sq, sk, causal):
-    """The mma.sync forward at D <= 64 takes 128 query rows per block, two row tiles of 16 rows
-    per warp, 64 rows apart: blocks whose second row tile is partly or wholly past the sequence,
-    and causal rows of one warp that see different key tiles."""
+    """The mma.sync forward up to D = 128 takes 128 query rows per block (at D = 128 with tiles of
+    32 keys, for calls without a mask or mods), two row tiles of 16 rows per warp, 64 rows apart:
+    blocks whose second row tile is partly or wholly past the sequence, and causal rows of one
+    warp that see different key tiles."""
     assert _config.forward_tile(d, d, np.float16).block_m == 128
     rng = np.random.default_rng(sq * 11 + sk + d)
     for dtype in (np.dtype(np.float16), BF16):

@@ -283,3 +283,40 @@ def test_a_wgmma_wait_without_its_count_is_refused():
     text = OVERLAPPED.replace("WARPGROUP.DEPBAR.LE gsb0, 0x1 ;", "WARPGROUP.DEPBAR.LE gsb0 ;")
     with pytest.raises(_sass.SassError, match="group count"):
         report(text, "sm_90a")
+
+
+@pytest.mark.parametrize("opcode, operands, expected", [
+    ("LDSM.16.M88.4", "R8, [R2]", 4), ("LDSM.16.MT88.4", "R8, [R2]", 4), ("LDSM.16.M88.2", "R8, [R2]", 2),
+    ("LDSM.16.M88", "R8, [R2]", 1), ("STSM.16.M88.4", "[R2], R8", 4),
+    ("LDS", "R7, [R3]", 1), ("LDS.U16", "R7, [R3]", 1), ("LDS.64", "R6, [R3]", 2), ("LDS.128", "R4, [R3]", 4),
+    ("STS", "[R3], R7", 1), ("STS.64", "[R3], R6", 2), ("STS.128", "[R3], R4", 4), ("ATOMS.ADD", "RZ, [R3], R7", 1),
+    ("LDGSTS.E.BYPASS.128", "[R6], desc[UR4][R10.64]", 4), ("LDGSTS.E.64", "[R6], desc[UR4][R10.64]", 2),
+    ("LDGSTS.E.BYPASS.LTC128B.128", "[R6], desc[UR4][R10.64]", 4),
+    # a wgmma's operands from shared memory, a quarter of the warpgroup's per warp: both (A's 64
+    # rows and B's N, 32 bytes each per k-step) or B alone when A comes from registers
+    ("HGMMA.64x128x16.F32", "R24, gdesc[UR4], RZ, !UPT", (64 + 128) * 32 / 128 / 4),
+    ("HGMMA.64x128x16.F32.BF16", "R88, R24, gdesc[UR12].tnspB, R88", 128 * 32 / 128 / 4),
+    ("HGMMA.64x64x16.F32", "R24, gdesc[UR4], R24, gsb0", (64 + 64) * 32 / 128 / 4),
+    ("LDG.E.128", "R4, desc[UR4][R2.64]", 0), ("STG.E.128", "desc[UR4][R2.64], R4", 0), ("HMMA.16816.F32", "R4, R8, R12, R4", 0),
+    ("FFMA", "R4, R4, R5, R6", 0)])
+def test_shared_wavefronts(opcode, operands, expected):
+    assert _sass.shared_wavefronts(_sass.Instruction(0, opcode, operands=operands)) == expected
+    assert _sass.shared_wavefronts(_sass.Instruction(0, opcode, operands=operands, never=True)) == 0
+
+
+def test_shared_per_tensor_weighs_the_paths_wavefronts_against_its_tensor_cycles():
+    # one LDSM.x4 (4 wavefronts, each 4 cycles of a sub-partition's share) per HMMA.16816: 16
+    # cycles against 8 on sm_80 and 4 on sm_90 (the fastest path skips the FMULs, not the LDSM)
+    r = report(FEATURE_BEHIND_A_BRANCH, "sm_80")
+    assert r.shared_wavefronts == 4
+    assert r.shared_per_tensor == pytest.approx(4 * 4 / 8) and r.as_row()["shared_per_tensor"] == 2.0
+    assert report(FEATURE_BEHIND_A_BRANCH, "sm_90").shared_per_tensor == pytest.approx(4 * 4 / 4)
+    # the second HMMA and its cp.async chunk halve the ratio's tensor side and add 4 wavefronts
+    both = report(TENSOR_WORK_BEHIND_A_BRANCH, "sm_80")
+    assert both.shared_wavefronts == 8 and both.shared_per_tensor == pytest.approx(4 * 8 / 16)
+    # the wgmma loop: S and dP read both operands from shared memory, dV reads B alone
+    wgmma = report(OVERLAPPED, "sm_90a")
+    assert wgmma.shared_wavefronts == 2 * (64 + 64) / 16 + 2 * 128 / 16
+    assert wgmma.shared_per_tensor == pytest.approx(4 * wgmma.shared_wavefronts / wgmma.tensor_cycles)
+    # a loop without tensor work has no ratio
+    assert _sass.LoopReport().shared_per_tensor is None
