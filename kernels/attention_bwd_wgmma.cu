@@ -16,7 +16,9 @@
 //              mma.sync backward.
 // Per query tile each consumer group computes, from the same stage,
 //   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ      wgmma SS, N = kBlockM: its 64 rows of K, V and the stage's Q, dO,
-//                               all K-major in their swizzled boxes (head dims reduced)
+//                               all K-major in their swizzled boxes (head dims reduced); at
+//                               D = 64 (builds without softcap) RS, K and V's fragments loaded
+//                               into registers once per block
 //   Pᵀ, dSᵀ                     in registers
 //   dV += Pᵀ·dO, dK += dSᵀ·Q    wgmma RS: Pᵀ and dSᵀ from registers, dO and Q MN-major from the
 //                               same boxes (no transpose); up to 128 head dims per instruction
@@ -223,6 +225,27 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
     float(&dv_flat)[4 * kDTiles] = reinterpret_cast<float(&)[4 * kDTiles]>(dv);
 
     if (rows.more()) ptx::mbarrier_wait(&bars.kv_landed, 0);
+    // K and V are the A operands of Sᵀ and dPᵀ for every query tile of the block. At D = 64 each
+    // warp loads its 16 keys' fragments once (ldmatrix from the swizzled boxes, conflict-free:
+    // a matrix's 8 rows hold its chunk at 8 different positions; 16 registers each) and those
+    // products read A from registers: an m64n64k16 with both operands in shared memory takes as
+    // many cycles of the SM's shared-memory bandwidth as of its tensor cores (the SASS audit's
+    // shared_per_tensor: 1.08 for this loop with A from shared memory, 0.92 so). Not at D = 128,
+    // where the 64 registers they would take are not there (kCarryDk), nor in builds with softcap,
+    // whose state beside them spilled (NVRTC 13.5: 24-272 bytes in 8 of the 12 feature sets with
+    // softcap, none without).
+    constexpr bool kKvInRegisters = kHeadDim == 64 && !kSoftcapBuilt;
+    constexpr int kKvFragments = kKvInRegisters ? kHeadDim / 16 : 1;
+    unsigned k_frag[kKvFragments][4], v_frag[kKvFragments][4];
+    if (kKvInRegisters && rows.more()) {
+#pragma unroll
+        for (int kk = 0; kk < kKvFragments; ++kk) {
+            // matrices (rows 0-7, 8-15) x (dims 0-7, 8-15) of the warp's keys: the A fragment's order
+            const int at_kv = KvTile::swizzled(64 * group + 16 * warp + lane % 16, 16 * kk + 8 * (lane / 16));
+            ptx::ldmatrix<4>(k_frag[kk], sK + at_kv);
+            ptx::ldmatrix<4>(v_frag[kk], sV + at_kv);
+        }
+    }
     // Pᵀ and dSᵀ as A fragments (16 queries each), read by the dV and dK products until a wait
     // retires them (the next Sᵀ's, which may be the next tile's; dQ's; the last): declared out
     // here, so that they keep their registers until then.
@@ -269,18 +292,23 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
             ptx::fence_operands(st_flat);
             ptx::fence_operands(dpt_flat);
             ptx::wgmma_fence();
+            // acc = A·Bᵀ over the head dims, A the group's keys of K or V (kv_desc, or their
+            // fragments), B the stage's rows q0.. of Q or dO (b_desc), K-major both.
+            auto issue_keys_product = [&](float(&acc)[4 * kQTiles], const unsigned(&a)[kKvFragments][4],
+                                          unsigned long long kv_desc, unsigned long long b_desc) {
 #pragma unroll
-            for (int kk = 0; kk < kHeadDim / 16; ++kk)
-                ptx::wgmma_m64k16_ss<T, kSubM, ptx::Major::K>(
-                    st_flat, ptx::descriptor_plus(k_desc, sizeof(T) * KvTile::offset(0, 16 * kk)),
-                    ptx::descriptor_plus(q_desc, sizeof(T) * QTile::offset(q0, 16 * kk)), kk > 0);
-            ptx::wgmma_commit();  // Sᵀ a group of its own: Pᵀ is worked out while dPᵀ is multiplied
-#pragma unroll
-            for (int kk = 0; kk < kHeadDim / 16; ++kk)
-                ptx::wgmma_m64k16_ss<T, kSubM, ptx::Major::K>(
-                    dpt_flat, ptx::descriptor_plus(v_desc, sizeof(T) * KvTile::offset(0, 16 * kk)),
-                    ptx::descriptor_plus(do_desc, sizeof(T) * QTile::offset(q0, 16 * kk)), kk > 0);
-            ptx::wgmma_commit();
+                for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+                    const unsigned long long b_dims = ptx::descriptor_plus(b_desc, sizeof(T) * QTile::offset(q0, 16 * kk));
+                    if constexpr (kKvInRegisters)
+                        ptx::wgmma_m64k16_rs<T, kSubM, ptx::Major::K>(acc, a[kk], b_dims, kk > 0);
+                    else
+                        ptx::wgmma_m64k16_ss<T, kSubM, ptx::Major::K>(
+                            acc, ptx::descriptor_plus(kv_desc, sizeof(T) * KvTile::offset(0, 16 * kk)), b_dims, kk > 0);
+                }
+                ptx::wgmma_commit();
+            };
+            issue_keys_product(st_flat, k_frag, k_desc, q_desc);  // Sᵀ a group of its own: Pᵀ is worked out while dPᵀ is multiplied
+            issue_keys_product(dpt_flat, v_frag, v_desc, do_desc);
             // Sᵀ is in; so are the previous rows' dV and dK (this tile's, or the previous tile's):
             // their fragments are free, and at q0 = 0 the previous tile's stage.
             ptx::wgmma_wait<1>();

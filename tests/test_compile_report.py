@@ -53,13 +53,20 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
                       if ci_builds(arch, name, dtype, words) and _config.selectable(filename, name, features))
     assert sorted((r["name"], r["features"]) for r in rows) == expected
     # unselectable, so not listed: the dropout builds of the wgmma forward's tiles for plain calls
-    # only; the plain builds of the tiles for calls with features
+    # only; the plain builds of the tiles for calls with features; and of the mma.sync forward's
+    # tiles that serve calls with a mask or mods where an unmasked_only tile serves the rest, the
+    # plain and dropout builds
+    masked_twins = sum(any(u.unmasked_only and u.head_dim == t.head_dim for u in _config.TENSOR_CORE_TILES)
+                       and not t.unmasked_only for t in _config.TENSOR_CORE_TILES)
+    assert masked_twins == 1
     assert sum(not _config.selectable(f, n, _config.DROPOUT_FEATURES) for f, n, _ in _config.kernel_variants("sm_90")) \
-        == len(_config.TENSOR_CORE_DTYPES) * sum(t.plain_only for t in _config.HOPPER_TILES)
+        == len(_config.TENSOR_CORE_DTYPES) * (sum(t.plain_only for t in _config.HOPPER_TILES) + masked_twins)
     assert sum(not _config.selectable(f, n, _config.PLAIN_FEATURES) for f, n, _ in _config.kernel_variants("sm_90")) \
-        == len(_config.TENSOR_CORE_DTYPES) * sum(
+        == len(_config.TENSOR_CORE_DTYPES) * (sum(
             any(u.plain_only and u.head_dim == t.head_dim for u in _config.HOPPER_TILES) and not t.plain_only
-            for t in _config.HOPPER_TILES)
+            for t in _config.HOPPER_TILES) + masked_twins)
+    assert sum(not _config.selectable(f, n, _config.ALL_FEATURES) for f, n, _ in _config.kernel_variants("sm_80")) \
+        == len(_config.TENSOR_CORE_DTYPES) * sum(t.unmasked_only for t in _config.TENSOR_CORE_TILES)
     keys = {"name", "features", "arch", "attempts", "registers", "spill_stores", "spill_loads", "stack_frame_bytes", "static_shared_bytes",
             "compile_seconds"}
     for row in rows:
@@ -155,6 +162,25 @@ def test_every_feature_build_of_the_wgmma_forward_and_its_mods_compile_without_s
     rows = json.loads(result.stdout)
     assert result.returncode == 0, [r for r in rows if r["spill_stores"] or r["spill_loads"]]
     assert len(rows) == len(featured) * 5 * 2 and {r["features"].split(", ")[1] for r in rows} == {"plain", "softcap"}
+
+
+def test_every_feature_build_of_the_wgmma_dkdv_at_d64_compiles_without_spills():
+    """The wgmma dK/dV at D = 64 holds K's and V's fragments in registers in builds without
+    softcap, where no feature set spilled beside them (and 8 of the 12 with softcap did, which
+    keep them in shared memory): every build a call can choose, both dQ modes. (At D = 128, which
+    keeps K and V in shared memory, the deterministic dQ's builds with softcap, ALiBi, a mask and
+    dropout spill 24 bytes: bench/RESULTS.md, 2026-12-06, twentieth session.)"""
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "feature_builds.py"), "--kernels",
+                             "attention_bwd_dkdv_wgmma", "--json"], capture_output=True, text=True, timeout=900)
+    assert result.returncode in (0, 1), result.stderr  # 1: a build spills
+    rows = [r for r in json.loads(result.stdout) if ", 64, 64, " in r["name"]]
+    assert len(rows) == 2 * len(_config.FEATURE_SETS)
+    assert [r for r in rows if r["spill_stores"] or r["spill_loads"]] == []
+    # K and V from registers: Sᵀ and dPᵀ read B alone from shared memory, which the plain build's
+    # wavefronts show (below those of the softcap build, which reads both operands there)
+    shared = {(r["name"], r["features"]): r["shared_per_tensor"] for r in rows}
+    for name in {n for n, _ in shared}:
+        assert shared[(name, "plain")] < shared[(name, "softcap")], name
 
 
 def test_every_wgmma_shape_assembles():
