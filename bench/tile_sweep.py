@@ -68,7 +68,10 @@ def installed(pass_: str, tile):
     """The tile table with this candidate in place of its head dim's entry."""
     name = "TENSOR_CORE_TILES" if pass_ == "fwd" else "TENSOR_CORE_BACKWARD_TILES"
     saved = getattr(_config, name)
-    setattr(_config, name, tuple(tile if t.head_dim == tile.head_dim else t for t in saved))
+    # the entry the sweep's calls (no mask) take: at D = 128 the forward's unmasked_only tile, not
+    # the one calls with a mask keep
+    same = lambda t: t.head_dim == tile.head_dim and getattr(t, "unmasked_only", False) == getattr(tile, "unmasked_only", False)  # noqa: E731
+    setattr(_config, name, tuple(tile if same(t) else t for t in saved))
     try:
         yield
     finally:
