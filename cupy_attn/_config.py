@@ -108,12 +108,11 @@ class BackwardTile:
 @dataclass(frozen=True)
 class TensorCoreTile:
     """The fp16/bf16 forward on mma.sync: block_m query rows per block of 4 warps (64: one row
-    tile of 16 rows per warp; 128: two, 64 rows apart). The deterministic dQ kernel takes the
-    block_n of its head dim's tile for every call (the one not unmasked_only), with dq_block_m
-    rows."""
+    tile of 16 rows per warp; 128: two, 64 rows apart). The deterministic dQ kernel is laid out
+    alike, with the rows and keys of its head dim's tile for every call (the one not
+    unmasked_only): dq_block_m and dq_block_n (dq_tile; by default 64 rows and block_n)."""
 
     filename: ClassVar[str] = "attention_fwd_tc.cu"
-    dq_block_m: ClassVar[int] = 64  # the deterministic dQ kernel's rows per block: kTcBlockM
     # Its blocks (and the dQ kernel's) start in sections of (batch entry, head) pairs, the last
     # query tile first (kernels/block_info.cuh query_block_place, _schedule.py).
     sectioned: ClassVar[bool] = True
@@ -127,6 +126,15 @@ class TensorCoreTile:
     # For calls without a mask, score_mod or mask_mod (whose per-row addressing spilled beside this
     # tile's accumulators); such calls take the next tile of the same head dim.
     unmasked_only: bool = False
+    dq_tile: tuple = (64, 0)  # the deterministic dQ kernel's (rows, keys) per block; keys 0: block_n
+
+    @property
+    def dq_block_m(self) -> int:
+        return self.dq_tile[0]
+
+    @property
+    def dq_block_n(self) -> int:
+        return self.dq_tile[1] or self.block_n
 
     @property
     def value_dim(self) -> int:
@@ -146,12 +154,13 @@ class TensorCoreTile:
 
     @property
     def dq_shared_bytes(self) -> int:
-        """The deterministic dQ kernel on the same block_n: Q, dO (dq_block_m, D + 8) + K, V
-        (block_n, D + 8), 16-bit, and lse, delta (dq_block_m floats)."""
-        return 2 * (2 * self.dq_block_m + 2 * self.block_n) * (self.head_dim + 8) + 8 * self.dq_block_m
+        """The deterministic dQ kernel: Q, dO (dq_block_m, D + 8) + K, V (dq_block_n, D + 8),
+        16-bit, and lse, delta (dq_block_m floats)."""
+        return 2 * (2 * self.dq_block_m + 2 * self.dq_block_n) * (self.head_dim + 8) + 8 * self.dq_block_m
 
     def dq_name(self, dtype) -> str:
-        return f"attention_bwd_dq_tc<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_n}>"
+        return (f"attention_bwd_dq_tc<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.dq_block_n}, "
+                f"{self.dq_block_m}>")
 
 
 # Per thread: (block_m / 64)·(D/2) float accumulators of O plus (block_m / 64)·(block_n/2) of S
@@ -174,8 +183,8 @@ class TensorCoreTile:
 # K/V stages stay within sm_86's 99 KB. Which wins on a GPU is the next GPU run's to say
 # (bench/tile_sweep.py).
 TENSOR_CORE_TILES = (
-    TensorCoreTile(32, 128, 64, "2 x (16 + 32 + 4) accumulators per thread; 30 KB shared"),
-    TensorCoreTile(64, 128, 64, "2 x (32 + 32 + 4) accumulators per thread; 54 KB shared"),
+    TensorCoreTile(32, 128, 64, "2 x (16 + 32 + 4) accumulators per thread; 30 KB shared", dq_tile=(128, 64)),
+    TensorCoreTile(64, 128, 64, "2 x (32 + 32 + 4) accumulators per thread; 54 KB shared", dq_tile=(128, 32)),
     TensorCoreTile(128, 128, 32, "2 x (64 + 16 + 4) accumulators per thread; 68 KB shared", unmasked_only=True),
     TensorCoreTile(128, 64, 64, "64 + 32 + 4 accumulators per thread; 85 KB shared"),
     TensorCoreTile(256, 64, 16, "128 + 8 + 4 accumulators per thread; 66 KB shared"),
@@ -183,9 +192,13 @@ TENSOR_CORE_TILES = (
                    value_slice=256),
 )
 TENSOR_CORE_DTYPES = (np.dtype(np.float16), BFLOAT16)
-# The tiles whose block_n the deterministic dQ kernel takes: one per head dim, the one for every
-# call (with 32 keys, unmasked_only's, its path per tensor cycle was longer: 0.85 against 0.74 at
-# D = 128 on sm_90, NVRTC 13.5).
+# The tiles whose dq_tile the deterministic dQ kernel takes: one per head dim, the one for every
+# call. Its rows per warp set its shared-memory reads as the forward's do (the SASS audit's
+# shared_per_tensor on sm_80, NVRTC 13.5, fp16; bench/RESULTS.md, 2026-12-06, twentieth session):
+# at D = 32 128 x 64 0.79 against 1.38 for 64 x 64 (issue_per_tensor 0.65 against 0.78), at D = 64
+# 128 x 32 0.96 against 1.35 (0.47 against 0.51; 128 x 64 spills 16 bytes with softcap, ALiBi and a
+# float mask). At D = 128 128 x 32 spills (12 bytes, plain build) and 64 x 32 was longer than
+# 64 x 64 (0.85 against 0.74 on sm_90), so it keeps 64 x 64, as D = 256 keeps 64 x 16.
 DQ_TENSOR_CORE_TILES = tuple(t for t in TENSOR_CORE_TILES if not t.unmasked_only)
 
 

@@ -54,7 +54,7 @@ _CAUSAL = {None: 0, "bottom_right": 1, "top_left": 2}
 # The fewest query rows a tile of the tensor-core forwards or dQ kernel holds: the grid's y axis
 # counts their tiles (_query_grid).
 _QUERY_TILE_ROWS = min([t.block_m for t in _config.TENSOR_CORE_TILES + _config.HOPPER_TILES]
-                       + [_config.TensorCoreTile.dq_block_m])
+                       + [t.dq_block_m for t in _config.DQ_TENSOR_CORE_TILES])
 # The fewest keys a tile of the sectioned dK/dV kernels holds: the grid's y axis counts their tiles
 # (_key_grid).
 _KEY_TILE_KEYS = min(t.block_n for t in _config.TENSOR_CORE_BACKWARD_TILES + _config.HOPPER_BACKWARD_TILES
@@ -651,7 +651,7 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
             _launch(target, "attention_bwd.cu", dq_tile.dq_name(p.dtype), (_blocks(sq, dq_tile.dq_block_m), h, b),
                     (q, k, v, dout, lse, delta, dq, *common), dq_tile.dq_shared_bytes, **module)
         else:
-            common = _common_args(p, q, k, v, dout, (dq_tile.dq_block_m, dq_tile.block_n))
+            common = _common_args(p, q, k, v, dout, (dq_tile.dq_block_m, dq_tile.dq_block_n))
             _launch(target, "attention_bwd_tc.cu", dq_tile.dq_name(p.dtype), _query_grid(p, target, dq_tile.dq_block_m),
                     (q, k, v, dout, lse, delta, dq, vectorised, *common), dq_tile.dq_shared_bytes, **module)
     dq_unscaled = not deterministic and not isinstance(tile, _config.BackwardTile)

@@ -18,9 +18,11 @@
 //                                         the deterministic dQ kernel runs after.
 // P and dS are rounded to the input type before their MMAs, as in FlashAttention-2.
 //
-// attention_bwd_dq_tc is the deterministic dQ on tensor cores: one block of 4 warps per 64 query
-// rows loops over key tiles, recomputes S = Q·Kᵀ and dP = dO·Vᵀ, and accumulates dQ += dS·K in
-// registers in a fixed order (no atomics), then writes it in the input type.
+// attention_bwd_dq_tc is the deterministic dQ on tensor cores: one block of 4 warps per 64 or 128
+// query rows (one or two row tiles of 16 per warp, 64 rows apart, as the mma.sync forward's: with
+// two, every K and V fragment a warp reads serves both) loops over key tiles, recomputes
+// S = Q·Kᵀ and dP = dO·Vᵀ, and accumulates dQ += dS·K in registers in a fixed order (no
+// atomics), then writes it in the input type.
 #include "backward_stats.cuh"
 #include "block_info.cuh"
 #include "dropout.cuh"
@@ -196,37 +198,41 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
     else store_dkdv(p, b_out, static_cast<float*>(dk_out), static_cast<float*>(dv_out), dk, dv, n0, key0, dim0, g, t);
 }
 
-template <class T, int kHeadDim, int kBlockN>
+template <class T, int kHeadDim, int kBlockN, int kBlockM>
 __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T* k, const T* v, const T* dout,
                                             const float* lse, const float* delta, T* dq_out, int vectorised,
                                             const long long (&strides)[12]) {
+    static_assert(kBlockM == 64 || kBlockM == 128, "one or two row tiles of 16 rows per warp");
     constexpr int kStride = TcLayout<kHeadDim>::kStride;
+    constexpr int kRowTiles = kBlockM / 64;  // per warp, rows 64m + 16·warp .. + 15 of the block
     constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
     extern __shared__ __align__(16) unsigned char smem_bytes[];
-    T* sQ = reinterpret_cast<T*>(smem_bytes);  // (64, kStride)
-    T* sDO = sQ + kTcBlockM * kStride;         // (64, kStride)
-    T* sK = sDO + kTcBlockM * kStride;         // (kBlockN, kStride)
+    T* sQ = reinterpret_cast<T*>(smem_bytes);  // (kBlockM, kStride)
+    T* sDO = sQ + kBlockM * kStride;           // (kBlockM, kStride)
+    T* sK = sDO + kBlockM * kStride;           // (kBlockN, kStride)
     T* sV = sK + kBlockN * kStride;            // (kBlockN, kStride)
     float* sLse2 = reinterpret_cast<float*>(sV + kBlockN * kStride);
-    float* sDelta = sLse2 + kTcBlockM;
+    float* sDelta = sLse2 + kBlockM;
 
     const BlockPlace place = query_block_place(p);
     const BlockInfo b(p, place.head, place.batch);
     const ScoreTransform score(p, b);
     const Dropout dropout(p, b);
     const HeadView at = head_view(p, b, strides);
-    const int m0 = place.tile * kTcBlockM;
+    const int m0 = place.tile * kBlockM;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const TileSource<T, kHeadDim> q_source(q + at.q, at.q_row, b.q_rows(p), p.head_dim, vectorised & 1);
     const TileSource<T, kHeadDim> do_source(dout + at.o, at.o_row, b.q_rows(p), p.head_dim_v, vectorised & 8);
-    stage_async<kTcBlockM>(sQ, q_source, m0);
-    stage_async<kTcBlockM>(sDO, do_source, m0);
-    stage_row_stats(sLse2, sDelta, lse, delta, at.stats, m0, kTcBlockM, b.q_rows(p));
+    stage_async<kBlockM>(sQ, q_source, m0);
+    stage_async<kBlockM>(sDO, do_source, m0);
+    stage_row_stats(sLse2, sDelta, lse, delta, at.stats, m0, kBlockM, b.q_rows(p));
 
-    float dq[kDTiles][4];
+    float dq[kRowTiles][kDTiles][4];
 #pragma unroll
-    for (int d = 0; d < kDTiles; ++d) dq[d][0] = dq[d][1] = dq[d][2] = dq[d][3] = 0.f;
-    TileWalk keys = b.key_walk(p, m0, kTcBlockM, kBlockN);
+    for (int m = 0; m < kRowTiles; ++m)
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d) dq[m][d][0] = dq[m][d][1] = dq[m][d][2] = dq[m][d][3] = 0.f;
+    TileWalk keys = b.key_walk(p, m0, kBlockM, kBlockN);
     const TileSource<T, kHeadDim> k_source(k + at.k, at.k_row, b.kv_rows(p), p.head_dim, vectorised & 2);
     const TileSource<T, kHeadDim> v_source(v + at.v, at.v_row, b.kv_rows(p), p.head_dim_v, vectorised & 4);
     const int whole_tiles = whole_rows_of(k_source, v_source) / kBlockN;
@@ -238,31 +244,37 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
         ptx::cp_async_wait<0>();
         __syncthreads();  // Q, dO, the row statistics (first pass), K and V are in place
 
-        // S = Q·Kᵀ and dP = dO·Vᵀ for this warp's 16 rows: [j] holds rows (g, g+8) x keys 8j + 2t, +1.
-        float s[kNTiles][4], dp[kNTiles][4];
+        // S = Q·Kᵀ and dP = dO·Vᵀ for this warp's row tiles: [m][j] holds rows (g, g+8) of row tile m
+        // x keys 8j + 2t, +1. With two row tiles every K and V fragment serves two MMAs.
+        float s[kRowTiles][kNTiles][4], dp[kRowTiles][kNTiles][4];
 #pragma unroll
-        for (int j = 0; j < kNTiles; ++j)
+        for (int m = 0; m < kRowTiles; ++m)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
+            for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[m][j][e] = dp[m][j][e] = 0.f;
         mma_rows_by_rows<T, kStride, kHeadDim / 16>(s, sQ, warp * 16, sK, lane);
         mma_rows_by_rows<T, kStride, kHeadDim / 16>(dp, sDO, warp * 16, sV, lane);
 
         // dS in place of S.
-        const int checks = b.tile_checks(p, m0, kTcBlockM, n0, kBlockN);
+        const int checks = b.tile_checks(p, m0, kBlockM, n0, kBlockN);
 #pragma unroll
-        for (int j = 0; j < kNTiles; ++j) {
+        for (int m = 0; m < kRowTiles; ++m)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int row = warp * 16 + g + 8 * (e / 2), key = j * 8 + 2 * t + (e & 1);
-                const float qk = s[j][e];
-                const float s2 = score(p, b, qk, m0 + row, n0 + key, checks);
-                const float prob = probability(s2, sLse2[row], score.softmax_scale());
-                const float z = dropout.factor(m0 + row, n0 + key);
-                s[j][e] = prob * (dp[j][e] * z - sDelta[row]) * score.grad(p, b, qk, m0 + row, n0 + key, prob);
+            for (int j = 0; j < kNTiles; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = 64 * m + warp * 16 + g + 8 * (e / 2), key = j * 8 + 2 * t + (e & 1);
+                    const float qk = s[m][j][e];
+                    const float s2 = score(p, b, qk, m0 + row, n0 + key, checks);
+                    const float prob = probability(s2, sLse2[row], score.softmax_scale());
+                    const float z = dropout.factor(m0 + row, n0 + key);
+                    s[m][j][e] = prob * (dp[m][j][e] * z - sDelta[row]) * score.grad(p, b, qk, m0 + row, n0 + key, prob);
+                }
             }
-        }
 
-        // dQ += dS·K: dS stays in registers as the A operand; K is read transposed.
+        // dQ += dS·K: dS stays in registers as the A operand; K is read transposed, each fragment
+        // once for every row tile.
         mma_registers_by_rows<T, kStride, kBlockN / 16>(dq, s, sK, lane);
     }
 
@@ -270,29 +282,31 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
     // pairs (store_pair). (b.stats(p), not at.stats: recomputed rather than held across the
     // loop; see attention_bwd.cu.)
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int i = m0 + warp * 16 + g + 8 * r;
-        if (i >= b.q_rows(p)) continue;
+    for (int m = 0; m < kRowTiles; ++m)
 #pragma unroll
-        for (int d = 0; d < kDTiles; ++d) {
-            const int col = d * 8 + 2 * t;
-            store_pair(dq_out + (b.stats(p) + i) * p.head_dim + col, col, p.head_dim, dq[d][2 * r] * p.scale,
-                       dq[d][2 * r + 1] * p.scale);
+        for (int r = 0; r < 2; ++r) {
+            const int i = m0 + 64 * m + warp * 16 + g + 8 * r;
+            if (i >= b.q_rows(p)) continue;
+#pragma unroll
+            for (int d = 0; d < kDTiles; ++d) {
+                const int col = d * 8 + 2 * t;
+                store_pair(dq_out + (b.stats(p) + i) * p.head_dim + col, col, p.head_dim, dq[m][d][2 * r] * p.scale,
+                           dq[m][d][2 * r + 1] * p.scale);
+            }
         }
-    }
 }
 
 }  // namespace attn
 
-// grid (pairs per section, ceil(Sq / 64), sections) (query_block_place), block 128, dynamic shared
-// memory: Q, dO (64 rows) and K, V (kBlockN rows) of kHeadDim + 8 16-bit elements, lse and delta
-// (64 floats each).
-template <class T, int kHeadDim, int kBlockN>
+// grid (pairs per section, ceil(Sq / kBlockM), sections) (query_block_place), block 128, dynamic
+// shared memory: Q, dO (kBlockM rows) and K, V (kBlockN rows) of kHeadDim + 8 16-bit elements, lse
+// and delta (kBlockM floats each).
+template <class T, int kHeadDim, int kBlockN, int kBlockM>
 __global__ void __launch_bounds__(attn::kThreads, 1)
 attention_bwd_dq_tc(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,
                     T* dq, int vectorised, ATTN_PARAMS) {
     ATTN_UNPACK_PARAMS;
-    attn::dq_tc_block<T, kHeadDim, kBlockN>(p, q, k, v, dout, lse, delta, dq, vectorised, strides);
+    attn::dq_tc_block<T, kHeadDim, kBlockN, kBlockM>(p, q, k, v, dout, lse, delta, dq, vectorised, strides);
 }
 
 // grid (pairs per section, ceil(Sk / kBlockN), sections) (key_block_place) up to D = 128, else

@@ -7,8 +7,6 @@
 
 namespace attn {
 
-constexpr int kTcBlockM = 64;  // query rows per block (4 warps x 16) of the tensor-core kernels other than the mma.sync forward
-
 template <int kHeadDim>
 struct TcLayout {
     static constexpr int kStride = kHeadDim + 8;  // halves per shared-memory row (+16 bytes)

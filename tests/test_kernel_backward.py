@@ -46,6 +46,26 @@ def check(rng, q, k, v, dtype, deterministic, addressable=False, **kw):
     return grads
 
 
+@pytest.mark.parametrize("d", [32, 64])
+@pytest.mark.parametrize("sq,sk", [(1, 203), (7, 7), (113, 203), (203, 113), (257, 31)])
+@pytest.mark.parametrize("causal", [False, True, "top_left"])
+@pytest.mark.parametrize("schedule", ["random", "warps"])
+def test_row_tiles_of_the_128_row_deterministic_dq(monkeypatch, schedule, d, sq, sk, causal):
+    """The deterministic dQ at D <= 64 takes 128 query rows per block, two row tiles of 16 rows per
+    warp, 64 rows apart (as the mma.sync forward): blocks whose second row tile is partly or wholly
+    past the sequence, causal rows of one warp that see different key tiles, and (D = 64) tiles of
+    32 keys; a mask in some, read by each row tile's rows."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", schedule)
+    assert _config.tensor_core_dq_tile(d, d).dq_block_m == 128
+    launched = spy_launches(monkeypatch)
+    rng = np.random.default_rng(sq * 13 + sk + d)
+    for dtype in (np.dtype(np.float16), BF16):
+        q, k, v = random_qkv(rng, b=1, h=2, hkv=1, sq=sq, sk=sk, d=d, dtype=dtype)
+        mask = rng.random((1, 2, sq, sk)) < 0.8 if sq == 113 else None
+        check(rng, q, k, v, dtype, True, causal=causal, mask=mask)
+    assert _config.tensor_core_dq_tile(d, d).dq_name(BF16) in launched, launched
+
+
 @pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
