@@ -285,7 +285,7 @@ def shared_wavefronts(instruction: Instruction) -> float:
     ldmatrix and stmatrix by their matrices (.x1, .x2, .x4: 8 rows of 16 bytes each); LDS, STS
     and ATOMS by their width (a warp's 4-byte or narrower, 8- and 16-byte accesses: 1, 2, 4);
     LDGSTS by the chunk it writes into shared memory (the same); a wgmma by its operands read from
-    shared memory (a k-step's 32 bytes per row: B's N rows, and A's 64 unless A comes from
+    shared memory (a k-step's 32 bytes per row: B's N rows, and A's M unless A comes from
     registers; a warpgroup's instruction, a quarter per warp)."""
     parts = instruction.opcode.split(".")
     if instruction.never:
@@ -295,9 +295,9 @@ def shared_wavefronts(instruction: Instruction) -> float:
     if parts[0] in ("LDS", "STS", "LDGSTS", "ATOMS"):
         return 4 if "128" in parts else 2 if "64" in parts else 1
     if parts[0] == "HGMMA":
-        n = int(parts[1].split("x")[1])
+        m, n, _ = (int(x) for x in parts[1].split("x"))
         a_from_shared = instruction.operands.split(",")[1].strip().startswith("gdesc")
-        return (64 * a_from_shared + n) * 32 / 128 / 4
+        return (m * a_from_shared + n) * 32 / 128 / 4
     return 0
 
 
