@@ -6,11 +6,11 @@ builds each one the launcher can choose and reports its spills and hot loop.
     python bench/feature_builds.py [--kernels attention_fwd_wgmma] [--dtypes float16] [--mods] [--json]
 
 One row per (kernel, feature set): registers, spill stores and loads, the hot loop's fastest path
-per tile, issue_per_tensor, shared_per_tensor and exposed_per_tensor (wgmma kernels), as the compile report gives
-them. With --mods, the builds of bench/bench_mods.py's three mods instead (a document mask and a
-window with global tokens, each with and without a block mask, and a bias table; without score
-features and with softcap), for the variants a call with mods runs. Exit status 1 where a build
-spills. No GPU needed: NVRTC and nvdisasm from the pip wheels.
+per tile, issue_per_tensor, mufu_per_tensor, shared_per_tensor and exposed_per_tensor (wgmma
+kernels), as the compile report gives them. With --mods, the builds of bench/bench_mods.py's three
+mods instead (a document mask and a window with global tokens, each with and without a block mask,
+and a bias table; without score features and with softcap), for the variants a call with mods runs.
+Exit status 1 where a build spills. No GPU needed: NVRTC and nvdisasm from the pip wheels.
 """
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ def feature_build_rows(kernels, dtypes, arch: str = "sm_90", mods: bool = False)
             words = _config.feature_words(features)
             rows.append({"name": name, "arch": build_arch, "features": f"{label}, {words}" if mod else words,
                          "registers": c.registers, "spill_stores": c.spill_stores, "spill_loads": c.spill_loads,
-                         **{k: report[k] for k in ("path_instructions", "issue_per_tensor", "shared_per_tensor",
-                                                   "exposed_instructions", "exposed_per_tensor")}})
+                         **{k: report[k] for k in ("path_instructions", "issue_per_tensor", "mufu_per_tensor",
+                                                   "shared_per_tensor", "exposed_instructions", "exposed_per_tensor")}})
     return rows
 
 
@@ -80,15 +80,16 @@ def main(argv=None) -> int:
         print(json.dumps(rows, indent=1))
     else:
         print(f"NVRTC {_nvrtc.version()}\n")
-        print("| kernel | features | registers | spill stores / loads | path | issue_per_tensor | shared_per_tensor "
-              "| exposed |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| kernel | features | registers | spill stores / loads | path | issue_per_tensor | mufu_per_tensor "
+              "| shared_per_tensor | exposed |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in rows:  # a kernel without tensor instructions has no hot loop to report (—)
             issue = "—" if r["issue_per_tensor"] is None else f"{r['issue_per_tensor']:.3f}"
+            mufu = "—" if r["mufu_per_tensor"] is None else f"{r['mufu_per_tensor']:.3f}"
             shared = "—" if r["shared_per_tensor"] is None else f"{r['shared_per_tensor']:.3f}"
             exposed = "—" if r["exposed_per_tensor"] is None else f"{r['exposed_per_tensor']:.3f} ({r['exposed_instructions']})"
             print(f"| `{r['name']}` | {r['features']} | {r['registers']} | {r['spill_stores']} / {r['spill_loads']} "
-                  f"| {r['path_instructions'] if issue != '—' else '—'} | {issue} | {shared} | {exposed} |")
+                  f"| {r['path_instructions'] if issue != '—' else '—'} | {issue} | {mufu} | {shared} | {exposed} |")
     return 1 if any(r["spill_stores"] or r["spill_loads"] for r in rows) else 0
 
 

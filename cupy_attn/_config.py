@@ -282,7 +282,9 @@ TMA_BOX_DIMS = TMA_LINE_BYTES // 2  # head dims per TMA box of q, k, v, out and 
 # is not plain_only. block_n is the N of the S instruction. At D = 64 a plain call takes 176 keys
 # (m64n176k16, FlashAttention-3's choice there): the SASS audit's path per tile of 517
 # instructions against 392 for 128 keys (2.94 per key against 3.06; issue_per_tensor 0.73 against
-# 0.77), with the Q descriptors no longer hoisted (attention_fwd_wgmma.cu). Causal and windowed
+# 0.77), with the Q descriptors no longer hoisted (attention_fwd_wgmma.cu); with every 7th exp2 on
+# the FMA units (exp2_polynomial, 2026-12-06) 614 against 457, issue_per_tensor 0.87 against 0.89
+# and mufu_per_tensor 0.89 against 0.91. Causal and windowed
 # calls keep 128 (not `diagonal`), as FlashAttention-3 does: a tile on the diagonal is issue-bound
 # (boundary issue_per_tensor 1.17 at 176 keys, 1.11 at 128), 128 query rows cross one tile of 128
 # keys but often two of 176, and the masked part of the last tile grows; the model (interior tiles

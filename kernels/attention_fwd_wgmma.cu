@@ -98,6 +98,18 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
     using KvTile = SwizzledBoxLayout<kBlockN, kHeadDim>;  // K and V: keys x head dims
     constexpr int kNTiles = kBlockN / 8;     // 8-key column tiles of S
     constexpr int kDTiles = kHeadDim / 8;    // 8-dim column tiles of O
+    // A tile's softmax gives each warp kBlockN / 2 MUFU instructions (an exp2 per score), 8 cycles
+    // each on its sub-partition's unit, against kBlockN·kHeadDim / 16 tensor cycles: at D = 64
+    // the MUFU unit alone needs as long as the tensor cores (SASS audit, NVRTC 13.5: mufu_per_tensor
+    // 1.02 at 176 keys and 1.03 at 128, issue_per_tensor 0.73 and 0.77). Every 7th column's exp2
+    // on the FMA pipe instead (exp2_polynomial, in interior tiles) balances the two bounds:
+    // issue 0.87 and MUFU 0.89 at 176 keys, 0.89 and 0.91 at 128 (every 8th: 0.85 and 0.91 at
+    // 176 keys; every 6th: 0.90 and 0.86). Builds with score features, mods or dropout are
+    // issue-bound (issue_per_tensor 1.3-4.4 at 64 keys), but softcap's, whose tanh adds 2 MUFU per
+    // score (MUFU 3.06 against issue 1.55), more than a share of the softmax's could move; at
+    // D = 128 and 256 MUFU needs a half and a quarter of the tensor cycles. All keep the MUFU unit
+    // for every score.
+    constexpr int kPolynomialEvery = kHeadDim == 64 && ScoreTransform::kPlain && !kDropoutBuilt ? 7 : 0;
     // Every build overlaps the softmax of a tile with P·V of the previous one, so it holds S, P and
     // O at once (D/2 + 3·kBlockN/4 registers) besides what its score features and mods need: with
     // the features' tiles (64 keys at D <= 128, 32 at 256; the tile table) and the rows' scores one
@@ -263,8 +275,9 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
             consumer_release(bars.k, k_at);
             k_at.advance();
             const int n0 = n_block * kBlockN;
-            softmax_scores<!ScoreTransform::kPlain>(s, softmax, p, b, score, dropout, row_lo, n0, t,
-                           b.tile_checks(p, interior.contains(n_block), place.tile, n_block));
+            softmax_scores<!ScoreTransform::kPlain, kPolynomialEvery>(
+                s, softmax, p, b, score, dropout, row_lo, n0, t,
+                b.tile_checks(p, interior.contains(n_block), place.tile, n_block));
         };
         auto pack_p = [&] {
 #pragma unroll

@@ -369,6 +369,19 @@ __device__ __forceinline__ float ex2_approx(float x) {
 #endif
 }
 
+// max(a, b) that propagates NaN, where fmaxf returns the other operand: one max.NaN.f32 (PTX ISA
+// 7.0, sm_80). A clamp that must not turn a NaN into a number (exp2_polynomial).
+__device__ __forceinline__ float max_nan(float a, float b) {
+#ifdef __CUDA_ARCH__
+    float y;
+    asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(y) : "f"(a), "f"(b));
+    return y;
+#else
+    if (a != a || b != b) return __int_as_float(0x7fffffff);  // PTX's canonical NaN
+    return a > b || (a == b && !std::signbit(a)) ? a : b;  // +0 above -0
+#endif
+}
+
 
 // ---- Hopper (sm_90a) warpgroup MMA ------------------------------------------------------------
 // A warpgroup is 4 consecutive warps starting at a warp index divisible by 4 (in cupy_attn a

@@ -35,11 +35,13 @@ using TcSoftmax = TcSoftmaxOf<>;
 // bytes at D = 128 with a float mask, 24-72 with softcap and a float mask, in the key loop), none
 // with the barrier. Elsewhere the rows stay interleaved: with the barrier the mma.sync forward's
 // dropout builds issued 0.6-1.2 % more, the wgmma forward's plain boundary tiles 0.2-0.4 %.
-template <bool kRowByRow = false, int kNTiles, class Softmax>
+// kPolynomialEvery: OnlineSoftmax::update's polynomial_every for interior tiles, where the MUFU
+// unit can bound the loop; a boundary tile's checks make it issue-bound, and it keeps MUFU.
+template <bool kRowByRow = false, int kPolynomialEvery = 0, int kNTiles, class Softmax>
 __device__ __forceinline__ void softmax_scores(float (&s)[kNTiles][4], Softmax (&softmax)[2],
                                                const Params& p, const BlockInfo& b, const ScoreTransform& score,
                                                const Dropout& dropout, int row_lo, int n0, int t, int checks) {
-    auto tile = [&](int tile_checks) {
+    auto tile = [&](int tile_checks, int polynomial_every) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float row[2 * kNTiles];
@@ -47,7 +49,7 @@ __device__ __forceinline__ void softmax_scores(float (&s)[kNTiles][4], Softmax (
             for (int c = 0; c < 2 * kNTiles; ++c)
                 row[c] = score(p, b, s[c / 2][2 * r + c % 2], row_lo + 8 * r, n0 + (c / 2) * 8 + 2 * t + c % 2,
                                tile_checks);
-            softmax[r].update(row, score.softmax_scale());
+            softmax[r].update(row, score.softmax_scale(), polynomial_every);
 #pragma unroll
             for (int c = 0; c < 2 * kNTiles; ++c)
                 s[c / 2][2 * r + c % 2] = row[c] * dropout.factor(row_lo + 8 * r, n0 + (c / 2) * 8 + 2 * t + c % 2);
@@ -57,8 +59,8 @@ __device__ __forceinline__ void softmax_scores(float (&s)[kNTiles][4], Softmax (
     // An interior tile's copy with the checks a constant 0: no test per score. Without it the
     // warp-specialised wgmma forward kept a branch and an index add per score (NVRTC 13.5: 537
     // instructions per tile of 128 keys at D = 64 against 442).
-    if (checks) tile(checks);
-    else tile(0);
+    if (checks) tile(checks, 0);
+    else tile(0, kPolynomialEvery);
 }
 
 // o's rows (2r, 2r + 1 of each 8-dim tile: row r of the lane) scaled to row r's new running max

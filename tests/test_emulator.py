@@ -583,6 +583,59 @@ def test_ex2():
     np.testing.assert_allclose(y, np.exp2(x), rtol=1e-6)
 
 
+
+def test_max_nan_propagates_nan_where_fmax_drops_it():
+    rng = np.random.default_rng(11)
+    a, b = (rng.standard_normal(1000).astype(np.float32) for _ in range(2))
+    a[::7], b[3::11] = np.nan, np.nan
+    a[1::13], b[2::17] = -np.inf, np.inf
+    y = np.zeros_like(a)
+    module("primitives.cu").get_function("max_nan")(4, 256, (a, b, y, I32(a.size)))
+    np.testing.assert_array_equal(y, np.maximum(a, b))  # NumPy's maximum propagates NaN too
+    nan = np.isnan(a) ^ np.isnan(b)
+    assert nan.sum() > 100 and not np.isnan(np.fmax(a, b)[nan]).any()  # what fmaxf would give there
+
+
+@pytest.fixture(scope="module")
+def exp2_polynomial():
+    def run(x):
+        x = np.asarray(x, np.float32)
+        y, shifted = np.zeros_like(x), np.zeros_like(x)
+        module("primitives.cu").get_function("exp2_polynomial")((x.size + 255) // 256, 256, (x, y, shifted, I32(x.size)))
+        return y, shifted
+    return run
+
+
+def test_exp2_polynomial_against_exp2(exp2_polynomial):
+    x = np.concatenate([np.linspace(-126, 127.99, 400001, dtype=np.float32),
+                        np.random.default_rng(12).uniform(-8, 8, 100000).astype(np.float32)])
+    y, _ = exp2_polynomial(x)
+    relative = np.abs(y / np.exp2(x.astype(np.float64)) - 1)
+    assert relative.max() < 8.7e-5  # the fit's bound (numeric.cuh)
+    assert relative.max() > 8e-5     # and a cubic's: not exp2 itself
+    integers = np.arange(-126, 128, dtype=np.float32)
+    np.testing.assert_array_equal(exp2_polynomial(integers)[0], np.ldexp(np.float32(1), integers.astype(int)))
+
+
+def test_exp2_polynomial_special_values(exp2_polynomial):
+    """ex2.approx.ftz's: 0 (bitwise +0) below -126, where 2^x is not a normal float, and for a
+    masked score's -inf; NaN stays NaN (fmaxf's clamp would have given 0)."""
+    below = np.array([-np.inf, -1e30, -1000, -127.5, -127, -126.5, -126.0001], np.float32)
+    y, _ = exp2_polynomial(below)
+    np.testing.assert_array_equal(y.view(np.uint32), 0)
+    y, _ = exp2_polynomial([np.nan, 0, -0.0])
+    assert np.isnan(y[0]) and (y[1:] == 1).all()
+
+
+def test_exp2_polynomials_floor_rounds_down(exp2_polynomial):
+    """x + 1.5·2^23 rounded toward -inf holds floor(x): the emulator's __fadd_rd follows the mode
+    (to nearest, 0.75 would give 1 and the fraction would be negative)."""
+    x = np.array([0.75, 0.25, -0.25, -0.75, -126.9, 127.5, 3], np.float32)
+    _, shifted = exp2_polynomial(x)
+    np.testing.assert_array_equal(shifted - np.float32(1.5 * 2**23), np.floor(x))
+    assert not np.array_equal(np.round(x.astype(np.float64) + 1.5 * 2**23) - 1.5 * 2**23, np.floor(x))
+
+
 # ---- AddressSanitizer -----------------------------------------------------------------------
 
 def test_address_sanitizer_catches_out_of_bounds_write():

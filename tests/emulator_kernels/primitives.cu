@@ -1,4 +1,5 @@
 #include "ptx.cuh"
+#include "numeric.cuh"
 // One kernel per PTX primitive. Fragments are loaded and stored with plain C++ following the PTX
 // ISA tables; -DWRONG_LAYOUT pairs each lane with its neighbouring group's rows, which a correct emulation of
 // the primitive must expose as a wrong result.
@@ -90,6 +91,21 @@ extern "C" __global__ void reload_async(const float4* in, float4* out, int guard
 }
 
 extern "C" __global__ void ex2(const float* x, float* y) { y[threadIdx.x] = ptx::ex2_approx(x[threadIdx.x]); }
+
+extern "C" __global__ void max_nan(const float* a, const float* b, float* y, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = ptx::max_nan(a[i], b[i]);
+}
+
+// The softmax's 2^x off the MUFU unit, and (for the test that the twin of its rounding matters)
+// the one add it rounds down.
+extern "C" __global__ void exp2_polynomial(const float* x, float* y, float* floor_shifted, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        y[i] = attn::exp2_polynomial(x[i]);
+        floor_shifted[i] = __fadd_rd(x[i], 12582912.f);
+    }
+}
 
 // Each lane adds its pair (values[2 lane], values[2 lane + 1]) to dst's pair `slot[lane]` (lanes
 // may share a slot) if enabled[lane]; `offset` floats shift every address, and 1 breaks the 8-byte

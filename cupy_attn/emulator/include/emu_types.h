@@ -1,6 +1,7 @@
 // Built-in CUDA types for the emulator: dim3/uint3, vector types, __half and __nv_bfloat16.
 // Conversions round to nearest even, bit-exact against NumPy float16 and ml_dtypes.bfloat16.
 #pragma once
+#include <cfenv>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -193,6 +194,17 @@ inline float __fdividef(float x, float y) { return x / y; }
 inline float __frcp_rn(float x) { return 1.0f / x; }
 inline float __fsqrt_rn(float x) { return std::sqrt(x); }
 inline float __fadd_rn(float x, float y) { return x + y; }
+// Rounded toward -inf: the host's rounding mode for one add (volatile, so that the add happens
+// at run time between the mode switches rather than folded or moved by the compiler).
+inline float __fadd_rd(float x, float y) {
+    const int mode = std::fegetround();
+    std::fesetround(FE_DOWNWARD);
+    volatile float sum = x;
+    sum += y;
+    const float result = sum;
+    std::fesetround(mode);
+    return result;
+}
 inline float __fmul_rn(float x, float y) { return x * y; }
 inline float __fmaf_rn(float x, float y, float z) { return std::fma(x, y, z); }
 inline float __saturatef(float x) { return x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : (x == x ? x : 0.0f)); }
