@@ -358,17 +358,6 @@ __device__ __forceinline__ void red_add_pair(float* dst, float a, float b, bool 
 #endif
 }
 
-// 2^x with the MUFU unit (about 2 ulp; +-0 -> 1, -inf -> +0). Emulated with exp2f.
-__device__ __forceinline__ float ex2_approx(float x) {
-#ifdef __CUDA_ARCH__
-    float y;
-    asm volatile("ex2.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-#else
-    return exp2f(x);
-#endif
-}
-
 // max(a, b) that propagates NaN, where fmaxf returns the other operand: one max.NaN.f32 (PTX ISA
 // 7.0, sm_80). A clamp that must not turn a NaN into a number (exp2_polynomial).
 __device__ __forceinline__ float max_nan(float a, float b) {

@@ -575,15 +575,6 @@ def test_cp_async_lands_at_issue_in_some_schedules(schedule):
             np.testing.assert_array_equal(out, x[:128])
 
 
-def test_ex2():
-    mod = module("primitives.cu")
-    x = np.array([-np.inf, -126.5, -1, 0, 0.5, 3.25, 20] + [0] * 25, np.float32)
-    y = np.zeros(32, np.float32)
-    mod.get_function("ex2")(1, 32, (x, y))
-    np.testing.assert_allclose(y, np.exp2(x), rtol=1e-6)
-
-
-
 def test_max_nan_propagates_nan_where_fmax_drops_it():
     rng = np.random.default_rng(11)
     a, b = (rng.standard_normal(1000).astype(np.float32) for _ in range(2))

@@ -90,8 +90,6 @@ extern "C" __global__ void reload_async(const float4* in, float4* out, int guard
     ptx::cp_async_wait<0>();
 }
 
-extern "C" __global__ void ex2(const float* x, float* y) { y[threadIdx.x] = ptx::ex2_approx(x[threadIdx.x]); }
-
 extern "C" __global__ void max_nan(const float* a, const float* b, float* y, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = ptx::max_nan(a[i], b[i]);
