@@ -575,29 +575,34 @@ def test_cp_async_lands_at_issue_in_some_schedules(schedule):
             np.testing.assert_array_equal(out, x[:128])
 
 
-def test_max_nan_propagates_nan_where_fmax_drops_it():
+# max_nan and exp2_polynomial (numeric.cuh), each as a check of a runner: primitives.cu's kernel on
+# the emulator here, on the GPU in test_gpu.py (so the hardware's max.NaN and rounded add show).
+
+def run_max_nan(mod, a, b):
+    y = np.zeros_like(a)
+    mod.get_function("max_nan")((a.size + 255) // 256, 256, (a, b, y, I32(a.size)))
+    return y
+
+
+def run_exp2_polynomial(mod, x):
+    """exp2_polynomial(x), and x + 1.5·2^23 rounded toward -inf (the add its floor rests on)."""
+    y, shifted = np.zeros_like(x), np.zeros_like(x)
+    mod.get_function("exp2_polynomial")((x.size + 255) // 256, 256, (x, y, shifted, I32(x.size)))
+    return y, shifted
+
+
+def check_max_nan(max_nan):
     rng = np.random.default_rng(11)
     a, b = (rng.standard_normal(1000).astype(np.float32) for _ in range(2))
     a[::7], b[3::11] = np.nan, np.nan
     a[1::13], b[2::17] = -np.inf, np.inf
-    y = np.zeros_like(a)
-    module("primitives.cu").get_function("max_nan")(4, 256, (a, b, y, I32(a.size)))
+    y = max_nan(a, b)
     np.testing.assert_array_equal(y, np.maximum(a, b))  # NumPy's maximum propagates NaN too
     nan = np.isnan(a) ^ np.isnan(b)
     assert nan.sum() > 100 and not np.isnan(np.fmax(a, b)[nan]).any()  # what fmaxf would give there
 
 
-@pytest.fixture(scope="module")
-def exp2_polynomial():
-    def run(x):
-        x = np.asarray(x, np.float32)
-        y, shifted = np.zeros_like(x), np.zeros_like(x)
-        module("primitives.cu").get_function("exp2_polynomial")((x.size + 255) // 256, 256, (x, y, shifted, I32(x.size)))
-        return y, shifted
-    return run
-
-
-def test_exp2_polynomial_against_exp2(exp2_polynomial):
+def check_exp2_polynomial(exp2_polynomial):
     x = np.concatenate([np.linspace(-126, 127.99, 400001, dtype=np.float32),
                         np.random.default_rng(12).uniform(-8, 8, 100000).astype(np.float32)])
     y, _ = exp2_polynomial(x)
@@ -606,25 +611,34 @@ def test_exp2_polynomial_against_exp2(exp2_polynomial):
     assert relative.max() > 8e-5     # and a cubic's: not exp2 itself
     integers = np.arange(-126, 128, dtype=np.float32)
     np.testing.assert_array_equal(exp2_polynomial(integers)[0], np.ldexp(np.float32(1), integers.astype(int)))
-
-
-def test_exp2_polynomial_special_values(exp2_polynomial):
-    """ex2.approx.ftz's: 0 (bitwise +0) below -126, where 2^x is not a normal float, and for a
-    masked score's -inf; NaN stays NaN (fmaxf's clamp would have given 0)."""
+    # ex2.approx.ftz's special values: 0 (bitwise +0) below -126, where 2^x is not a normal float,
+    # and for a masked score's -inf; NaN stays NaN (fmaxf's clamp would have given 0)
     below = np.array([-np.inf, -1e30, -1000, -127.5, -127, -126.5, -126.0001], np.float32)
-    y, _ = exp2_polynomial(below)
-    np.testing.assert_array_equal(y.view(np.uint32), 0)
-    y, _ = exp2_polynomial([np.nan, 0, -0.0])
+    np.testing.assert_array_equal(exp2_polynomial(below)[0].view(np.uint32), 0)
+    y, _ = exp2_polynomial(np.array([np.nan, 0, -0.0], np.float32))
     assert np.isnan(y[0]) and (y[1:] == 1).all()
-
-
-def test_exp2_polynomials_floor_rounds_down(exp2_polynomial):
-    """x + 1.5·2^23 rounded toward -inf holds floor(x): the emulator's __fadd_rd follows the mode
-    (to nearest, 0.75 would give 1 and the fraction would be negative)."""
+    # x + 1.5·2^23 rounded toward -inf holds floor(x) (to nearest, 0.75 would give 1 and the
+    # fraction would be negative)
     x = np.array([0.75, 0.25, -0.25, -0.75, -126.9, 127.5, 3], np.float32)
-    _, shifted = exp2_polynomial(x)
-    np.testing.assert_array_equal(shifted - np.float32(1.5 * 2**23), np.floor(x))
+    np.testing.assert_array_equal(exp2_polynomial(x)[1] - np.float32(1.5 * 2**23), np.floor(x))
     assert not np.array_equal(np.round(x.astype(np.float64) + 1.5 * 2**23) - 1.5 * 2**23, np.floor(x))
+
+
+def test_max_nan_propagates_nan_where_fmax_drops_it():
+    mod = module("primitives.cu")
+    check_max_nan(lambda a, b: run_max_nan(mod, a, b))
+
+
+def test_exp2_polynomial_against_exp2_its_special_values_and_its_floor():
+    mod = module("primitives.cu")
+    check_exp2_polynomial(lambda x: run_exp2_polynomial(mod, x))
+
+
+def test_exp2_polynomial_with_an_add_to_nearest_fails_the_check():
+    """The check sees the rounding of the floor's add: with __fadd_rn in its place it fails."""
+    mod = module("primitives.cu", ["-DADD_TO_NEAREST"])
+    with pytest.raises(AssertionError):
+        check_exp2_polynomial(lambda x: run_exp2_polynomial(mod, x))
 
 
 # ---- AddressSanitizer -----------------------------------------------------------------------

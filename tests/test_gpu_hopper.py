@@ -9,6 +9,7 @@ import pytest
 from cupy_attn import _paths
 from cupy_attn._source import inline_local_includes
 from cupy_attn._tensor_map import TensorMapSpec
+from test_emulator import check_exp2_polynomial, check_max_nan
 from test_emulator_tma import BOX_AT, BOX_CASES, NAMES, PIPELINE, STAGES, TILE_ROWS, TILES, box_model, swizzled
 
 pytestmark = pytest.mark.gpu
@@ -116,3 +117,28 @@ def test_named_barriers_and_mbarriers():
     mod.get_function("mbarrier_rounds")((1,), (96,), (cupy.asarray(x), out, I32(5)), shared_mem=16 + 8 * 96)
     want = sum(np.roll(x.astype(np.float64), -j, axis=1) for j in range(8))
     np.testing.assert_allclose(out.get(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def primitives():
+    return gpu_module("primitives.cu")
+
+
+def test_max_nan(primitives):
+    def max_nan(a, b):
+        y = cupy.zeros(a.size, np.float32)
+        primitives.get_function("max_nan")(((a.size + 255) // 256,), (256,),
+                                           (cupy.asarray(a), cupy.asarray(b), y, I32(a.size)))
+        return y.get()
+    check_max_nan(max_nan)
+
+
+def test_exp2_polynomial(primitives):
+    """The wgmma forward's exp2 off the MUFU unit (numeric.cuh) with the hardware's max.NaN and
+    rounded add: the emulator's bounds, special values and floor."""
+    def exp2_polynomial(x):
+        y, shifted = cupy.zeros(x.size, np.float32), cupy.zeros(x.size, np.float32)
+        primitives.get_function("exp2_polynomial")(((x.size + 255) // 256,), (256,),
+                                                   (cupy.asarray(x), y, shifted, I32(x.size)))
+        return y.get(), shifted.get()
+    check_exp2_polynomial(exp2_polynomial)

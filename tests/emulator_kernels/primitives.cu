@@ -1,4 +1,7 @@
 #include "ptx.cuh"
+#ifdef ADD_TO_NEAREST  // a wrong __fadd_rd, which the exp2_polynomial check must catch
+#define __fadd_rd __fadd_rn
+#endif
 #include "numeric.cuh"
 // One kernel per PTX primitive. Fragments are loaded and stored with plain C++ following the PTX
 // ISA tables; -DWRONG_LAYOUT pairs each lane with its neighbouring group's rows, which a correct emulation of
