@@ -100,16 +100,25 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
     constexpr int kDTiles = kHeadDim / 8;    // 8-dim column tiles of O
     // A tile's softmax gives each warp kBlockN / 2 MUFU instructions (an exp2 per score), 8 cycles
     // each on its sub-partition's unit, against kBlockN·kHeadDim / 16 tensor cycles: at D = 64
-    // the MUFU unit alone needs as long as the tensor cores (SASS audit, NVRTC 13.5: mufu_per_tensor
-    // 1.02 at 176 keys and 1.03 at 128, issue_per_tensor 0.73 and 0.77). Every 7th column's exp2
-    // on the FMA pipe instead (exp2_polynomial, in interior tiles) balances the two bounds:
-    // issue 0.87 and MUFU 0.89 at 176 keys, 0.89 and 0.91 at 128 (every 8th: 0.85 and 0.91 at
-    // 176 keys; every 6th: 0.90 and 0.86). Builds with score features, mods or dropout are
-    // issue-bound (issue_per_tensor 1.3-4.4 at 64 keys), but softcap's, whose tanh adds 2 MUFU per
-    // score (MUFU 3.06 against issue 1.55), more than a share of the softmax's could move; at
-    // D = 128 and 256 MUFU needs a half and a quarter of the tensor cycles. All keep the MUFU unit
-    // for every score.
-    constexpr int kPolynomialEvery = kHeadDim == 64 && ScoreTransform::kPlain && !kDropoutBuilt ? 7 : 0;
+    // the MUFU unit alone needs as long as the tensor cores, and softcap's tanh adds 2 MUFU per
+    // score. Where MUFU bounds the loop, a share of the softmax's exp2 goes to the FMA pipe
+    // (exp2_polynomial: 9 issue slots for one MUFU's 8 cycles), as many as balance the two bounds
+    // (SASS audit, NVRTC 13.5, fp16; mufu_per_tensor and issue_per_tensor, before → after):
+    // - plain builds at D = 64, every 7th in interior tiles: 1.02 and 0.73 → 0.89 and 0.87 at 176
+    //   keys, 1.03 and 0.77 → 0.91 and 0.89 at 128 (every 8th: 0.91 and 0.85 at 176 keys, every
+    //   6th: 0.86 and 0.90); their boundary tiles are issue-bound (1.17, 1.11) and keep MUFU;
+    // - softcap builds at D <= 128 (64 keys), every 2nd in every tile (boundary tiles are MUFU-
+    //   bound there too): at D = 128 1.53 and 0.86 → 1.28 and 1.11 with softcap alone (also with
+    //   ALiBi or a float mask: 1.28 and 1.25-1.26), 1.53 and 1.23 → 1.28 and 1.48 with both
+    //   (every 3rd: 1.38 and 1.39); at D = 64 3.06 and 1.55 → 2.56 and 2.06 (2.56 and 2.81 with
+    //   ALiBi and a float mask; every score: 2.06 and 2.56, 2.06 and 3.31).
+    // Other builds keep the MUFU unit for every score: at D = 128 and 256 plain builds need a half
+    // and a quarter of the tensor cycles in MUFU, builds with ALiBi, masks, mods or dropout are
+    // issue-bound (issue_per_tensor 1.3-4.4 at D = 64), and at D = 256 softcap's gain was 4 %
+    // alone and a loss with ALiBi and a float mask.
+    constexpr bool kSoftcapMufuBound = kSoftcapBuilt && !kDropoutBuilt && !ATTN_MODS && kHeadDim <= 128;
+    constexpr int kPolynomialEvery = kSoftcapMufuBound ? 2 : kHeadDim == 64 && ScoreTransform::kPlain ? 7 : 0;
+    constexpr int kBoundaryPolynomialEvery = kSoftcapMufuBound ? 2 : 0;
     // Every build overlaps the softmax of a tile with P·V of the previous one, so it holds S, P and
     // O at once (D/2 + 3·kBlockN/4 registers) besides what its score features and mods need: with
     // the features' tiles (64 keys at D <= 128, 32 at 256; the tile table) and the rows' scores one
@@ -275,7 +284,7 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
             consumer_release(bars.k, k_at);
             k_at.advance();
             const int n0 = n_block * kBlockN;
-            softmax_scores<!ScoreTransform::kPlain, kPolynomialEvery>(
+            softmax_scores<!ScoreTransform::kPlain, kPolynomialEvery, kBoundaryPolynomialEvery>(
                 s, softmax, p, b, score, dropout, row_lo, n0, t,
                 b.tile_checks(p, interior.contains(n_block), place.tile, n_block));
         };

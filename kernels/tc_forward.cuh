@@ -35,9 +35,11 @@ using TcSoftmax = TcSoftmaxOf<>;
 // bytes at D = 128 with a float mask, 24-72 with softcap and a float mask, in the key loop), none
 // with the barrier. Elsewhere the rows stay interleaved: with the barrier the mma.sync forward's
 // dropout builds issued 0.6-1.2 % more, the wgmma forward's plain boundary tiles 0.2-0.4 %.
-// kPolynomialEvery: OnlineSoftmax::update's polynomial_every for interior tiles, where the MUFU
-// unit can bound the loop; a boundary tile's checks make it issue-bound, and it keeps MUFU.
-template <bool kRowByRow = false, int kPolynomialEvery = 0, int kNTiles, class Softmax>
+// kPolynomialEvery, kBoundaryPolynomialEvery: OnlineSoftmax::update's polynomial_every for interior
+// and for boundary tiles, where the MUFU unit bounds the loop (a boundary tile's checks can make
+// it issue-bound where an interior tile is not).
+template <bool kRowByRow = false, int kPolynomialEvery = 0, int kBoundaryPolynomialEvery = 0, int kNTiles,
+          class Softmax>
 __device__ __forceinline__ void softmax_scores(float (&s)[kNTiles][4], Softmax (&softmax)[2],
                                                const Params& p, const BlockInfo& b, const ScoreTransform& score,
                                                const Dropout& dropout, int row_lo, int n0, int t, int checks) {
@@ -59,7 +61,7 @@ __device__ __forceinline__ void softmax_scores(float (&s)[kNTiles][4], Softmax (
     // An interior tile's copy with the checks a constant 0: no test per score. Without it the
     // warp-specialised wgmma forward kept a branch and an index add per score (NVRTC 13.5: 537
     // instructions per tile of 128 keys at D = 64 against 442).
-    if (checks) tile(checks, 0);
+    if (checks) tile(checks, kBoundaryPolynomialEvery);
     else tile(0, kPolynomialEvery);
 }
 
