@@ -266,7 +266,8 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
                 for (int e = 0; e < 4; ++e) {
                     const int row = 64 * m + warp * 16 + g + 8 * (e / 2), key = j * 8 + 2 * t + (e & 1);
                     const float qk = s[m][j][e];
-                    const float s2 = score(p, b, qk, m0 + row, n0 + key, checks);
+                    const float s2 = score(p, b, qk, Index(m0 + warp * 16 + g, 64 * m + 8 * (e / 2)),
+                                           Index(n0 + 2 * t, j * 8 + (e & 1)), checks);  // m0 + row, n0 + key
                     const float prob = probability(s2, sLse2[row], score.softmax_scale());
                     const float z = dropout.factor(m0 + row, n0 + key);
                     s[m][j][e] = prob * (dp[m][j][e] * z - sDelta[row]) * score.grad(p, b, qk, m0 + row, n0 + key, prob);

@@ -73,7 +73,7 @@ __device__ __forceinline__ void forward_block(const Params& p, const T* q, const
             for (int c = 0; c < kCols; ++c) s[c] = fmaf(qd, sK[(part + kLanesPerRow * c) * Smem::kKStride + d], s[c]);
         }
         const int checks = b.tile_checks(p, m0, kBlockM, n0, kBlockN);
-        for (int c = 0; c < kCols; ++c) s[c] = score(p, b, s[c], i, n0 + part + kLanesPerRow * c, checks);
+        for (int c = 0; c < kCols; ++c) s[c] = score(p, b, s[c], i, Index(n0 + part, kLanesPerRow * c), checks);
 
         const float rescale = softmax.update(s, score.softmax_scale());
         for (int e = 0; e < kDims; ++e) acc[e] *= rescale;

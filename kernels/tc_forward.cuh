@@ -49,8 +49,8 @@ __device__ __forceinline__ void softmax_scores(float (&s)[kNTiles][4], Softmax (
             float row[2 * kNTiles];
 #pragma unroll
             for (int c = 0; c < 2 * kNTiles; ++c)
-                row[c] = score(p, b, s[c / 2][2 * r + c % 2], row_lo + 8 * r, n0 + (c / 2) * 8 + 2 * t + c % 2,
-                               tile_checks);
+                row[c] = score(p, b, s[c / 2][2 * r + c % 2], Index(row_lo, 8 * r),
+                               Index(n0 + 2 * t, (c / 2) * 8 + c % 2), tile_checks);
             softmax[r].update(row, score.softmax_scale(), polynomial_every);
 #pragma unroll
             for (int c = 0; c < 2 * kNTiles; ++c)
