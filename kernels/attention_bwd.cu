@@ -170,9 +170,7 @@ __device__ __forceinline__ void dq_block(const Params& p, const T* q, const T* k
                 qk = fmaf(sQ[row * kHeadDim + d], sK[j * Smem::kKStride + d], qk);
                 dp = fmaf(sDO[row * kHeadDim + d], sV[j * Smem::kKStride + d], dp);
             }
-            const float prob =
-                probability(score(p, b, qk, m0 + row, Index(n0 + part, kLanesPerRow * c), checks), sLse2[row],
-                            score.softmax_scale());  // key n0 + j
+            const float prob = probability(score(p, b, qk, m0 + row, n0 + j, checks), sLse2[row], score.softmax_scale());
             const float z = dropout.factor(m0 + row, n0 + j);
             sDS[row * kBlockN + j] = prob * (dp * z - sDelta[row]) * score.grad(p, b, qk, m0 + row, n0 + j, prob);
         }

@@ -576,7 +576,8 @@ def test_cp_async_lands_at_issue_in_some_schedules(schedule):
 
 
 # max_nan and exp2_polynomial (numeric.cuh), each as a check of a runner: primitives.cu's kernel on
-# the emulator here, on the GPU in test_gpu.py (so the hardware's max.NaN and rounded add show).
+# the emulator here, on the GPU in test_gpu_hopper.py (so the hardware's max.NaN and rounded add
+# show).
 
 def run_max_nan(mod, a, b):
     y = np.zeros_like(a)
