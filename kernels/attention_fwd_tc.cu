@@ -119,6 +119,20 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
 #pragma unroll
         for (int d = 0; d < kDTiles + kSumTiles; ++d) o[m][d][0] = o[m][d][1] = o[m][d][2] = o[m][d][3] = 0.f;
     TcSoftmaxOf<kSumTiles == 0> softmax[kRowTiles][2];  // rows row_lo + 64m and row_lo + 64m + 8
+    // Softcap's tanh adds an exp2 and a reciprocal to each score's exp2: 3 MUFU per score, each
+    // holding the sub-partition's special-function unit 8 cycles, against 4·D multiply-adds. Up to
+    // D = 64 that unit bounds the loop, so every 2nd exp2 of the softmax goes to the FMA pipe
+    // (exp2_polynomial), as in the wgmma forward (SASS audit, NVRTC 13.5, fp16, D = 64 at sm_80;
+    // the larger of mufu_per_tensor and issue_per_tensor, before → after): softcap alone 1.41 →
+    // 1.18 (0.78 → 1.02 issue), with ALiBi or a float mask 1.41 → 1.18, with both 1.41 → 1.27
+    // (every 3rd: 1.27); on sm_90 at wgmma's rate 2.82 → 2.35 and 2.82 → 2.51; at D = 32 2.67 →
+    // 2.22 and 2.67 → 2.23. Boundary tiles with a mask are issue-bound already (softcap and a bool
+    // mask 1.41 → 1.45, with ALiBi and a float mask 1.41 → 1.51) and keep MUFU; without one,
+    // 1.41 → 1.18 (softcap alone) and 1.41 → 1.27 (with ALiBi). Builds with dropout issue 2.9 per
+    // tensor cycle (every 2nd: 2.92) and mods vary: they keep MUFU.
+    constexpr bool kSoftcapMufuBound = kSoftcapBuilt && !kDropoutBuilt && !ATTN_MODS && kHeadDim <= 64;
+    constexpr int kPolynomialEvery = kSoftcapMufuBound ? 2 : 0;
+    constexpr int kBoundaryPolynomialEvery = kSoftcapMufuBound && kMaskBuilt == kMaskNone ? 2 : 0;
 
     TileWalk keys = b.key_walk(p, m0, kBlockM, kBlockN);
     const TileSpan interior = b.interior_key_tiles(p, m0, kBlockM, kBlockN);
@@ -158,7 +172,8 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
         const int checks = b.tile_checks(p, interior.contains(n_block), place.tile, n_block);
 #pragma unroll
         for (int m = 0; m < kRowTiles; ++m)
-            softmax_tile(s[m], o[m], softmax[m], p, b, score, dropout, row_lo + 64 * m, n0, t, checks);
+            softmax_tile<kPolynomialEvery, kBoundaryPolynomialEvery>(s[m], o[m], softmax[m], p, b, score, dropout,
+                                                                     row_lo + 64 * m, n0, t, checks);
 
         // O += P·V: P stays in registers as the A operand (16 keys per k-step).
         mma_registers_by_rows<T, kStrideV, kBlockN / 16, kSumTiles>(o, s, sV, lane);
