@@ -38,6 +38,12 @@ def describe(x) -> str:
     return f"{type(x).__module__}.{type(x).__qualname__}".removeprefix("builtins.")
 
 
+def check_flag(name: str, value) -> None:
+    """A flag argument (return_lse, deterministic, ...): a bool, not anything truthy."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {describe(value)}")
+
+
 def require_array(name: str, x, xp=None):
     """Return the array module of ``x``; raise TypeError if it is not an array of ``xp``."""
     module = module_of(x)

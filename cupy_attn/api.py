@@ -3,10 +3,8 @@ from __future__ import annotations
 
 import inspect
 
-import numpy as np
-
 from . import _backends, _interop, _kernel_backend
-from ._arrays import describe
+from ._arrays import check_flag
 from ._problem import check_backward_inputs, make_problem, make_varlen_problem
 
 _SEMANTICS = """
@@ -63,16 +61,12 @@ _SEMANTICS = """
 """
 
 
-def _check_flag(name: str, value) -> None:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {describe(value)}")
-
-
 @_interop.outside_torch_compile
 def attention(q, k, v, *, mask=None, causal=False, window=None, q_lengths=None, kv_lengths=None,
               scale=None, softcap=None, alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=0,
               dropout_offset=0, score_mod=None, mask_mod=None, block_mask=None, layout="bhsd", return_lse=False,
               backend="auto"):
+    check_flag("return_lse", return_lse)
     framework, lead = _interop.lead(q, k, v)
     with _interop.caller_stream(framework, lead):
         q, k, v, mask, q_lengths, kv_lengths, alibi_slopes, sinks = _interop.backend_arrays(
@@ -94,7 +88,7 @@ def attention_backward(dout, q, k, v, out, lse, *, mask=None, causal=False, wind
                        alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=0, dropout_offset=0,
                        score_mod=None, mask_mod=None, block_mask=None, layout="bhsd", backend="auto",
                        deterministic=False):
-    _check_flag("deterministic", deterministic)
+    check_flag("deterministic", deterministic)
     framework, lead = _interop.lead(q, k, v)
     with _interop.caller_stream(framework, lead):
         dout, q, k, v, out, lse, mask, q_lengths, kv_lengths, alibi_slopes, sinks = _interop.backend_arrays(
@@ -132,6 +126,7 @@ attention_backward.__doc__ = """Gradients (dq, dk, dv) of attention, from the fo
 @_interop.outside_torch_compile
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      window=None, scale=None, softcap=None, alibi_slopes=None, return_lse=False, backend="auto"):
+    check_flag("return_lse", return_lse)
     framework, lead = _interop.lead(q, k, v)
     with _interop.caller_stream(framework, lead):
         q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes = _interop.backend_arrays(
@@ -148,7 +143,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               causal=False, window=None, scale=None, softcap=None, alibi_slopes=None,
                               backend="auto", deterministic=False):
-    _check_flag("deterministic", deterministic)
+    check_flag("deterministic", deterministic)
     framework, lead = _interop.lead(q, k, v)
     with _interop.caller_stream(framework, lead):
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = _interop.backend_arrays(
@@ -203,8 +198,8 @@ def precompile(q, k, v, *, backward=True, deterministic=False, **keywords):
     dims, layout and where the arrays live (their sequence lengths and contents do not matter:
     small arrays do). Each build is cached on disk (CuPy's cache, or the emulator's), so a later
     process warms up from it. Returns the kernel names built, [] on the NumPy backend."""
-    _check_flag("backward", backward)
-    _check_flag("deterministic", deterministic)
+    check_flag("backward", backward)
+    check_flag("deterministic", deterministic)
     keywords.pop("return_lse", None)  # attention's, but it changes no kernel
     unknown = sorted(set(keywords) - set(inspect.signature(make_problem).parameters) - {"q", "k", "v"})
     if unknown:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _backends, _merge, _ring
-from ._arrays import FLOAT_DTYPES, compute_dtype, count_argument, describe, require_array
+from ._arrays import FLOAT_DTYPES, check_flag, compute_dtype, count_argument, describe, require_array
 from ._problem import check_backward_inputs, check_choice, make_problem
 from .api import attention, attention_backward
 
@@ -226,6 +226,7 @@ def ring_attention(q, k, v, comm, *, causal=False, layout="bhsd", load_balance="
     masking hides entirely) while the next block is sent on; the partial results are merged
     exactly in float32 (float64), so out is rounded to q's dtype once.
     """
+    check_flag("return_lse", return_lse)
     problem, ring, target = _context(q, k, v, comm, causal=causal, layout=layout, load_balance=load_balance,
                                      scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, window=window,
                                      backend=backend)

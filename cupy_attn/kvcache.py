@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from . import _backends, _decode, _interop, _kvcache
+from ._arrays import check_flag
 
 
 @_interop.outside_torch_compile
@@ -60,6 +61,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     be attended (without k, v). Validation copies cache_seqlens and the block table's used
     columns (or cache_batch_idx) to the host: two or three small copies that wait for the GPU.
     """
+    check_flag("return_lse", return_lse)
     framework, lead = _interop.lead(q, k_cache, v_cache, k, v)
     if k is not None and "jax" in (_interop.framework_of(k_cache), _interop.framework_of(v_cache)):
         raise TypeError("k_cache and v_cache are JAX arrays, which are immutable: attention_with_kvcache cannot "

@@ -25,6 +25,7 @@ if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 8):
     raise ImportError(f"cupy_attn.torch needs PyTorch 2.8 or later (its custom operators), found {torch.__version__}")
 
 from . import _interop, _torch_ops, api  # noqa: E402
+from ._arrays import check_flag  # noqa: E402
 
 _interop.prepare_for_torch_compile()  # the decorators below import torch._dynamo anyway
 
@@ -90,7 +91,7 @@ def attention(q, k, v, *, return_lse=False, deterministic=False, generator=None,
     default CPU generator when None) unless dropout_seed is given; each call gets a fresh mask.
     Returns out, or (out, lse) with return_lse=True (lse is not differentiable).
     """
-    api._check_flag("deterministic", deterministic)
+    check_flag("deterministic", deterministic)
     seed = _drawn_seed(keywords, generator)
     if _torch_ops.fits_the_schema((q, k, v), keywords, "attention"):
         out, lse = _torch_ops.attention_op(q, k, v, **_torch_ops.operator_arguments(keywords, seed),
@@ -111,7 +112,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
     Returns out, or (out, lse) with return_lse=True (lse is not differentiable).
     """
-    api._check_flag("deterministic", deterministic)
+    check_flag("deterministic", deterministic)
     lengths_fit = all(_torch_ops.fits_a_length(n) for n in (max_seqlen_q, max_seqlen_k))
     if lengths_fit and _torch_ops.fits_the_schema((q, k, v, cu_seqlens_q, cu_seqlens_k), keywords,
                                                   "attention_varlen"):

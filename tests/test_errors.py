@@ -363,3 +363,22 @@ def test_precompile_takes_attention_keywords_only(qkv):
         cupy_attn.precompile(q, k, v, causl=True)
     with pytest.raises(TypeError, match="deterministic must be a bool, got int"):
         cupy_attn.precompile(q, k, v, deterministic=1)
+
+
+def test_return_lse_must_be_a_bool(qkv):
+    """A truthy string or 1 is refused, not taken for True: return_lse decides what comes back."""
+    q, k, v = qkv
+    calls = {
+        "attention": lambda flag: cupy_attn.attention(q, k, v, return_lse=flag),
+        "attention_varlen": lambda flag: cupy_attn.attention_varlen(
+            q[0].transpose(1, 0, 2), k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2), np.array([0, q.shape[2]], np.int32),
+            np.array([0, k.shape[2]], np.int32), q.shape[2], k.shape[2], return_lse=flag),
+        "attention_with_kvcache": lambda flag: cupy_attn.attention_with_kvcache(
+            q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), cache_seqlens=k.shape[2], layout="bhsd",
+            return_lse=flag),
+    }
+    for name, call in calls.items():
+        assert len(call(np.bool_(True))) == 2, name
+        for flag in ("yes", 1, None):
+            with pytest.raises(TypeError, match=f"return_lse must be a bool, got {type(flag).__name__}"):
+                call(flag)
