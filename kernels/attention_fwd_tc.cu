@@ -139,6 +139,15 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     const TileSource<T, kHeadDim> k_source(k + at.k, at.k_row, b.kv_rows(p), p.head_dim, vectorised & 2);
     const TileSource<T, kHeadDimV> v_source(v + at.v, at.v_row, b.kv_rows(p), p.head_dim_v, vectorised & 4);
     const int whole_tiles = whole_rows_of(k_source, v_source) / kBlockN;
+    // At D = 256 (16-key tiles, 16 rows per warp) S = Q·Kᵀ read a Q fragment from shared memory for
+    // every K fragment, a third of the loop's wavefronts: each warp holds its rows of Q in
+    // registers instead (64 per thread, loaded once). The SASS audit (NVRTC 13.5, fp16, plain
+    // build): shared_per_tensor 1.72 → 1.23 on sm_80 and 3.45 → 2.46 on sm_90 (at wgmma's rate),
+    // issue_per_tensor 0.49 → 0.47 and 1.04 → 0.99, at 255 registers (240), 2 blocks per SM either
+    // way; with softcap and a mask 1.72 → 1.23 too. At 255 registers, builds with ALiBi or dropout
+    // spilled in 7 of their 18 feature sets (4-16 bytes, on sm_80 or sm_90): those, and builds with
+    // mods, keep Q in shared memory.
+    constexpr bool kQInRegisters = kHeadDim == 256 && kRowTiles == 1 && !kAlibiBuilt && !kDropoutBuilt && !ATTN_MODS;
     auto stage_keys = [&](int n_block, int stage) {
         const int n0 = n_block * kBlockN;
         stage_async_pair<kBlockN>(stage_k(stage), k_source, stage_v(stage), v_source, n0, n_block < whole_tiles);
@@ -147,7 +156,14 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     if (keys.more()) {  // Q only then: the epilogue stages O in Q's rows, where no copy may still land
         const TileSource<T, kHeadDim> q_source(q + at.q, at.q_row, b.q_rows(p), p.head_dim, vectorised & 1);
         stage_async<kBlockM>(sQ, q_source, m0);
+        if constexpr (kQInRegisters) ptx::cp_async_commit();  // Q's own group, awaited below
         stage_keys(keys.tile, keys.stage<2>());
+    }
+    RowFragments<kQInRegisters ? kHeadDim / 16 : 1> q_rows;
+    if (kQInRegisters && keys.more()) {  // Q landed (everyone's copies), the first K/V may not have
+        ptx::cp_async_wait<1>();
+        __syncthreads();
+        q_rows.template load<kStride>(sQ, warp * 16, lane);
     }
     for (; keys.more(); keys.advance()) {
         const int n_block = keys.tile, n0 = n_block * kBlockN;
@@ -167,7 +183,8 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
         for (int m = 0; m < kRowTiles; ++m)
 #pragma unroll
             for (int j = 0; j < kNTiles; ++j) s[m][j][0] = s[m][j][1] = s[m][j][2] = s[m][j][3] = 0.f;
-        mma_rows_by_rows<T, kStride, kHeadDim / 16>(s, sQ, warp * 16, sK, lane);
+        if constexpr (kQInRegisters) mma_rows_by_rows<T, kStride, kHeadDim / 16>(s[0], q_rows, sK, lane);
+        else mma_rows_by_rows<T, kStride, kHeadDim / 16>(s, sQ, warp * 16, sK, lane);
 
         const int checks = b.tile_checks(p, interior.contains(n_block), place.tile, n_block);
 #pragma unroll

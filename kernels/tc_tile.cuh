@@ -232,20 +232,20 @@ __device__ __forceinline__ void accumulators_as_a(unsigned (&a)[4], const float 
     a[3] = pack_pair<T>(hi[2], hi[3]);
 }
 
-// acc[m] (16 x 8·kNTiles) += A_m·Bᵀ over kKSteps·16 columns, for A_m = rows [a_row0 + 64m,
-// a_row0 + 64m + 16) of a_tile and B = rows [0, 8·kNTiles) of b_tile, both row-major along the
-// reduced dimension (Q·Kᵀ, K·Qᵀ, dO·Vᵀ, ...). acc[m][j] holds rows (g, g+8) x columns (8j + 2t,
+// acc[m] (16 x 8·kNTiles) += A_m·Bᵀ over kKSteps·16 columns, for B = rows [0, 8·kNTiles) of
+// b_tile, row-major along the reduced dimension (Q·Kᵀ, K·Qᵀ, dO·Vᵀ, ...), and A_m's fragment of
+// k-step kk from a_fragment(kk, m, fragment). acc[m][j] holds rows (g, g+8) x columns (8j + 2t,
 // +1) of row tile m. Each B fragment is read once per k-step for all kRowTiles row tiles: a warp
 // holding 32 query rows (FlashAttention-2's 128-row block of 4 warps) issues half the ldmatrix
 // per MMA that one holding 16 does.
-template <class T, int kStride, int kKSteps, int kRowTiles, int kNTiles>
-__device__ __forceinline__ void mma_rows_by_rows(float (&acc)[kRowTiles][kNTiles][4], const T* a_tile, int a_row0,
-                                                 const T* b_tile, int lane) {
+template <class T, int kStride, int kKSteps, int kRowTiles, int kNTiles, class AFragment>
+__device__ __forceinline__ void mma_fragments_by_rows(float (&acc)[kRowTiles][kNTiles][4], AFragment&& a_fragment,
+                                                      const T* b_tile, int lane) {
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) {
         unsigned a[kRowTiles][4];
 #pragma unroll
-        for (int m = 0; m < kRowTiles; ++m) ptx::ldmatrix<4>(a[m], a_address<kStride>(a_tile, a_row0 + 64 * m, kk * 16, lane));
+        for (int m = 0; m < kRowTiles; ++m) a_fragment(kk, m, a[m]);
 #pragma unroll
         for (int j = 0; j < kNTiles; j += 2) {
             unsigned bf[4];  // B fragments of column tiles j (bf[0..1]) and j + 1 (bf[2..3])
@@ -257,6 +257,40 @@ __device__ __forceinline__ void mma_rows_by_rows(float (&acc)[kRowTiles][kNTiles
             }
         }
     }
+}
+
+// mma_fragments_by_rows for A_m = rows [a_row0 + 64m, a_row0 + 64m + 16) of a_tile, read from
+// shared memory at each k-step.
+template <class T, int kStride, int kKSteps, int kRowTiles, int kNTiles>
+__device__ __forceinline__ void mma_rows_by_rows(float (&acc)[kRowTiles][kNTiles][4], const T* a_tile, int a_row0,
+                                                 const T* b_tile, int lane) {
+    mma_fragments_by_rows<T, kStride, kKSteps>(acc, [&](int kk, int m, unsigned (&a)[4]) {
+        ptx::ldmatrix<4>(a, a_address<kStride>(a_tile, a_row0 + 64 * m, kk * 16, lane));
+    }, b_tile, lane);
+}
+
+// A warp's A fragments of rows [row0, row0 + 16) x kKSteps·16 columns of a row-major tile, held
+// in registers (4 per k-step) for a loop that multiplies them by one tile of B after another.
+template <int kKSteps>
+struct RowFragments {
+    unsigned a[kKSteps][4];
+
+    template <int kStride, class T>
+    __device__ __forceinline__ void load(const T* tile, int row0, int lane) {
+#pragma unroll
+        for (int kk = 0; kk < kKSteps; ++kk) ptx::ldmatrix<4>(a[kk], a_address<kStride>(tile, row0, kk * 16, lane));
+    }
+};
+
+// acc (16 x 8·kNTiles) += A·Bᵀ for A held in registers.
+template <class T, int kStride, int kKSteps, int kNTiles>
+__device__ __forceinline__ void mma_rows_by_rows(float (&acc)[kNTiles][4], const RowFragments<kKSteps>& rows,
+                                                 const T* b_tile, int lane) {
+    mma_fragments_by_rows<T, kStride, kKSteps>(reinterpret_cast<float(&)[1][kNTiles][4]>(acc),
+                                               [&](int kk, int, unsigned (&a)[4]) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[r] = rows.a[kk][r];
+    }, b_tile, lane);
 }
 
 // One row tile: acc (16 x 8·kNTiles) += A·Bᵀ for A = rows [a_row0, a_row0 + 16) of a_tile.

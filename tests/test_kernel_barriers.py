@@ -15,6 +15,9 @@ from cupy_attn.emulator import EmulatorCompileError, EmulatorError, RawModule
 from helpers import random_qkv
 
 BARRIERS = ("__syncthreads();", "__syncwarp();", "ptx::cp_async_wait<0>();", "ptx::wgmma_wait<0>();",
+            # the mma.sync forward at D = 256: Q's copies landed (its own group) before its rows go
+            # to registers
+            "ptx::cp_async_wait<1>();",
             "ptx::wgmma_wait<1>();", "ptx::fence_proxy_async();",
             # the warp-specialised wgmma forward: Q's TMA copies landed, and the consumers done
             # with the previous work tile's Q before the next one's overwrites it; the stage ring's
@@ -67,6 +70,9 @@ def results(filename):
         # first one's stage.
         q, k, v = random_qkv(rng, b=1, h=2, sq=150, sk=400 if "wgmma" in filename else 200, d=32, dtype=dtype)
         outs = [cupy_attn.attention(q, k, v, backend="emulator")]
+        if filename == "attention_fwd_tc.cu":  # D = 256: each warp's rows of Q loaded into registers once
+            q, k, v = random_qkv(rng, b=1, h=2, sq=70, sk=40, d=256, dtype=dtype)
+            outs.append(cupy_attn.attention(q, k, v, backend="emulator"))
         if "wgmma" in filename:  # a build with a score feature: tiles of 64 keys, rows one after the other
             outs.append(cupy_attn.attention(q, k, v, softcap=5.0, backend="emulator"))
             # work tiles without keys, whose next work tile the consumers read at once, among

@@ -54,6 +54,22 @@ def test_head_dims(schedule, dtype, d, dv):
     check(q, k, v, dtype, causal=True)
 
 
+@pytest.mark.parametrize("feature", ["softcap", "bool_mask", "float_mask", "lengths_causal", "top_left_window",
+                                     "alibi_h", "everything"])
+@pytest.mark.parametrize("d,dv", [(256, 256), (200, 136)])
+def test_mma_sync_forward_at_d256_with_score_features(monkeypatch, schedule, feature, d, dv):
+    """The mma.sync forward at D = 256 holds each warp's rows of Q in registers in builds without
+    ALiBi, dropout or mods (softcap, masks, lengths, windows) and reads them from shared memory in
+    the others (ALiBi; everything): both against the reference, on awkward sizes (113 queries:
+    a last block of 49 rows, 203 keys: a last tile of 11)."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 80)
+    launches = recorded_launches(monkeypatch)
+    rng = np.random.default_rng(d + dv + len(feature))
+    q, k, v = random_qkv(rng, b=3, h=4, hkv=2, sq=113, sk=203, d=d, dv=dv, dtype=np.float16)
+    check(q, k, v, np.float16, **feature_keywords(feature, rng))
+    assert [name for name, _ in launches] == [_config.forward_tile(d, dv, np.float16, 80).name_expression(np.float16)]
+
+
 @pytest.mark.parametrize("shape", [dict(b=0), dict(sq=0), dict(sk=0)])
 def test_wgmma_forward_of_nothing_builds_no_map_and_says_nothing(monkeypatch, caplog, shape):
     """An empty batch or query axis launches nothing, and no keys leave every row dead (out 0, lse
