@@ -95,6 +95,24 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
     const TileSource<T, kHeadDim> v_source(v + at.v, at.v_row, b.kv_rows(p), p.head_dim_v, vectorised & 4);
     stage_async<kBlockN, Layout::kBlockThreads>(sK, k_source, n0);
     stage_async<kBlockN, Layout::kBlockThreads>(sV, v_source, n0);
+    // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ take this warp's 16 keys of K and V as A operands for every query
+    // tile: up to D = 64 each warp loads them into registers once (32 per thread at D = 64) rather
+    // than from shared memory per tile. The SASS audit (NVRTC 13.5, fp16, plain builds):
+    // shared_per_tensor at D = 64 1.45 → 1.35 on sm_80 and 2.70 → 2.50 on sm_90 (at wgmma's rate),
+    // issue_per_tensor 0.47 → 0.46 and 0.93 → 0.91; at D = 32 1.60 → 1.50 and 3.00 → 2.80. No
+    // feature set spills on sm_80, but on sm_90 softcap, ALiBi and a bool mask did (8 bytes; 4 with
+    // dropout), and so did mods at D = 64 (bench_mods' bias table: 4-28 bytes): those keep K and V in
+    // shared memory, as D = 128 does, where the 64 registers spilled 48-56 bytes.
+    constexpr bool kKvInRegisters =
+        kHeadDim <= 64 && !ATTN_MODS && !(kSoftcapBuilt && kAlibiBuilt && kMaskBuilt == kMaskBool);
+    RowFragments<kKvInRegisters ? kWarpDims / 16 : 1> k_rows, v_rows;
+    if constexpr (kKvInRegisters) {
+        ptx::cp_async_commit();
+        ptx::cp_async_wait<0>();
+        __syncthreads();  // every thread's copies of K and V have landed
+        k_rows.template load<kStride>(sK + dim0, key0, lane);
+        v_rows.template load<kStride>(sV + dim0, key0, lane);
+    }
 
     float dk[kDTiles][4], dv[kDTiles][4];
     #pragma unroll
@@ -138,8 +156,13 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
         for (int j = 0; j < kQTiles; ++j)
             #pragma unroll
             for (int e = 0; e < 4; ++e) st[j][e] = dpt[j][e] = 0.f;
-        mma_rows_by_rows<T, kStride, kWarpDims / 16>(st, sK + dim0, key0, tile_q + dim0, lane);
-        mma_rows_by_rows<T, kStride, kWarpDims / 16>(dpt, sV + dim0, key0, tile_do + dim0, lane);
+        if constexpr (kKvInRegisters) {
+            mma_rows_by_rows<T, kStride, kWarpDims / 16>(st, k_rows, tile_q + dim0, lane);
+            mma_rows_by_rows<T, kStride, kWarpDims / 16>(dpt, v_rows, tile_do + dim0, lane);
+        } else {
+            mma_rows_by_rows<T, kStride, kWarpDims / 16>(st, sK + dim0, key0, tile_q + dim0, lane);
+            mma_rows_by_rows<T, kStride, kWarpDims / 16>(dpt, sV + dim0, key0, tile_do + dim0, lane);
+        }
         if (kDimWarps > 1) {
             // The key group's full sums: every warp of the group adds the partials in the same
             // order (dim slice 0, 1, ...), so all of them hold bit-identical Sᵀ and dPᵀ.
