@@ -259,6 +259,20 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
     const TileSource<T, kHeadDim> k_source(k + at.k, at.k_row, b.kv_rows(p), p.head_dim, vectorised & 2);
     const TileSource<T, kHeadDim> v_source(v + at.v, at.v_row, b.kv_rows(p), p.head_dim_v, vectorised & 4);
     const int whole_tiles = whole_rows_of(k_source, v_source) / kBlockN;
+    // S = Q·Kᵀ takes this warp's 16 rows of Q as A operands for every key tile: at D = 128 (one
+    // row tile per warp) each warp loads them into registers once (32 per thread). The SASS audit
+    // (NVRTC 13.5, fp16, plain build): shared_per_tensor 1.34 → 1.26 on sm_80 and 2.69 → 2.52 on
+    // sm_90 (at wgmma's rate), 238 → 242 registers; no feature set or mods spills. At D = 256 (64
+    // per thread; 1.85 → 1.52) 8 of the 48 feature builds spilled 8-16 bytes; dO too at D = 128
+    // (1.18) spilled with softcap, ALiBi and a float mask.
+    constexpr bool kQInRegisters = kRowTiles == 1 && kHeadDim == 128;
+    RowFragments<kQInRegisters ? kHeadDim / 16 : 1> q_rows;
+    if (kQInRegisters && keys.more()) {
+        ptx::cp_async_commit();
+        ptx::cp_async_wait<0>();
+        __syncthreads();  // every thread's copies of Q have landed
+        q_rows.template load<kStride>(sQ, warp * 16, lane);
+    }
     for (; keys.more(); keys.advance()) {
         const int n_block = keys.tile, n0 = n_block * kBlockN;
         __syncthreads();  // every warp is done with the previous K and V tiles
@@ -276,7 +290,8 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
             for (int j = 0; j < kNTiles; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[m][j][e] = dp[m][j][e] = 0.f;
-        mma_rows_by_rows<T, kStride, kHeadDim / 16>(s, sQ, warp * 16, sK, lane);
+        if constexpr (kQInRegisters) mma_rows_by_rows<T, kStride, kHeadDim / 16>(s[0], q_rows, sK, lane);
+        else mma_rows_by_rows<T, kStride, kHeadDim / 16>(s, sQ, warp * 16, sK, lane);
         mma_rows_by_rows<T, kStride, kHeadDim / 16>(dp, sDO, warp * 16, sV, lane);
 
         // dS in place of S.
