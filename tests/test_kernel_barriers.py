@@ -85,7 +85,7 @@ def results(filename):
     # of Q in registers); the wgmma dK/dV at D = 128, where each consumer group
     # takes one of dQ's two products of 64 head dims every tile (at D = 32 they take turns), over
     # three query tiles (a dS buffer written again) and a key block whose second group has none.
-    extra = {"attention_bwd_tc.cu": [dict(sq=40, sk=70, d=256), dict(sq=70, sk=150, d=128)], "attention_bwd_wgmma.cu": [dict(sq=150, sk=130, d=128)]}
+    extra = {"attention_bwd_tc.cu": [dict(sq=40, sk=70, d=256), dict(sq=40, sk=70, d=128)], "attention_bwd_wgmma.cu": [dict(sq=150, sk=130, d=128)]}
     cases = [dict(sq=150, sk=200, d=32)] + extra.get(filename, [])
     grads = []
     for case in cases:
