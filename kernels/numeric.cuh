@@ -19,8 +19,8 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162f
 
 // 2^x for x < 128 on the FMA pipe, without the MUFU unit, whose 16 results per clock per SM
 // bound the softmax where the tensor cores need fewer cycles per score than it (the wgmma
-// forward's plain builds at D = 64 and softcap builds: OnlineSoftmax::update's
-// polynomial_every). FlashAttention-4's technique, in 9 instructions: x = n + f with
+// forward's plain builds at D = 64 and softcap builds, the mma.sync forward's softcap builds up
+// to D = 64: OnlineSoftmax::update's polynomial_every). FlashAttention-4's technique, in 9 instructions: x = n + f with
 // n = floor(x) and f in [0, 1); 2^f by a cubic (Horner, 3 FFMA) and 2^n built in the exponent
 // field, then one multiply. Coefficients: the minimax fit of 2^f on [0, 1] for relative error
 // with p(0) = 1 exactly (linear programming on 20001 points, rounded to float): within 8.6e-5 of

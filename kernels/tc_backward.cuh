@@ -34,7 +34,8 @@ __device__ __forceinline__ void each_probability(const float (&st)[kQTiles][4], 
             for (int e = 0; e < 4; ++e) {
                 const int key = key0 + g + 8 * (e / 2), query = j * 8 + 2 * t + (e & 1);
                 const float qk = st[j][e];
-                const Index row(m0 + 2 * t, j * 8 + (e & 1)), column(n0 + key0 + g, 8 * (e / 2));  // m0 + query, n0 + key
+                // m0 + query and n0 + key as run-time bases and unrolled offsets, for ALiBi (Index)
+                const Index row(m0 + 2 * t, j * 8 + (e & 1)), column(n0 + key0 + g, 8 * (e / 2));
                 const float s2 = kBandsByKey ? score.by_key(p, b, qk, row, column, tile_checks)
                                              : score(p, b, qk, row, column, tile_checks);
                 // A dead row's test is redundant (its lse2 is +inf: probability gives 0) but kept
