@@ -222,6 +222,9 @@ class LoopReport:
     issue_per_tensor: float | None = None  # None: no tensor instruction in any loop
     exposed_instructions: int | None = None  # wgmma kernels: the path's issued with no wgmma in flight
     shared_wavefronts: float = 0.0  # the path's 128-byte shared-memory wavefronts (shared_wavefronts())
+    # Loops inside the hot loop that its fastest path enters: the path counts each one's body once,
+    # whatever its trip count, so the figures above undercount where this is not 0.
+    nested_loops: int = 0
 
     @property
     def exposed_per_tensor(self) -> float | None:
@@ -250,7 +253,8 @@ class LoopReport:
                "exposed_per_tensor": None if exposed is None else round(exposed, 3),
                "mufu_per_tensor": None if self.mufu_per_tensor is None else round(self.mufu_per_tensor, 3),
                "shared_wavefronts": self.shared_wavefronts,
-               "shared_per_tensor": None if shared is None else round(shared, 3)}
+               "shared_per_tensor": None if shared is None else round(shared, 3),
+               "nested_loops": self.nested_loops}
         row.update({name: self.counts.get(name, 0) for name in sorted(set(COUNTED.values()))})
         return row
 
@@ -403,11 +407,14 @@ def hot_loop_report(instructions: list[Instruction], labels: dict[str, int], arc
     candidates = [(own_tensor_instructions(s, spans), -(s[1] - s[0]), s) for s in spans]
     if not candidates or max(candidates)[0] == 0:
         return LoopReport()
-    body = inside(max(candidates)[2])
+    hot = max(candidates)[2]
+    body = inside(hot)
     path = fastest_path(body, labels)
     if path is None:
         raise SassError(f"no path through the hot loop at {body[0].offset:#x} reaches its back-edge")
     report = LoopReport(loop_instructions=len(body), path_instructions=len(path))
+    on_path = {i.offset for i in path}
+    report.nested_loops = sum(s != hot and hot[0] <= s[0] and s[1] <= hot[1] and s[1] in on_path for s in spans)
     report.tensor_instructions = dict(Counter(i.opcode for i in path if _is_tensor(i)))
     report.counts = dict(Counter(COUNTED[i.opcode.split(".")[0]] for i in path
                                  if i.opcode.split(".")[0] in COUNTED and not i.never))

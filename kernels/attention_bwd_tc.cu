@@ -101,10 +101,12 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
     // shared_per_tensor at D = 64 1.45 → 1.35 on sm_80 and 2.70 → 2.50 on sm_90 (at wgmma's rate),
     // issue_per_tensor 0.47 → 0.46 and 0.93 → 0.91; at D = 32 1.60 → 1.50 and 3.00 → 2.80. No
     // feature set spills on sm_80, but on sm_90 softcap, ALiBi and a bool mask did (8 bytes; 4 with
-    // dropout), and so did mods at D = 64 (bench_mods' bias table: 4-28 bytes): those keep K and V in
-    // shared memory, as D = 128 does, where the 64 registers spilled 48-56 bytes.
-    constexpr bool kKvInRegisters =
-        kHeadDim <= 64 && !ATTN_MODS && !(kSoftcapBuilt && kAlibiBuilt && kMaskBuilt == kMaskBool);
+    // dropout), and so did mods at D = 64 (bench_mods' bias table: 4-28 bytes), and dropout with a
+    // mask on sm_80 (4-24 bytes, its Philox rounds unrolled): those keep K and V in shared memory,
+    // as D = 128 does, where the 64 registers spilled 48-56 bytes.
+    constexpr bool kKvInRegisters = kHeadDim <= 64 && !ATTN_MODS &&
+                                    !(kSoftcapBuilt && kAlibiBuilt && kMaskBuilt == kMaskBool) &&
+                                    !(kDropoutBuilt && kMaskBuilt != kMaskNone);
     RowFragments<kKvInRegisters ? kWarpDims / 16 : 1> k_rows, v_rows;
     if constexpr (kKvInRegisters) {
         ptx::cp_async_commit();
@@ -290,6 +292,9 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
             for (int j = 0; j < kNTiles; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[m][j][e] = dp[m][j][e] = 0.f;
+        unsigned keeps[kRowTiles][kNTiles];  // dropout's, before S (Dropout::tile_keeps)
+#pragma unroll
+        for (int m = 0; m < kRowTiles; ++m) dropout.tile_keeps(keeps[m], m0 + 64 * m + warp * 16 + g, n0, t);
         if constexpr (kQInRegisters) mma_rows_by_rows<T, kStride, kHeadDim / 16>(s[0], q_rows, sK, lane);
         else mma_rows_by_rows<T, kStride, kHeadDim / 16>(s, sQ, warp * 16, sK, lane);
         mma_rows_by_rows<T, kStride, kHeadDim / 16>(dp, sDO, warp * 16, sV, lane);
@@ -307,7 +312,7 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
                     const float s2 = score(p, b, qk, Index(m0 + warp * 16 + g, 64 * m + 8 * (e / 2)),
                                            Index(n0 + 2 * t, j * 8 + (e & 1)), checks);  // m0 + row, n0 + key
                     const float prob = probability(s2, sLse2[row], score.softmax_scale());
-                    const float z = dropout.factor(m0 + row, n0 + key);
+                    const float z = dropout.factor_of(keeps[m][j], e);  // bit 2·(e / 2) + (e & 1)
                     s[m][j][e] = prob * (dp[m][j][e] * z - sDelta[row]) * score.grad(p, b, qk, m0 + row, n0 + key, prob);
                 }
             }

@@ -233,8 +233,9 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
     // shared_per_tensor: 1.08 for this loop with A from shared memory, 0.92 so). Not at D = 128,
     // where the 64 registers they would take are not there (kCarryDk), nor in builds with softcap,
     // whose state beside them spilled (NVRTC 13.5: 24-272 bytes in 8 of the 12 feature sets with
-    // softcap, none without).
-    constexpr bool kKvInRegisters = kHeadDim == 64 && !kSoftcapBuilt;
+    // softcap, none without), nor with dropout and a mask (8 bytes with a bool mask, its Philox
+    // rounds unrolled).
+    constexpr bool kKvInRegisters = kHeadDim == 64 && !kSoftcapBuilt && !(kDropoutBuilt && kMaskBuilt != kMaskNone);
     constexpr int kKvFragments = kKvInRegisters ? kHeadDim / 16 : 1;
     unsigned k_frag[kKvFragments][4], v_frag[kKvFragments][4];
     if (kKvInRegisters && rows.more()) {

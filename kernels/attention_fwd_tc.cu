@@ -183,6 +183,9 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
         for (int m = 0; m < kRowTiles; ++m)
 #pragma unroll
             for (int j = 0; j < kNTiles; ++j) s[m][j][0] = s[m][j][1] = s[m][j][2] = s[m][j][3] = 0.f;
+        unsigned keeps[kRowTiles][kNTiles];  // dropout's, before S (Dropout::tile_keeps)
+#pragma unroll
+        for (int m = 0; m < kRowTiles; ++m) dropout.tile_keeps(keeps[m], row_lo + 64 * m, n0, t);
         if constexpr (kQInRegisters) mma_rows_by_rows<T, kStride, kHeadDim / 16>(s[0], q_rows, sK, lane);
         else mma_rows_by_rows<T, kStride, kHeadDim / 16>(s, sQ, warp * 16, sK, lane);
 
@@ -190,7 +193,7 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
 #pragma unroll
         for (int m = 0; m < kRowTiles; ++m)
             softmax_tile<kPolynomialEvery, kBoundaryPolynomialEvery>(s[m], o[m], softmax[m], p, b, score, dropout,
-                                                                     row_lo + 64 * m, n0, t, checks);
+                                                                     keeps[m], row_lo + 64 * m, n0, t, checks);
 
         // O += P·V: P stays in registers as the A operand (16 keys per k-step).
         mma_registers_by_rows<T, kStrideV, kBlockN / 16, kSumTiles>(o, s, sV, lane);

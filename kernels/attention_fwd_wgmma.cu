@@ -284,8 +284,10 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
             consumer_release(bars.k, k_at);
             k_at.advance();
             const int n0 = n_block * kBlockN;
+            unsigned keeps[kNTiles];
+            dropout.tile_keeps(keeps, row_lo, n0, t);
             softmax_scores<!ScoreTransform::kPlain, kPolynomialEvery, kBoundaryPolynomialEvery>(
-                s, softmax, p, b, score, dropout, row_lo, n0, t,
+                s, softmax, p, b, score, dropout, keeps, row_lo, n0, t,
                 b.tile_checks(p, interior.contains(n_block), place.tile, n_block));
         };
         auto pack_p = [&] {

@@ -12,18 +12,21 @@
 
 namespace attn {
 
-// Calls element(j, e, prob, qk, i, key, row_delta) for each score of Sᵀ (st[j][e] = q·k of query
-// row i and key `key`) of query tile m0 and key tile n0, prob its probability (before dropout).
+// Calls element(j, e, prob, qk, i, key, row_delta, z) for each score of Sᵀ (st[j][e] = q·k of
+// query row i and key `key`) of query tile m0 and key tile n0, prob its probability (before
+// dropout) and z its dropout factor (1 / (1 − p) where kept, else 0; 1 without dropout).
 // lse2 and delta: the tile's rows' statistics in shared memory (an element that does not use
 // row_delta costs no load of it). A boundary tile masks by the lane's two keys' bands of rows
 // (kBandsByKey: ScoreTransform::by_key, 4 registers held across the tile) or by each row's band
 // of keys (worked out per row, 8 instructions each).
 template <bool kBandsByKey, int kQTiles, class Element>
 __device__ __forceinline__ void each_probability(const float (&st)[kQTiles][4], const Params& p, const BlockInfo& b,
-                                                 const ScoreTransform& score, const float* lse2, const float* delta,
-                                                 int m0, int n0, int key0, int g, int t, int checks,
+                                                 const ScoreTransform& score, const Dropout& dropout, const float* lse2,
+                                                 const float* delta, int m0, int n0, int key0, int g, int t, int checks,
                                                  Element&& element) {
     auto tile = [&](int tile_checks) {
+        unsigned keeps[kQTiles];
+        dropout.transposed_tile_keeps(keeps, m0, n0 + key0 + g, t);
 #pragma unroll
         for (int j = 0; j < kQTiles; ++j) {
             // The two rows' statistics, once (read per score, they would be read again after any
@@ -45,7 +48,7 @@ __device__ __forceinline__ void each_probability(const float (&st)[kQTiles][4], 
                 const float prob = tile_checks && row_lse2[e & 1] == infinity()
                                        ? 0.f
                                        : probability(s2, row_lse2[e & 1], score.softmax_scale());
-                element(j, e, prob, qk, m0 + query, n0 + key, row_delta[e & 1]);
+                element(j, e, prob, qk, m0 + query, n0 + key, row_delta[e & 1], dropout.factor_of(keeps[j], e));
             }
         }
     };
@@ -64,9 +67,8 @@ __device__ __forceinline__ void probabilities_and_ds(float (&st)[kQTiles][4], fl
                                                      const BlockInfo& b, const ScoreTransform& score,
                                                      const Dropout& dropout, const float* lse2, const float* delta,
                                                      int m0, int n0, int key0, int g, int t, int checks) {
-    each_probability<kBandsByKey>(st, p, b, score, lse2, delta, m0, n0, key0, g, t, checks,
-                                  [&](int j, int e, float prob, float qk, int i, int key, float row_delta) {
-                                      const float z = dropout.factor(i, key);  // out = (P ∘ z)·V
+    each_probability<kBandsByKey>(st, p, b, score, dropout, lse2, delta, m0, n0, key0, g, t, checks,
+                                  [&](int j, int e, float prob, float qk, int i, int key, float row_delta, float z) {
                                       const float ds = prob * (dpt[j][e] * z - row_delta) * score.grad(p, b, qk, i, key, prob);
                                       st[j][e] = prob * z;
                                       dpt[j][e] = ds;
@@ -91,9 +93,8 @@ __device__ __forceinline__ void probabilities(float (&st)[kQTiles][4], DsFactors
                                               const BlockInfo& b, const ScoreTransform& score, const Dropout& dropout,
                                               const float* lse2, int m0, int n0, int key0, int g, int t, int checks) {
     // (delta: lse2 stands in for the row statistic this element never reads, so nothing loads it)
-    each_probability<kBandsByKey>(st, p, b, score, lse2, lse2, m0, n0, key0, g, t, checks,
-                                  [&](int j, int e, float prob, float qk, int i, int key, float) {
-                                      const float z = dropout.factor(i, key);  // out = (P ∘ z)·V
+    each_probability<kBandsByKey>(st, p, b, score, dropout, lse2, lse2, m0, n0, key0, g, t, checks,
+                                  [&](int j, int e, float prob, float qk, int i, int key, float, float z) {
                                       const float c = prob * score.grad(p, b, qk, i, key, prob);
                                       ds.of_dp[j][e] = c * z;
                                       ds.of_delta[j][e] = c;

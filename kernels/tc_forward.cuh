@@ -22,27 +22,28 @@ template <bool kSumsProbabilities = true>
 using TcSoftmaxOf = OnlineSoftmax<4, kDropoutBuilt ? 0 : 8, kSumsProbabilities>;
 using TcSoftmax = TcSoftmaxOf<>;
 
-// This tile's scores (s: kNTiles 8-key column tiles from key n0) -> base-2 units with every
-// feature applied (-inf where masked), then probabilities by the online softmax of this lane's
-// two rows (row_lo, row_lo + 8), whose columns are spread over the lane's quad; the rows' earlier
-// accumulators must then be scaled to the new running max (rescale_rows: a caller whose O is
-// still being summed by the tensor cores scales it once they are done, before the next tile's
-// softmax). Dropout then zeroes (or scales) the probabilities P·V sees, after the row sums took
-// them all. kRowByRow: one row after the other (a compiler barrier between them), for a caller
-// whose registers hold more besides (the wgmma forward's builds with score features or mods,
-// whose softmax runs beside the next S and the previous P): with both rows' features interleaved
-// (mask loads, softcap's tanh), ptxas ran out of registers there and spilled (NVRTC 13.5: 12-28
-// bytes at D = 128 with a float mask, 24-72 with softcap and a float mask, in the key loop), none
-// with the barrier. Elsewhere the rows stay interleaved: with the barrier the mma.sync forward's
-// dropout builds issued 0.6-1.2 % more, the wgmma forward's plain boundary tiles 0.2-0.4 %.
-// kPolynomialEvery, kBoundaryPolynomialEvery: OnlineSoftmax::update's polynomial_every for interior
-// and for boundary tiles, where the MUFU unit bounds the loop (a boundary tile's checks can make
-// it issue-bound where an interior tile is not).
+// This tile's scores (s: kNTiles 8-key column tiles from key n0) -> base-2 units with every feature
+// applied (-inf where masked), then probabilities by the online softmax of this lane's two rows
+// (row_lo, row_lo + 8), whose columns are spread over the lane's quad; the rows' earlier
+// accumulators must then be scaled to the new running max (rescale_rows: a caller whose O is still
+// being summed by the tensor cores scales it once they are done, before the next tile's softmax).
+// Dropout then zeroes (or scales) the probabilities P·V sees, after the row sums took them all, by
+// `keeps` (Dropout::tile_keeps). kRowByRow: one row after the other (a compiler barrier between
+// them), for a caller whose registers hold more besides (the wgmma forward's builds with score
+// features or mods, whose softmax runs beside the next S and the previous P): with both rows'
+// features interleaved (mask loads, softcap's tanh), ptxas ran out of registers there and spilled
+// (NVRTC 13.5: 12-28 bytes at D = 128 with a float mask, 24-72 with softcap and a float mask, in
+// the key loop), none with the barrier. Elsewhere the rows stay interleaved: with the barrier the
+// mma.sync forward's dropout builds issued 0.6-1.2 % more, the wgmma forward's plain boundary tiles
+// 0.2-0.4 %. kPolynomialEvery, kBoundaryPolynomialEvery: OnlineSoftmax::update's polynomial_every
+// for interior and for boundary tiles, where the MUFU unit bounds the loop (a boundary tile's
+// checks can make it issue-bound where an interior tile is not).
 template <bool kRowByRow = false, int kPolynomialEvery = 0, int kBoundaryPolynomialEvery = 0, int kNTiles,
           class Softmax>
 __device__ __forceinline__ void softmax_scores(float (&s)[kNTiles][4], Softmax (&softmax)[2],
                                                const Params& p, const BlockInfo& b, const ScoreTransform& score,
-                                               const Dropout& dropout, int row_lo, int n0, int t, int checks) {
+                                               const Dropout& dropout, const unsigned (&keeps)[kNTiles], int row_lo,
+                                               int n0, int t, int checks) {
     auto tile = [&](int tile_checks, int polynomial_every) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -54,7 +55,7 @@ __device__ __forceinline__ void softmax_scores(float (&s)[kNTiles][4], Softmax (
             softmax[r].update(row, score.softmax_scale(), polynomial_every);
 #pragma unroll
             for (int c = 0; c < 2 * kNTiles; ++c)
-                s[c / 2][2 * r + c % 2] = row[c] * dropout.factor(row_lo + 8 * r, n0 + (c / 2) * 8 + 2 * t + c % 2);
+                s[c / 2][2 * r + c % 2] = row[c] * dropout.factor_of(keeps[c / 2], 2 * r + c % 2);
             if constexpr (kRowByRow) ptx::compiler_barrier();
         }
     };
@@ -84,9 +85,10 @@ __device__ __forceinline__ void rescale_rows(float (&o)[kDTiles][4], const Softm
 template <int kPolynomialEvery = 0, int kBoundaryPolynomialEvery = 0, int kNTiles, int kDTiles, class Softmax>
 __device__ __forceinline__ void softmax_tile(float (&s)[kNTiles][4], float (&o)[kDTiles][4], Softmax (&softmax)[2],
                                              const Params& p, const BlockInfo& b, const ScoreTransform& score,
-                                             const Dropout& dropout, int row_lo, int n0, int t, int checks) {
-    softmax_scores<false, kPolynomialEvery, kBoundaryPolynomialEvery>(s, softmax, p, b, score, dropout, row_lo, n0, t,
-                                                                     checks);
+                                             const Dropout& dropout, const unsigned (&keeps)[kNTiles], int row_lo,
+                                             int n0, int t, int checks) {
+    softmax_scores<false, kPolynomialEvery, kBoundaryPolynomialEvery>(s, softmax, p, b, score, dropout, keeps, row_lo,
+                                                                     n0, t, checks);
     rescale_rows(o, softmax);
 }
 

@@ -120,6 +120,38 @@ def test_hot_loop_is_the_innermost_with_the_most_tensor_instructions():
     assert r.issue_per_tensor == pytest.approx(4 / 128)
 
 
+
+# A hot loop (0x10..0x80) holding two loops of its own: one (0x30, 0x40) behind a branch the
+# fastest path takes around it, one (0x60, 0x70) on every path, as a rolled Philox's rounds were.
+LOOPS_INSIDE = """
+.L_x_0:
+        /*0010*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0020*/              @P0 BRA `(.L_x_2) ;
+.L_x_1:
+        /*0030*/                   IMAD.WIDE.U32 R2, R3, 0x5, RZ ;
+        /*0040*/              @P1 BRA `(.L_x_1) ;
+.L_x_2:
+        /*0050*/                   MUFU.EX2 R3, R3 ;
+.L_x_3:
+        /*0060*/                   LOP3.LUT R5, R5, R6, R7, 0x96, !PT ;
+        /*0070*/              @P2 BRA `(.L_x_3) ;
+        /*0080*/              @P3 BRA `(.L_x_0) ;
+        /*0090*/                   EXIT ;
+"""
+
+
+def test_loops_inside_the_hot_loop_that_its_path_enters_are_counted():
+    """Such a loop's body counts once on the path, whatever its trip count: the report says how
+    many the path enters, so that a budget check can refuse an undercounted loop."""
+    instructions, labels = _sass.parse(LOOPS_INSIDE)
+    assert _sass.loops(instructions, labels) == [(0x10, 0x80), (0x30, 0x40), (0x60, 0x70)]
+    r = report(LOOPS_INSIDE, "sm_80")
+    assert r.path_instructions == 6  # 0x10, 0x20, 0x50, 0x60, 0x70, 0x80
+    assert r.nested_loops == 1
+    assert r.as_row()["nested_loops"] == 1
+    assert report(FEATURE_BEHIND_A_BRANCH, "sm_80").nested_loops == 0
+    assert report(NESTED, "sm_90a").nested_loops == 0  # the loop around the hot one is not inside it
+
 # The warp-specialised forward's shape: its key loop (0x40..0x90) waits on an mbarrier whose retry
 # ptxas puts after the kernel's end (0xb0..0xd0: TRYWAIT, @!P BRA to itself, BRA back to the
 # instruction after the branch that entered it). An earlier wait (0x10), before the loop, has
