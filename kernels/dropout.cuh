@@ -18,8 +18,11 @@ namespace attn {
 // took a third of each round, and the SASS audit, which walks a nested loop's body once, saw one
 // round of ten. Written as a 64-bit product and its halves, the same rounds took 20 % more
 // instructions (NVRTC 13.5: VIADDs of the high word).
+// kUnroll: rounds per iteration, 1 for the CUDA-core kernels' call per score (unrolled there,
+// the fp32 forward at D = 32 took a 128-byte stack frame on sm_80).
+template <int kUnroll = 10>
 __device__ __forceinline__ uint4 philox4x32_10(uint4 c, unsigned key0, unsigned key1) {
-#pragma unroll
+#pragma unroll kUnroll
     for (int round = 0; round < 10; ++round) {
         if (round) {  // the key schedule: Weyl increments before every round but the first
             key0 += 0x9E3779B9u;
@@ -48,7 +51,7 @@ struct Dropout {
     // lanes hold no group of 4 keys together; the tensor-core kernels share calls (*_keeps).
     __device__ __forceinline__ float factor(int i, int j) const {
         if (!kDropoutBuilt) return 1.f;
-        const uint4 words = philox4x32_10(make_uint4(static_cast<unsigned>(j) >> 2, i, head, offset), key0, key1);
+        const uint4 words = philox4x32_10<1>(make_uint4(static_cast<unsigned>(j) >> 2, i, head, offset), key0, key1);
         const int lane = j & 3;
         const unsigned word = lane == 0 ? words.x : lane == 1 ? words.y : lane == 2 ? words.z : words.w;
         return word >= threshold ? scale : 0.f;

@@ -166,8 +166,9 @@ def test_every_feature_build_of_the_wgmma_forward_and_its_mods_compile_without_s
 
 def test_every_feature_build_of_the_wgmma_dkdv_at_d64_compiles_without_spills():
     """The wgmma dK/dV at D = 64 holds K's and V's fragments in registers in builds without
-    softcap, where no feature set spilled beside them (and 8 of the 12 with softcap did, which
-    keep them in shared memory): every build a call can choose, both dQ modes. (At D = 128, which
+    softcap, nor dropout with a mask, where no feature set spilled beside them (8 of the 12 with
+    softcap did, and a bool mask with dropout: those keep them in shared memory): every build a
+    call can choose, both dQ modes. (At D = 128, which
     keeps K and V in shared memory, the deterministic dQ's builds with softcap, ALiBi, a mask and
     dropout spill 24 bytes: bench/RESULTS.md, 2026-12-06, twentieth session.)"""
     result = subprocess.run([sys.executable, str(ROOT / "bench" / "feature_builds.py"), "--kernels",
