@@ -64,10 +64,10 @@ def blocks_per_sm(registers: int, shared: int, block_threads: int = _config.THRE
 
 def featured_name(name: str) -> str:
     """The kernel a call with softcap, ALiBi and a float mask runs where a plain call runs `name`:
-    the same, except for a wgmma forward tile that serves plain calls only and an mma.sync forward
-    tile that serves calls without a mask only."""
+    the same, except for a wgmma forward tile that does not serve such calls (HopperTile.serves)
+    and an mma.sync forward tile that serves calls without a mask only."""
     tile = hopper_tile(name)
-    if tile is not None and tile.plain_only:
+    if tile is not None:
         return _config.forward_tile(tile.head_dim, tile.head_dim, FP16, 90, _config.ALL_FEATURES).name_expression(FP16)
     tile = next((t for t in _config.TENSOR_CORE_TILES if t.name_expression(FP16) == name), None)
     if tile is not None and tile.unmasked_only:

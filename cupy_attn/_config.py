@@ -20,6 +20,34 @@ CTYPES = {np.dtype(np.float16): "__half", BFLOAT16: "__nv_bfloat16", np.dtype(np
 THREADS = 128  # per block, every kernel; must match attn::kThreads in kernels/tile_io.cuh
 
 
+# Score features a module is built for (-DATTN_SCORE_FEATURES, kernels/mask.cuh): exactly those a
+# call uses, one bit each, so a call's loops carry no trace of a feature it lacks and no run-time
+# test of one it has. (Attention sinks are none: read once per row, after the key loop.) The
+# SASS audit's fastest path of the fp16 mma.sync forward at D = 128 on sm_80, per key tile: 591
+# instructions without features, 723 with ALiBi alone, against at least 816 in the general build
+# that decided each feature at run time before (bench/RESULTS.md, 2026-12-01). Each set is its own
+# build: a compile on first use (on the emulator a g++ run), cached on disk.
+SOFTCAP, ALIBI, BOOL_MASK, FLOAT_MASK, DROPOUT = 1, 2, 4, 8, 16
+PLAIN_FEATURES = 0
+FEATURE_BITS = {"softcap": SOFTCAP, "alibi": ALIBI, "bool_mask": BOOL_MASK, "float_mask": FLOAT_MASK, "dropout": DROPOUT}
+ANY_FEATURES = SOFTCAP | ALIBI | BOOL_MASK | FLOAT_MASK | DROPOUT
+# Every set the launcher can choose: any features, with at most one mask kind.
+FEATURE_SETS = tuple(f for f in range(32) if f & (BOOL_MASK | FLOAT_MASK) != BOOL_MASK | FLOAT_MASK)
+# The builds the compile report lists for every kernel: none, the score features at once (the
+# float mask: a load and an add per score, the costlier kind), and dropout. (All of them with
+# dropout is not one: the fp32 deterministic dQ at D = 32 spills 4 bytes there in 11 of 12
+# compiles, ptxas choosing 64 registers; bench/RESULTS.md, 2026-12-01.)
+ALL_FEATURES = SOFTCAP | ALIBI | FLOAT_MASK
+DROPOUT_FEATURES = DROPOUT
+FEATURE_NAMES = {"plain": PLAIN_FEATURES, "all": ALL_FEATURES, "dropout": DROPOUT_FEATURES}
+FEATURE_LEVELS = tuple(FEATURE_NAMES.values())
+
+
+def feature_words(features: int) -> str:
+    """The names of a feature set's bits, e.g. 'softcap+bool_mask' ('plain' for none)."""
+    return "+".join(name for name, bit in FEATURE_BITS.items() if features & bit) or "plain"
+
+
 @dataclass(frozen=True)
 class ForwardTile:
     """A forward configuration for head dims (D and Dv) up to ``head_dim``."""
@@ -226,7 +254,10 @@ class HopperTile:
     head_dim: int
     block_n: int
     reason: str
-    plain_only: bool = False  # for calls without score features or mods (whose state next to this tile's spilled)
+    # The calls it serves: those whose score features are among these, and with a score_mod or
+    # mask_mod where `mods` (the state of the others spills beside this tile's S, P and O).
+    features: int = ANY_FEATURES
+    mods: bool = True
     diagonal: bool = True  # for calls whose rows end on a diagonal (causal or a window) too
     block_m: ClassVar[int] = 128  # attn::kConsumerGroups x 64, every tile
     threads: ClassVar[int] = WS_THREADS  # every tile
@@ -251,6 +282,11 @@ class HopperTile:
 
     def _shared_bytes(self, own_output: bool) -> int:
         return 2 * (self.block_m * (2 if own_output else 1) + 4 * self.block_n) * self.head_dim + 104
+
+    def serves(self, features: int, mods: bool, diagonal: bool) -> bool:
+        """Whether a call with these score features (a score_mod or mask_mod where mods; causal
+        or a window where diagonal) may take this tile."""
+        return not features & ~self.features and (self.mods or not mods) and (self.diagonal or not diagonal)
 
     def tma_rows(self, operand: str) -> int:
         """Rows of one TMA box of q, k, v or out (each box TMA_BOX_DIMS head dims wide): the
@@ -277,9 +313,15 @@ TMA_BOX_DIMS = TMA_LINE_BYTES // 2  # head dims per TMA box of q, k, v, out and 
 # among them, at D = 256 too). At D = 64, 128 keys spilled 8-152 bytes in 7 of the 24 feature sets
 # at 240 registers, 8-236 in 12 at 232 (the persistent forward's split; 2026-12-05): 64 keys in none.
 # With the overlap (2026-12-06, eighteenth session) 64 keys at D <= 128 and 32 at 256 spill in none
-# of the 23 feature sets, fp16 or bf16.
-# So a plain call takes the first tile below for its head dim, a call with features the first that
-# is not plain_only. block_n is the N of the S instruction. At D = 64 a plain call takes 176 keys
+# of the 23 feature sets, fp16 or bf16. At D = 64, 128 keys spill in none of the 11 sets without
+# dropout (2026-12-07), fp16 or bf16, but in 10 of the 12 with it (4-76 bytes) and with the bias
+# table of bench/bench_mods.py (12-60): calls with features but neither take 128 keys, where 64
+# gave the SASS audit's issue_per_tensor 1.215 → 1.025 with ALiBi, 1.477 → 1.318 with a bool
+# mask, 1.367 → 1.201 with a float mask (softcap: the MUFU bound 2.562 → 2.531); at D = 128, 128
+# keys would spill with ALiBi, and its 64-key builds without softcap are within the tensor cores'
+# time already (issue_per_tensor 0.68-0.88).
+# So a call takes the first tile below for its head dim that serves it (HopperTile.serves).
+# block_n is the N of the S instruction. At D = 64 a plain call takes 176 keys
 # (m64n176k16, FlashAttention-3's choice there): the SASS audit's path per tile of 517
 # instructions against 392 for 128 keys (2.94 per key against 3.06; issue_per_tensor 0.73 against
 # 0.77), with the Q descriptors no longer hoisted (attention_fwd_wgmma.cu); with every 7th exp2 on
@@ -295,14 +337,15 @@ TMA_BOX_DIMS = TMA_LINE_BYTES // 2  # head dims per TMA box of q, k, v, out and 
 # instructions per score outweigh D = 64's tensor work, so the per-tile rest is what a longer tile
 # amortises); TMA staging (fourth session) gave 0.88 at D = 64, 0.70 at 128, 0.47 at 256.
 HOPPER_TILES = (
-    HopperTile(64, 176, "32 + 88 + 44 registers of O, S and P per consumer thread; 120 KB shared", plain_only=True,
-               diagonal=False),
-    HopperTile(64, 128, "32 + 64 + 32 registers of O, S and P per consumer thread; 96 KB shared", plain_only=True),
+    HopperTile(64, 176, "32 + 88 + 44 registers of O, S and P per consumer thread; 120 KB shared",
+               features=PLAIN_FEATURES, mods=False, diagonal=False),
+    HopperTile(64, 128, "32 + 64 + 32 registers of O, S and P per consumer thread; 96 KB shared",
+               features=ANY_FEATURES & ~DROPOUT, mods=False),
     HopperTile(64, 64, "32 + 32 + 16 registers of O, S and P besides the features'; 64 KB shared"),
-    HopperTile(128, 128, "64 + 64 + 32 registers of O, S and P; 192 KB shared", plain_only=True),
+    HopperTile(128, 128, "64 + 64 + 32 registers of O, S and P; 192 KB shared", features=PLAIN_FEATURES, mods=False),
     HopperTile(128, 64, "64 + 32 + 16 registers of O, S and P besides the features'; 128 KB shared"),
     HopperTile(256, 64, "128 + 32 + 16 registers of O, S and P; 192 KB shared (O staged in Q: not persistent)",
-               plain_only=True),
+               features=PLAIN_FEATURES, mods=False),
     HopperTile(256, 32, "128 + 16 + 8 registers of O, S and P besides the features'; 192 KB shared"),
 )
 HOPPER_ARCH = "sm_90a"  # what NVRTC compiles the wgmma kernels for
@@ -429,33 +472,6 @@ HOPPER_BACKWARD_TILES = (
     HopperBackwardTile(64, 64, "64 + 64 accumulators per thread (and 32 of dQ); 97 KB shared"),
     HopperBackwardTile(128, 64, "128 + 64 accumulators per thread (and 32 of dQ); 161 KB shared"),
 )
-# Score features a module is built for (-DATTN_SCORE_FEATURES, kernels/mask.cuh): exactly those a
-# call uses, one bit each, so a call's loops carry no trace of a feature it lacks and no run-time
-# test of one it has. (Attention sinks are none: read once per row, after the key loop.) The
-# SASS audit's fastest path of the fp16 mma.sync forward at D = 128 on sm_80, per key tile: 591
-# instructions without features, 723 with ALiBi alone, against at least 816 in the general build
-# that decided each feature at run time before (bench/RESULTS.md, 2026-12-01). Each set is its own
-# build: a compile on first use (on the emulator a g++ run), cached on disk.
-SOFTCAP, ALIBI, BOOL_MASK, FLOAT_MASK, DROPOUT = 1, 2, 4, 8, 16
-PLAIN_FEATURES = 0
-FEATURE_BITS = {"softcap": SOFTCAP, "alibi": ALIBI, "bool_mask": BOOL_MASK, "float_mask": FLOAT_MASK, "dropout": DROPOUT}
-# Every set the launcher can choose: any features, with at most one mask kind.
-FEATURE_SETS = tuple(f for f in range(32) if f & (BOOL_MASK | FLOAT_MASK) != BOOL_MASK | FLOAT_MASK)
-# The builds the compile report lists for every kernel: none, the score features at once (the
-# float mask: a load and an add per score, the costlier kind), and dropout. (All of them with
-# dropout is not one: the fp32 deterministic dQ at D = 32 spills 4 bytes there in 11 of 12
-# compiles, ptxas choosing 64 registers; bench/RESULTS.md, 2026-12-01.)
-ALL_FEATURES = SOFTCAP | ALIBI | FLOAT_MASK
-DROPOUT_FEATURES = DROPOUT
-FEATURE_NAMES = {"plain": PLAIN_FEATURES, "all": ALL_FEATURES, "dropout": DROPOUT_FEATURES}
-FEATURE_LEVELS = tuple(FEATURE_NAMES.values())
-
-
-def feature_words(features: int) -> str:
-    """The names of a feature set's bits, e.g. 'softcap+bool_mask' ('plain' for none)."""
-    return "+".join(name for name, bit in FEATURE_BITS.items() if features & bit) or "plain"
-
-
 # The compute capability whose kernels a GPU runs when CUPY_ATTN_COMPUTE_CAPABILITY is unset,
 # where measurement found another family faster than the GPU's own. On an H200 (bench/RESULTS.md,
 # 2026-11-30) the mma.sync kernels beat the wgmma ones in all 80 benchmark cases (wgmma at
@@ -597,14 +613,12 @@ def forward_tile(head_dim: int, head_dim_v: int, dtype=np.float32, compute_capab
                  features: int = PLAIN_FEATURES, mods: bool = False, diagonal: bool = False):
     """The forward configuration for a call with these score features (and a score_mod or mask_mod
     where mods; causal or a window where diagonal): wgmma on compute capability 9.0 up to its
-    widest tile (HOPPER_TILES' plain_only tiles for plain calls only, those not `diagonal` for
-    calls without causal or a window only) and mma.sync otherwise for fp16/bf16 (TENSOR_CORE_TILES'
-    unmasked_only tiles for calls without a mask or mods only), CUDA cores for fp32."""
+    widest tile (the first of HOPPER_TILES that serves the call) and mma.sync otherwise for
+    fp16/bf16 (TENSOR_CORE_TILES' unmasked_only tiles for calls without a mask or mods only), CUDA
+    cores for fp32."""
     if np.dtype(dtype) in TENSOR_CORE_DTYPES:
         if compute_capability == 90 and max(head_dim, head_dim_v) <= HOPPER_TILES[-1].head_dim:
-            plain = features == PLAIN_FEATURES and not mods
-            return _pick([t for t in HOPPER_TILES if (plain or not t.plain_only) and (t.diagonal or not diagonal)],
-                         head_dim, head_dim_v)
+            return _pick([t for t in HOPPER_TILES if t.serves(features, mods, diagonal)], head_dim, head_dim_v)
         unmasked = not features & (BOOL_MASK | FLOAT_MASK) and not mods
         return _pick([t for t in TENSOR_CORE_TILES if unmasked or not t.unmasked_only], head_dim, head_dim_v)
     return _pick(FORWARD_TILES, head_dim, head_dim_v)
@@ -613,8 +627,8 @@ def forward_tile(head_dim: int, head_dim_v: int, dtype=np.float32, compute_capab
 def selectable(filename: str, name_expression: str, features: int, mods: bool = False) -> bool:
     """Whether a call with these features (and a score_mod or mask_mod where mods) can run this
     variant: forward_tile's choice for its head dim, with causal or a window or without (of the
-    wgmma forwards, the plain_only tiles for plain calls, the others for calls with features or
-    mods; of the mma.sync forwards, the unmasked_only tiles for calls without a mask or mods, the
+    wgmma forwards, the tiles that serve such calls and come first for their head dim; of the
+    mma.sync forwards, the unmasked_only tiles for calls without a mask or mods, the
     others of their head dims for calls with either); every variant of the other files."""
     if filename == HopperTile.filename:
         tiles, compute_capability = HOPPER_TILES, 90

@@ -170,7 +170,7 @@ def kernels(args) -> int:
         for (filename, name, dtype), features in itertools.product(_config.kernel_variants(requested), args.features):
             if (str(dtype) not in args.dtypes or (args.kernels and name.split("<")[0] not in args.kernels)
                     or not _config.selectable(filename, name, levels[features])):
-                continue  # not asked for, or no call runs it (_config.HopperTile.plain_only)
+                continue  # not asked for, or no call runs it (_config.HopperTile.serves)
             arch = _config.FILE_ARCH.get(filename, requested)
             c, attempts = _nvrtc.compile_kernel_least_spills(_compile.kernel_source(filename), name, arch,
                                                              _compile.gpu_build_options(filename, levels[features]))

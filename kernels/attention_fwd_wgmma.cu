@@ -121,11 +121,12 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
     constexpr int kBoundaryPolynomialEvery = kSoftcapMufuBound ? 2 : 0;
     // Every build overlaps the softmax of a tile with P·V of the previous one, so it holds S, P and
     // O at once (D/2 + 3·kBlockN/4 registers) besides what its score features and mods need: with
-    // the features' tiles (64 keys at D <= 128, 32 at 256; the tile table) and the rows' scores one
-    // after the other (softmax_scores' kRowByRow) no build of the 23 feature sets spills at 232
-    // registers (NVRTC 13.5; bench/feature_builds.py), nor do bench/bench_mods.py's mods (a
-    // document mask, a window with global tokens, a bias table; with and without a block mask).
-    // With 128 keys at D = 128 ptxas spilled 8-284 bytes.
+    // the features' tiles (the tile table: 64 keys at D <= 128, 32 at 256, 128 at D = 64 without
+    // dropout or mods) and the rows' scores one after the other (softmax_scores' kRowByRow) no
+    // build of the 23 feature sets spills at 232 registers (NVRTC 13.5; bench/feature_builds.py),
+    // nor do bench/bench_mods.py's mods (a document mask, a window with global tokens, a bias
+    // table; with and without a block mask). With 128 keys ptxas spilled 8-284 bytes at D = 128,
+    // and at D = 64 4-76 with dropout and 12-60 with the bias table.
     constexpr unsigned kTileElements = kBlockN * kHeadDim;  // one stage of K or of V
     // Persistent where O has a staging tile of its own beside Q, K and V (HopperTile.persistent: all
     // but D = 256 with 64 keys): a block then takes work tile after work tile, and the next one's Q,

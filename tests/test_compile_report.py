@@ -52,19 +52,19 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
                       for words, features in _config.FEATURE_NAMES.items()
                       if ci_builds(arch, name, dtype, words) and _config.selectable(filename, name, features))
     assert sorted((r["name"], r["features"]) for r in rows) == expected
-    # unselectable, so not listed: the dropout builds of the wgmma forward's tiles for plain calls
-    # only; the plain builds of the tiles for calls with features; and of the mma.sync forward's
-    # tiles that serve calls with a mask or mods where an unmasked_only tile serves the rest, the
-    # plain and dropout builds
+    # unselectable, so not listed: the dropout builds of the wgmma forward's tiles that do not
+    # serve dropout; the plain builds of the tiles that serve it (each after a tile of its head dim
+    # for plain calls); and of the mma.sync forward's tiles that serve calls with a mask or mods
+    # where an unmasked_only tile serves the rest, the plain and dropout builds
     masked_twins = sum(any(u.unmasked_only and u.head_dim == t.head_dim for u in _config.TENSOR_CORE_TILES)
                        and not t.unmasked_only for t in _config.TENSOR_CORE_TILES)
     assert masked_twins == 1
+    dropout_tiles = [t for t in _config.HOPPER_TILES if t.features & _config.DROPOUT]
+    assert all(t.features == _config.ANY_FEATURES and t.mods for t in dropout_tiles) and len(dropout_tiles) == 3
     assert sum(not _config.selectable(f, n, _config.DROPOUT_FEATURES) for f, n, _ in _config.kernel_variants("sm_90")) \
-        == len(_config.TENSOR_CORE_DTYPES) * (sum(t.plain_only for t in _config.HOPPER_TILES) + masked_twins)
+        == len(_config.TENSOR_CORE_DTYPES) * (len(_config.HOPPER_TILES) - len(dropout_tiles) + masked_twins)
     assert sum(not _config.selectable(f, n, _config.PLAIN_FEATURES) for f, n, _ in _config.kernel_variants("sm_90")) \
-        == len(_config.TENSOR_CORE_DTYPES) * (sum(
-            any(u.plain_only and u.head_dim == t.head_dim for u in _config.HOPPER_TILES) and not t.plain_only
-            for t in _config.HOPPER_TILES) + masked_twins)
+        == len(_config.TENSOR_CORE_DTYPES) * (len(dropout_tiles) + masked_twins)
     assert sum(not _config.selectable(f, n, _config.ALL_FEATURES) for f, n, _ in _config.kernel_variants("sm_80")) \
         == len(_config.TENSOR_CORE_DTYPES) * sum(t.unmasked_only for t in _config.TENSOR_CORE_TILES)
     keys = {"name", "features", "arch", "attempts", "registers", "spill_stores", "spill_loads", "stack_frame_bytes", "static_shared_bytes",
@@ -149,9 +149,9 @@ def test_every_feature_build_of_the_wgmma_forward_and_its_mods_compile_without_s
     assert result.returncode in (0, 1), result.stderr  # 1: a build spills
     rows = json.loads(result.stdout)
     assert result.returncode == 0, [r for r in rows if r["spill_stores"] or r["spill_loads"]]
-    plain = [t for t in _config.HOPPER_TILES if t.plain_only]
-    featured = [t for t in _config.HOPPER_TILES if not t.plain_only]
-    assert len(rows) == len(plain) + len(featured) * (len(_config.FEATURE_SETS) - 1)
+    # each feature set on its head dim's tile for calls with causal or a window and, if another, without
+    assert len(rows) == sum(len({_config.forward_tile(d, d, np.float16, 90, f, diagonal=diagonal) for diagonal in (False, True)})
+                            for d in {t.head_dim for t in _config.HOPPER_TILES} for f in _config.FEATURE_SETS)
     assert {r["features"] for r in rows} == {_config.feature_words(f) for f in _config.FEATURE_SETS}
     assert all(r["issue_per_tensor"] > 0 and r["exposed_per_tensor"] is not None for r in rows)
     # and with bench_mods.py's mods (the two mask_mods with and without a block mask, the bias
@@ -161,7 +161,7 @@ def test_every_feature_build_of_the_wgmma_forward_and_its_mods_compile_without_s
     assert result.returncode in (0, 1), result.stderr
     rows = json.loads(result.stdout)
     assert result.returncode == 0, [r for r in rows if r["spill_stores"] or r["spill_loads"]]
-    assert len(rows) == len(featured) * 5 * 2 and {r["features"].split(", ")[1] for r in rows} == {"plain", "softcap"}
+    assert len(rows) == sum(t.mods for t in _config.HOPPER_TILES) * 5 * 2 and {r["features"].split(", ")[1] for r in rows} == {"plain", "softcap"}
 
 
 def test_every_feature_build_of_the_wgmma_dkdv_at_d64_compiles_without_spills():
@@ -240,14 +240,20 @@ def test_tile_tables_cover_every_head_dim():
         causal = _config.forward_tile(d, d, BF16, compute_capability=90, diagonal=True)
         if hopper is tc:
             assert dropout is tc and causal is tc
-        else:  # the tile of calls with features: the plain call's unless that one is plain_only
-            assert isinstance(dropout, _config.HopperTile) and not dropout.plain_only
-            assert dropout.head_dim == hopper.head_dim and (dropout is hopper) == (not hopper.plain_only)
+        else:  # the tile of calls with dropout or mods serves every call; the plain call's unless that one is for plain calls
+            assert isinstance(dropout, _config.HopperTile) and dropout.features == _config.ANY_FEATURES and dropout.mods
+            assert dropout.head_dim == hopper.head_dim and (dropout is hopper) == bool(hopper.features & _config.DROPOUT)
+            assert _config.forward_tile(d, d, BF16, compute_capability=90, mods=True) is dropout
+            # other features at D = 64 take 128 keys, whose state spills beside dropout's and mods'
+            featured = _config.forward_tile(d, d, BF16, compute_capability=90, features=_config.ANY_FEATURES & ~_config.DROPOUT)
+            assert featured.head_dim == hopper.head_dim and featured.diagonal
+            assert featured is dropout if hopper.head_dim > 64 else \
+                (featured.block_n, featured.features, featured.mods) == (128, _config.ANY_FEATURES & ~_config.DROPOUT, False)
             # a causal or windowed call's: the plain call's unless that one is for calls without a diagonal
             assert causal.diagonal and causal.head_dim == hopper.head_dim and (causal is hopper) == hopper.diagonal
         assert _config.selectable(dropout.filename, dropout.name_expression(BF16), _config.DROPOUT)
         assert _config.selectable(hopper.filename, hopper.name_expression(BF16), _config.DROPOUT) \
-            == (not getattr(hopper, "plain_only", False))
+            == bool(getattr(hopper, "features", _config.DROPOUT) & _config.DROPOUT)
         assert isinstance(_config.forward_tile(d, d, np.float32, compute_capability=90), _config.ForwardTile)
         for dtype in (np.float16, BF16):
             tcb = _config.backward_tile(d, d, dtype)
