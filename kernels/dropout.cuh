@@ -51,7 +51,7 @@ struct Dropout {
     // lanes hold no group of 4 keys together; the tensor-core kernels share calls (*_keeps).
     __device__ __forceinline__ float factor(int i, int j) const {
         if (!kDropoutBuilt) return 1.f;
-        const uint4 words = philox4x32_10<1>(make_uint4(static_cast<unsigned>(j) >> 2, i, head, offset), key0, key1);
+        const uint4 words = group_words<1>(i, j);
         const int lane = j & 3;
         const unsigned word = lane == 0 ? words.x : lane == 1 ? words.y : lane == 2 ? words.z : words.w;
         return word >= threshold ? scale : 0.f;
@@ -133,9 +133,15 @@ struct Dropout {
     }
 
   private:
+    // The 4 words of query row i and keys 4·(j / 4) … + 3: the counter of the header's layout.
+    template <int kUnroll>
+    __device__ __forceinline__ uint4 group_words(int i, int j) const {
+        return philox4x32_10<kUnroll>(make_uint4(static_cast<unsigned>(j) >> 2, i, head, offset), key0, key1);
+    }
+
     // Bit k set iff key 4·(j / 4) + k of query row i is kept.
     __device__ __forceinline__ unsigned keep_bits(int i, int j) const {
-        const uint4 words = philox4x32_10(make_uint4(static_cast<unsigned>(j) >> 2, i, head, offset), key0, key1);
+        const uint4 words = group_words<10>(i, j);
         return unsigned(words.x >= threshold) | unsigned(words.y >= threshold) << 1 |
                unsigned(words.z >= threshold) << 2 | unsigned(words.w >= threshold) << 3;
     }
