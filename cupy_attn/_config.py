@@ -319,9 +319,11 @@ TMA_BOX_DIMS = TMA_LINE_BYTES // 2  # head dims per TMA box of q, k, v, out and 
 # gave the SASS audit's issue_per_tensor 1.215 → 1.025 with ALiBi, 1.477 → 1.318 with a bool
 # mask, 1.367 → 1.201 with a float mask (softcap: the MUFU bound 2.562 → 2.531); at D = 128, 128
 # keys would spill with ALiBi, and its 64-key builds without softcap are within the tensor cores'
-# time already (issue_per_tensor 0.68-0.88).
+# time already (issue_per_tensor 0.68-0.88). 176 keys (calls without causal or a window) spill
+# in no build with a mask alone: 1.318 → 1.256 (bool), 1.201 → 1.136 (float) against 128 keys;
+# with ALiBi or softcap beside it they spill 64-172 bytes, and ALiBi alone 636.
 # So a call takes the first tile below for its head dim that serves it (HopperTile.serves).
-# block_n is the N of the S instruction. At D = 64 a plain call takes 176 keys
+# block_n is the N of the S instruction. At D = 64 a plain call (or one with a mask alone) takes 176 keys
 # (m64n176k16, FlashAttention-3's choice there): the SASS audit's path per tile of 517
 # instructions against 392 for 128 keys (2.94 per key against 3.06; issue_per_tensor 0.73 against
 # 0.77), with the Q descriptors no longer hoisted (attention_fwd_wgmma.cu); with every 7th exp2 on
@@ -338,7 +340,7 @@ TMA_BOX_DIMS = TMA_LINE_BYTES // 2  # head dims per TMA box of q, k, v, out and 
 # amortises); TMA staging (fourth session) gave 0.88 at D = 64, 0.70 at 128, 0.47 at 256.
 HOPPER_TILES = (
     HopperTile(64, 176, "32 + 88 + 44 registers of O, S and P per consumer thread; 120 KB shared",
-               features=PLAIN_FEATURES, mods=False, diagonal=False),
+               features=BOOL_MASK | FLOAT_MASK, mods=False, diagonal=False),
     HopperTile(64, 128, "32 + 64 + 32 registers of O, S and P per consumer thread; 96 KB shared",
                features=ANY_FEATURES & ~DROPOUT, mods=False),
     HopperTile(64, 64, "32 + 32 + 16 registers of O, S and P besides the features'; 64 KB shared"),

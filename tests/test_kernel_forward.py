@@ -215,11 +215,13 @@ def test_each_wgmma_forward_call_claims_work_tiles_from_none(monkeypatch):
                                      (dict(causal="top_left"), 128), (dict(window=(20, 0)), 128),
                                      (dict(window=(None, 30)), 128), (dict(softcap=4.0), 128),
                                      (dict(alibi_slopes=[0.3, 0.1], window=(20, 0)), 128),
-                                     (dict(dropout_p=0.2, dropout_seed=5), 64)])
+                                     (dict(dropout_p=0.2, dropout_seed=5), 64),
+                                     (dict(mask=np.arange(150) % 7 > 0), 176), (dict(mask=np.arange(150) % 7 > 0, causal=True), 128),
+                                     (dict(mask=np.arange(150) % 7 > 0, softcap=3.0), 128)])
 def test_wgmma_forward_tile_at_d64_follows_the_diagonal(monkeypatch, kw, keys):
-    """At D = 64 a plain call without causal or a window takes tiles of 176 keys (m64n176k16);
-    a causal or windowed one 128, whose diagonal tiles waste less (_config.HOPPER_TILES); a call
-    with score features 128, with dropout (or mods) 64."""
+    """At D = 64 a plain call without causal or a window takes tiles of 176 keys (m64n176k16),
+    and so does one with a mask alone; a causal or windowed one 128, whose diagonal tiles waste
+    less (_config.HOPPER_TILES); a call with other score features 128, with dropout (or mods) 64."""
     monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
     grids = recorded_launches(monkeypatch)
     rng = np.random.default_rng(keys + len(kw))
@@ -233,12 +235,14 @@ def test_wgmma_forward_tile_at_d64_follows_the_diagonal(monkeypatch, kw, keys):
 @pytest.mark.parametrize("sq,sk,kw", [
     (1, 1, {}), (7, 7, {}), (113, 203, {}), (203, 113, dict(dv=40)), (70, 353, dict(d=40, layout="bshd")),
     (129, 530, dict(q_lengths=[129, 1], kv_lengths=[177, 352])), (90, 1000, dict(hkv=2)),
+    (113, 400, dict(mask="bool", kv_lengths=[400, 177])), (70, 203, dict(mask="float", dv=40)),
 ])
 def test_wgmma_forward_of_176_key_tiles(monkeypatch, schedule_name, dtype, sq, sk, kw):
-    """The plain tile of 176 keys (11 k-steps of P·V, 22 column tiles of S): one key, a tile
-    and a part, key lengths that end one past a tile (177) and inside the second, query lengths
-    that leave a block one row, Dv < D, head dims padded to 64, a bshd layout, GQA and more key
-    tiles (six) than the stage rings have stages; the producer far ahead (warps) or starving the
+    """The tile of 176 keys (11 k-steps of P·V, 22 column tiles of S) of plain calls and calls
+    with a mask alone: one key, a tile and a part, key lengths that end one past a tile (177) and
+    inside the second, query lengths that leave a block one row, Dv < D, head dims padded to 64, a
+    bshd layout, GQA and more key tiles (six) than the stage rings have stages, bool and float
+    masks (a third of a float mask's scores -inf); the producer far ahead (warps) or starving the
     consumers (warps_reverse)."""
     monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
     monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", schedule_name)
@@ -246,6 +250,10 @@ def test_wgmma_forward_of_176_key_tiles(monkeypatch, schedule_name, dtype, sq, s
     rng = np.random.default_rng(sq * 1009 + sk)
     shape = dict(dict(b=2, h=2, hkv=1, d=64), **{key: x for key, x in kw.items() if key in ("d", "dv", "hkv", "layout")})
     call = {key: np.array(x, np.int32) for key, x in kw.items() if key.endswith("lengths")}
+    if kw.get("mask") == "bool":
+        call["mask"] = rng.random((2, 2, sq, sk)) < 0.7
+    elif kw.get("mask") == "float":
+        call["mask"] = np.where(rng.random((2, 1, sq, sk)) < 0.3, -np.inf, rng.standard_normal((2, 1, sq, sk))).astype(np.float32)
     q, k, v = random_qkv(rng, sq=sq, sk=sk, dtype=dtype, **shape)
     check(*(tma_addressable(x) for x in (q, k, v)), dtype, layout=shape.get("layout", "bhsd"), **call)
     assert [name for name, _ in grids] == [f"attention_fwd_wgmma<{'__half' if dtype == np.float16 else '__nv_bfloat16'}, 64, 176>"]
