@@ -321,7 +321,7 @@ TMA_BOX_DIMS = TMA_LINE_BYTES // 2  # head dims per TMA box of q, k, v, out and 
 # keys would spill with ALiBi, and its 64-key builds without softcap are within the tensor cores'
 # time already (issue_per_tensor 0.68-0.88). 176 keys (calls without causal or a window) spill
 # in no build with a mask alone: 1.318 → 1.256 (bool), 1.201 → 1.136 (float) against 128 keys;
-# with ALiBi or softcap beside it they spill 64-172 bytes, and ALiBi alone 636.
+# every other feature set spills there (24-828 bytes).
 # So a call takes the first tile below for its head dim that serves it (HopperTile.serves).
 # block_n is the N of the S instruction. At D = 64 a plain call (or one with a mask alone) takes 176 keys
 # (m64n176k16, FlashAttention-3's choice there): the SASS audit's path per tile of 517

@@ -107,15 +107,17 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
     // - plain builds at D = 64, every 7th in interior tiles: 1.02 and 0.73 → 0.89 and 0.87 at 176
     //   keys, 1.03 and 0.77 → 0.91 and 0.89 at 128 (every 8th: 0.91 and 0.85 at 176 keys, every
     //   6th: 0.86 and 0.90); their boundary tiles are issue-bound (1.17, 1.11) and keep MUFU;
-    // - softcap builds at D <= 128 (64 keys), every 2nd in every tile (boundary tiles are MUFU-
-    //   bound there too): at D = 128 1.53 and 0.86 → 1.28 and 1.11 with softcap alone (also with
+    // - softcap builds at D <= 128, every 2nd in every tile (boundary tiles are MUFU-bound there
+    //   too): at D = 128 (64 keys) 1.53 and 0.86 → 1.28 and 1.11 with softcap alone (also with
     //   ALiBi or a float mask: 1.28 and 1.25-1.26), 1.53 and 1.23 → 1.28 and 1.48 with both
-    //   (every 3rd: 1.38 and 1.39); at D = 64 3.06 and 1.55 → 2.56 and 2.06 (2.56 and 2.81 with
-    //   ALiBi and a float mask; every score: 2.06 and 2.56, 2.06 and 3.31).
+    //   (every 3rd: 1.38 and 1.39); at D = 64 (64 keys then) 3.06 and 1.55 → 2.56 and 2.06 (2.56
+    //   and 2.81 with ALiBi and a float mask; every score: 2.06 and 2.56, 2.06 and 3.31), and with
+    //   the 128-key tile since 2.53 and 1.89 (every score in interior tiles: 2.03 and 2.39, but
+    //   the audit's fastest path then takes the boundary branch; a loss with ALiBi or a mask).
     // Other builds keep the MUFU unit for every score: at D = 128 and 256 plain builds need a half
     // and a quarter of the tensor cycles in MUFU, builds with ALiBi, masks, mods or dropout are
-    // issue-bound (issue_per_tensor 1.3-4.4 at D = 64), and at D = 256 softcap's gain was 4 %
-    // alone and a loss with ALiBi and a float mask.
+    // issue-bound (issue_per_tensor 1.0-3.2 at D = 64, MUFU 1.03-1.06), and at D = 256 softcap's
+    // gain was 4 % alone and a loss with ALiBi and a float mask.
     constexpr bool kSoftcapMufuBound = kSoftcapBuilt && !kDropoutBuilt && !ATTN_MODS && kHeadDim <= 128;
     constexpr int kPolynomialEvery = kSoftcapMufuBound ? 2 : kHeadDim == 64 && ScoreTransform::kPlain ? 7 : 0;
     constexpr int kBoundaryPolynomialEvery = kSoftcapMufuBound ? 2 : 0;

@@ -65,6 +65,11 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
         == len(_config.TENSOR_CORE_DTYPES) * (len(_config.HOPPER_TILES) - len(dropout_tiles) + masked_twins)
     assert sum(not _config.selectable(f, n, _config.PLAIN_FEATURES) for f, n, _ in _config.kernel_variants("sm_90")) \
         == len(_config.TENSOR_CORE_DTYPES) * (len(dropout_tiles) + masked_twins)
+    # as numbers, for fp16 and bf16: without dropout 176 and 128 keys at D = 64, 128 at 128, 64 at
+    # 256 and the mma.sync twin; plain 64 keys at D = 64, 64 at 128, 32 at 256 and the twin
+    assert (sum(not _config.selectable(f, n, _config.DROPOUT_FEATURES) for f, n, _ in _config.kernel_variants("sm_90")),
+            sum(not _config.selectable(f, n, _config.PLAIN_FEATURES) for f, n, _ in _config.kernel_variants("sm_90"))) \
+        == (2 * 5, 2 * 4)
     assert sum(not _config.selectable(f, n, _config.ALL_FEATURES) for f, n, _ in _config.kernel_variants("sm_80")) \
         == len(_config.TENSOR_CORE_DTYPES) * sum(t.unmasked_only for t in _config.TENSOR_CORE_TILES)
     keys = {"name", "features", "arch", "attempts", "registers", "spill_stores", "spill_loads", "stack_frame_bytes", "static_shared_bytes",
@@ -152,6 +157,9 @@ def test_every_feature_build_of_the_wgmma_forward_and_its_mods_compile_without_s
     # each feature set on its head dim's tile for calls with causal or a window and, if another, without
     assert len(rows) == sum(len({_config.forward_tile(d, d, np.float16, 90, f, diagonal=diagonal) for diagonal in (False, True)})
                             for d in {t.head_dim for t in _config.HOPPER_TILES} for f in _config.FEATURE_SETS)
+    # as a number: at D = 64 the 12 sets without dropout on 128 keys, the plain and mask-alone ones
+    # on 176 too, the 12 with dropout on 64 (12 + 3 + 12); at D = 128 and 256 each set on one tile
+    assert len(rows) == 27 + 24 + 24
     assert {r["features"] for r in rows} == {_config.feature_words(f) for f in _config.FEATURE_SETS}
     assert all(r["issue_per_tensor"] > 0 and r["exposed_per_tensor"] is not None for r in rows)
     # and with bench_mods.py's mods (the two mask_mods with and without a block mask, the bias
@@ -240,7 +248,7 @@ def test_tile_tables_cover_every_head_dim():
         causal = _config.forward_tile(d, d, BF16, compute_capability=90, diagonal=True)
         if hopper is tc:
             assert dropout is tc and causal is tc
-        else:  # the tile of calls with dropout or mods serves every call; the plain call's unless that one is for plain calls
+        else:  # the tile of calls with dropout or mods serves every call; the plain call's unless that one does not serve dropout
             assert isinstance(dropout, _config.HopperTile) and dropout.features == _config.ANY_FEATURES and dropout.mods
             assert dropout.head_dim == hopper.head_dim and (dropout is hopper) == bool(hopper.features & _config.DROPOUT)
             assert _config.forward_tile(d, d, BF16, compute_capability=90, mods=True) is dropout

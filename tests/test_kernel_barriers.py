@@ -73,7 +73,7 @@ def results(filename):
         if filename == "attention_fwd_tc.cu":  # D = 256: each warp's rows of Q loaded into registers once
             q, k, v = random_qkv(rng, b=1, h=2, sq=70, sk=40, d=256, dtype=dtype)
             outs.append(cupy_attn.attention(q, k, v, backend="emulator"))
-        if "wgmma" in filename:  # a build with a score feature: tiles of 64 keys, rows one after the other
+        if "wgmma" in filename:  # a build with a score feature: tiles of 128 keys, rows one after the other
             outs.append(cupy_attn.attention(q, k, v, softcap=5.0, backend="emulator"))
             # work tiles without keys, whose next work tile the consumers read at once, among
             # others: 8 on the emulator's 3 SMs
