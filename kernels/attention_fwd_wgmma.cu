@@ -107,19 +107,30 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
     // - plain builds at D = 64, every 7th in interior tiles: 1.02 and 0.73 → 0.89 and 0.87 at 176
     //   keys, 1.03 and 0.77 → 0.91 and 0.89 at 128 (every 8th: 0.91 and 0.85 at 176 keys, every
     //   6th: 0.86 and 0.90); their boundary tiles are issue-bound (1.17, 1.11) and keep MUFU;
-    // - softcap builds at D <= 128, every 2nd in every tile (boundary tiles are MUFU-bound there
-    //   too): at D = 128 (64 keys) 1.53 and 0.86 → 1.28 and 1.11 with softcap alone (also with
-    //   ALiBi or a float mask: 1.28 and 1.25-1.26), 1.53 and 1.23 → 1.28 and 1.48 with both
-    //   (every 3rd: 1.38 and 1.39); at D = 64 (64 keys then) 3.06 and 1.55 → 2.56 and 2.06 (2.56
-    //   and 2.81 with ALiBi and a float mask; every score: 2.06 and 2.56, 2.06 and 3.31), and with
-    //   the 128-key tile since 2.53 and 1.89 (every score in interior tiles: 2.03 and 2.39, but
-    //   the audit's fastest path then takes the boundary branch; a loss with ALiBi or a mask).
+    // - softcap builds at D <= 128, every 2nd in boundary tiles (MUFU-bound there too) and in
+    //   interior tiles of builds with more features: at D = 128 (64 keys) 1.53 and 0.86 → 1.28
+    //   and 1.11 with softcap alone (also with ALiBi or a float mask: 1.28 and 1.25-1.26), 1.53
+    //   and 1.23 → 1.28 and 1.48 with both (every 3rd: 1.38 and 1.39); at D = 64 (64 keys then)
+    //   3.06 and 1.55 → 2.56 and 2.06 (2.56 and 2.81 with ALiBi and a float mask; every score:
+    //   2.06 and 2.56, 2.06 and 3.31), at 128 keys 2.53 and 1.89;
+    // - more in interior tiles where that balances better (kPolynomialOf of every kPolynomialEvery,
+    //   the last of each group; 2026-12-07): at D = 128 softcap alone 2 of 3, 1.28 and 1.11 → 1.22
+    //   and 1.18 (3 of 4: 1.16 and 1.24; with ALiBi or a mask beside it a loss, issue 1.31-1.51);
+    //   at D = 64 softcap alone 5 of 6, 2.53 and 1.89 → 2.22 and 2.21 (4 of 5: 2.25 and 2.17;
+    //   every score: 2.03 and 2.39), with ALiBi or a float mask 2 of 3, 2.53 and 2.09-2.20 → 2.38
+    //   and 2.24-2.35 (3 of 4: 2.28 and 2.34-2.45); with a bool mask 2 of 3 gave 1 %, with two of
+    //   them a loss.
     // Other builds keep the MUFU unit for every score: at D = 128 and 256 plain builds need a half
     // and a quarter of the tensor cycles in MUFU, builds with ALiBi, masks, mods or dropout are
     // issue-bound (issue_per_tensor 1.0-3.2 at D = 64, MUFU 1.03-1.06), and at D = 256 softcap's
     // gain was 4 % alone and a loss with ALiBi and a float mask.
     constexpr bool kSoftcapMufuBound = kSoftcapBuilt && !kDropoutBuilt && !ATTN_MODS && kHeadDim <= 128;
-    constexpr int kPolynomialEvery = kSoftcapMufuBound ? 2 : kHeadDim == 64 && ScoreTransform::kPlain ? 7 : 0;
+    // softcap's companions, weighed by their issue slots per score: ALiBi and a float mask one, a bool mask two
+    constexpr int kSoftcapCompanions = kAlibiBuilt + (kMaskBuilt == kMaskFloat) + 2 * (kMaskBuilt == kMaskBool);
+    constexpr int kSoftcapEvery = kSoftcapCompanions == 0 ? (kHeadDim == 64 ? 6 : 3)
+                                  : kSoftcapCompanions == 1 && kHeadDim == 64 ? 3 : 2;
+    constexpr int kPolynomialEvery = kSoftcapMufuBound ? kSoftcapEvery : kHeadDim == 64 && ScoreTransform::kPlain ? 7 : 0;
+    constexpr int kPolynomialOf = kSoftcapMufuBound ? kSoftcapEvery - 1 : 1;
     constexpr int kBoundaryPolynomialEvery = kSoftcapMufuBound ? 2 : 0;
     // Every build overlaps the softmax of a tile with P·V of the previous one, so it holds S, P and
     // O at once (D/2 + 3·kBlockN/4 registers) besides what its score features and mods need: with
@@ -289,7 +300,7 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
             const int n0 = n_block * kBlockN;
             unsigned keeps[kNTiles];
             dropout.tile_keeps(keeps, row_lo, n0, t);
-            softmax_scores<!ScoreTransform::kPlain, kPolynomialEvery, kBoundaryPolynomialEvery>(
+            softmax_scores<!ScoreTransform::kPlain, kPolynomialEvery, kBoundaryPolynomialEvery, kPolynomialOf>(
                 s, softmax, p, b, score, dropout, keeps, row_lo, n0, t,
                 b.tile_checks(p, interior.contains(n_block), place.tile, n_block));
         };

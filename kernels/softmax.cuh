@@ -74,13 +74,15 @@ struct OnlineSoftmax {
     // s·scale (scale > 0): a caller whose scores need no more than the scale passes them
     // unscaled and the scale here, where it folds into one FFMA per score, exp2(s·scale − max),
     // as FlashAttention does; others pass base-2 scores and scale 1.
-    // polynomial_every: every polynomial_every-th column's exp2 by exp2_polynomial on the FMA pipe
-    // rather than by the MUFU unit (0: none), for a caller whose MUFU cycles exceed its tensor
-    // cycles: each such column trades one MUFU instruction (8 cycles of its sub-partition's unit)
-    // for 9 issue slots, and the share balances the two bounds (the SASS audit's mufu_per_tensor
-    // and issue_per_tensor). A constant at every call, so that the choice per column folds away.
+    // polynomial_every, polynomial_of: the exp2 of polynomial_of columns in every polynomial_every
+    // (the last ones of each group) by exp2_polynomial on the FMA pipe rather than by the MUFU
+    // unit (polynomial_every 0: none), for a caller whose MUFU cycles exceed its tensor cycles:
+    // each such column trades one MUFU instruction (8 cycles of its sub-partition's unit) for 9
+    // issue slots, and the share balances the two bounds (the SASS audit's mufu_per_tensor and
+    // issue_per_tensor). Constants at every call, so that the choice per column folds away.
     template <int kCols>
-    __device__ __forceinline__ float update(float (&s)[kCols], float scale = 1.f, int polynomial_every = 0) {
+    __device__ __forceinline__ float update(float (&s)[kCols], float scale = 1.f, int polynomial_every = 0,
+                                            int polynomial_of = 1) {
         float tile_max = s[0];  // (not from -inf: fmaxf(-inf, x) is kept, as it is not x for NaN)
         for (int c = 1; c < kCols; ++c) tile_max = fmaxf(tile_max, s[c]);
         tile_max = row_reduce_max<kLanes>(tile_max) * scale;
@@ -88,7 +90,8 @@ struct OnlineSoftmax {
         const float new_max = max_moved ? tile_max : row_max;
         for (int c = 0; c < kCols; ++c) {
             const float x = fmaf(s[c], scale, -new_max);
-            s[c] = polynomial_every && c % polynomial_every == polynomial_every - 1 ? exp2_polynomial(x) : exp2f(x);
+            s[c] = polynomial_every && c % polynomial_every >= polynomial_every - polynomial_of ? exp2_polynomial(x)
+                                                                                                : exp2f(x);
         }
         // The factor is 1 where the max stayed (also for a row that has seen only masked keys
         // so far), else the factor from the old max to the new: exp2(0), not 1 selected outright,

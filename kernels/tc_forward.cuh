@@ -37,14 +37,15 @@ using TcSoftmax = TcSoftmaxOf<>;
 // mma.sync forward's dropout builds issued 0.6-1.2 % more, the wgmma forward's plain boundary tiles
 // 0.2-0.4 %. kPolynomialEvery, kBoundaryPolynomialEvery: OnlineSoftmax::update's polynomial_every
 // for interior and for boundary tiles, where the MUFU unit bounds the loop (a boundary tile's
-// checks can make it issue-bound where an interior tile is not).
-template <bool kRowByRow = false, int kPolynomialEvery = 0, int kBoundaryPolynomialEvery = 0, int kNTiles,
-          class Softmax>
+// checks can make it issue-bound where an interior tile is not); kPolynomialOf: its polynomial_of
+// in interior tiles (boundary tiles take 1).
+template <bool kRowByRow = false, int kPolynomialEvery = 0, int kBoundaryPolynomialEvery = 0, int kPolynomialOf = 1,
+          int kNTiles, class Softmax>
 __device__ __forceinline__ void softmax_scores(float (&s)[kNTiles][4], Softmax (&softmax)[2],
                                                const Params& p, const BlockInfo& b, const ScoreTransform& score,
                                                const Dropout& dropout, const unsigned (&keeps)[kNTiles], int row_lo,
                                                int n0, int t, int checks) {
-    auto tile = [&](int tile_checks, int polynomial_every) {
+    auto tile = [&](int tile_checks, int polynomial_every, int polynomial_of) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float row[2 * kNTiles];
@@ -52,7 +53,7 @@ __device__ __forceinline__ void softmax_scores(float (&s)[kNTiles][4], Softmax (
             for (int c = 0; c < 2 * kNTiles; ++c)
                 row[c] = score(p, b, s[c / 2][2 * r + c % 2], Index(row_lo, 8 * r),
                                Index(n0 + 2 * t, (c / 2) * 8 + c % 2), tile_checks);
-            softmax[r].update(row, score.softmax_scale(), polynomial_every);
+            softmax[r].update(row, score.softmax_scale(), polynomial_every, polynomial_of);
 #pragma unroll
             for (int c = 0; c < 2 * kNTiles; ++c)
                 s[c / 2][2 * r + c % 2] = row[c] * dropout.factor_of(keeps[c / 2], 2 * r + c % 2);
@@ -62,8 +63,8 @@ __device__ __forceinline__ void softmax_scores(float (&s)[kNTiles][4], Softmax (
     // An interior tile's copy with the checks a constant 0: no test per score. Without it the
     // warp-specialised wgmma forward kept a branch and an index add per score (NVRTC 13.5: 537
     // instructions per tile of 128 keys at D = 64 against 442).
-    if (checks) tile(checks, kBoundaryPolynomialEvery);
-    else tile(0, kPolynomialEvery);
+    if (checks) tile(checks, kBoundaryPolynomialEvery, 1);
+    else tile(0, kPolynomialEvery, kPolynomialOf);
 }
 
 // o's rows (2r, 2r + 1 of each 8-dim tile: row r of the lane) scaled to row r's new running max

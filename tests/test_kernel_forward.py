@@ -215,6 +215,7 @@ def test_each_wgmma_forward_call_claims_work_tiles_from_none(monkeypatch):
                                      (dict(causal="top_left"), 128), (dict(window=(20, 0)), 128),
                                      (dict(window=(None, 30)), 128), (dict(softcap=4.0), 128),
                                      (dict(alibi_slopes=[0.3, 0.1], window=(20, 0)), 128),
+                                     (dict(softcap=3.0, alibi_slopes=[0.3, 0.1]), 128),
                                      (dict(dropout_p=0.2, dropout_seed=5), 64),
                                      (dict(mask=np.arange(150) % 7 > 0), 176), (dict(mask=np.arange(150) % 7 > 0, causal=True), 128),
                                      (dict(mask=np.arange(150) % 7 > 0, softcap=3.0), 128)])
