@@ -129,9 +129,13 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
     // 2.22 and 2.67 → 2.23. Boundary tiles with a mask are issue-bound already (softcap and a bool
     // mask 1.41 → 1.45, with ALiBi and a float mask 1.41 → 1.51) and keep MUFU; without one,
     // 1.41 → 1.18 (softcap alone) and 1.41 → 1.27 (with ALiBi). Builds with dropout issue 2.9 per
-    // tensor cycle (every 2nd: 2.92) and mods vary: they keep MUFU.
+    // tensor cycle (every 2nd: 2.92) and mods vary: they keep MUFU. Softcap alone leaves issue
+    // slots to spare at every 2nd, so its interior tiles take more (kPolynomialOf of every
+    // kPolynomialEvery, 2026-12-07): 2 of 3 at D = 64, 1.18 → 1.12 (issue 1.02 → 1.08; on sm_90
+    // 2.35 → 2.24), 3 of 4 at D = 32, 2.22 → 2.00 (1.75 → 1.97; on sm_90 4.44 → 4.00).
     constexpr bool kSoftcapMufuBound = kSoftcapBuilt && !kDropoutBuilt && !ATTN_MODS && kHeadDim <= 64;
-    constexpr int kPolynomialEvery = kSoftcapMufuBound ? 2 : 0;
+    constexpr int kPolynomialEvery = kSoftcapMufuBound ? (!kAlibiBuilt && kMaskBuilt == kMaskNone ? (kHeadDim <= 32 ? 4 : 3) : 2) : 0;
+    constexpr int kPolynomialOf = kSoftcapMufuBound ? kPolynomialEvery - 1 : 1;
     constexpr int kBoundaryPolynomialEvery = kSoftcapMufuBound && kMaskBuilt == kMaskNone ? 2 : 0;
 
     TileWalk keys = b.key_walk(p, m0, kBlockM, kBlockN);
@@ -192,7 +196,7 @@ __device__ __forceinline__ void forward_tc_block(const Params& p, const T* q, co
         const int checks = b.tile_checks(p, interior.contains(n_block), place.tile, n_block);
 #pragma unroll
         for (int m = 0; m < kRowTiles; ++m)
-            softmax_tile<kPolynomialEvery, kBoundaryPolynomialEvery>(s[m], o[m], softmax[m], p, b, score, dropout,
+            softmax_tile<kPolynomialEvery, kBoundaryPolynomialEvery, kPolynomialOf>(s[m], o[m], softmax[m], p, b, score, dropout,
                                                                      keeps[m], row_lo + 64 * m, n0, t, checks);
 
         // O += P·V: P stays in registers as the A operand (16 keys per k-step).

@@ -81,15 +81,16 @@ __device__ __forceinline__ void rescale_rows(float (&o)[kDTiles][4], const Softm
         for (int e = 0; e < 4; ++e) o[d][e] *= rescale[e / 2];
 }
 
-// softmax_scores (its polynomial_every for interior and boundary tiles), with o rescaled at once
-// (for a caller whose O is in registers).
-template <int kPolynomialEvery = 0, int kBoundaryPolynomialEvery = 0, int kNTiles, int kDTiles, class Softmax>
+// softmax_scores (its polynomial_every for interior and boundary tiles, polynomial_of for interior
+// ones), with o rescaled at once (for a caller whose O is in registers).
+template <int kPolynomialEvery = 0, int kBoundaryPolynomialEvery = 0, int kPolynomialOf = 1, int kNTiles, int kDTiles,
+          class Softmax>
 __device__ __forceinline__ void softmax_tile(float (&s)[kNTiles][4], float (&o)[kDTiles][4], Softmax (&softmax)[2],
                                              const Params& p, const BlockInfo& b, const ScoreTransform& score,
                                              const Dropout& dropout, const unsigned (&keeps)[kNTiles], int row_lo,
                                              int n0, int t, int checks) {
-    softmax_scores<false, kPolynomialEvery, kBoundaryPolynomialEvery>(s, softmax, p, b, score, dropout, keeps, row_lo,
-                                                                     n0, t, checks);
+    softmax_scores<false, kPolynomialEvery, kBoundaryPolynomialEvery, kPolynomialOf>(s, softmax, p, b, score, dropout,
+                                                                                    keeps, row_lo, n0, t, checks);
     rescale_rows(o, softmax);
 }
 

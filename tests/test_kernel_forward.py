@@ -54,6 +54,22 @@ def test_head_dims(schedule, dtype, d, dv):
     check(q, k, v, dtype, causal=True)
 
 
+@pytest.mark.parametrize("d,dtype,kw", [
+    (24, np.dtype(np.float16), dict(causal=True)), (64, BF16, dict(causal="top_left")),
+    (100, np.dtype(np.float16), dict(kv_lengths=[400, 200])), (64, np.dtype(np.float16), dict(alibi_slopes=[0.2, 0.05])),
+    (64, BF16, dict(mask=np.arange(400) % 5 > 0))], ids=["d24-causal", "d64-top_left", "d100-lengths", "d64-alibi", "d64-mask"])
+def test_softcap_builds_with_more_exp2_on_the_fma_units(tensor_core_kernel, d, dtype, kw):
+    """Softcap builds take a share of the softmax's exp2 on the FMA units (exp2_polynomial) in
+    interior tiles: 3 of 4 at D = 32 and 2 of 3 at D = 64 in the mma.sync forward with softcap
+    alone, 5 of 6 (D = 64) and 2 of 3 (D = 128) in the wgmma one, 2 of 3 there with ALiBi or a
+    float mask beside it at D = 64; every 2nd in boundary tiles and with other features. Interior
+    and boundary tiles (causal of both alignments, key lengths) against the reference."""
+    rng = np.random.default_rng(d + len(kw))
+    q, k, v = random_qkv(rng, b=2, h=2, hkv=1, sq=150, sk=400, d=d, dtype=dtype)
+    check(*(tma_addressable(x) for x in (q, k, v)), dtype, softcap=4.0,
+          **{key: np.array(x, np.int32) if key.endswith("lengths") else x for key, x in kw.items()})
+
+
 @pytest.mark.parametrize("feature", ["softcap", "bool_mask", "float_mask", "lengths_causal", "top_left_window",
                                      "alibi_h", "everything"])
 @pytest.mark.parametrize("d,dv", [(256, 256), (200, 136)])
