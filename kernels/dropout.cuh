@@ -63,6 +63,14 @@ struct Dropout {
         return keeps >> bit & 1u ? scale : 0.f;
     }
 
+    // x if the decision in bit `bit` keeps it, else 0: factor_of without the scale, for a caller
+    // that applies 1 / (1 − p) once per row (the forwards' P, whose O is normalised at the end:
+    // finish_rows), a select per score rather than a select and a multiply.
+    __device__ __forceinline__ float kept(float x, unsigned keeps, int bit) const {
+        if (!kDropoutBuilt) return x;
+        return keeps >> bit & 1u ? x : 0.f;
+    }
+
     // The keep decisions of a lane's four scores of an m16n8 accumulator fragment, bit 2r + c for
     // query row i + 8r and key j + c, where j = n + 2t (t = lane % 4, n a multiple of 8). One call
     // covers 4 keys of one row, and lanes t and t ^ 1 hold the same 4 keys of the same two rows:

@@ -27,8 +27,8 @@ using TcSoftmax = TcSoftmaxOf<>;
 // (row_lo, row_lo + 8), whose columns are spread over the lane's quad; the rows' earlier
 // accumulators must then be scaled to the new running max (rescale_rows: a caller whose O is still
 // being summed by the tensor cores scales it once they are done, before the next tile's softmax).
-// Dropout then zeroes (or scales) the probabilities P·V sees, after the row sums took them all, by
-// `keeps` (Dropout::tile_keeps). kRowByRow: one row after the other (a compiler barrier between
+// Dropout then zeroes the probabilities P·V sees, after the row sums took them all, by `keeps`
+// (Dropout::tile_keeps; the kept ones are scaled once per row, in finish_rows). kRowByRow: one row after the other (a compiler barrier between
 // them), for a caller whose registers hold more besides (the wgmma forward's builds with score
 // features or mods, whose softmax runs beside the next S and the previous P): with both rows'
 // features interleaved (mask loads, softcap's tanh), ptxas ran out of registers there and spilled
@@ -56,7 +56,7 @@ __device__ __forceinline__ void softmax_scores(float (&s)[kNTiles][4], Softmax (
             softmax[r].update(row, score.softmax_scale(), polynomial_every, polynomial_of);
 #pragma unroll
             for (int c = 0; c < 2 * kNTiles; ++c)
-                s[c / 2][2 * r + c % 2] = row[c] * dropout.factor_of(keeps[c / 2], 2 * r + c % 2);
+                s[c / 2][2 * r + c % 2] = dropout.kept(row[c], keeps[c / 2], 2 * r + c % 2);
             if constexpr (kRowByRow) ptx::compiler_barrier();
         }
     };
@@ -105,7 +105,8 @@ __device__ __forceinline__ void finish_rows(const Params& p, const BlockInfo& b,
     for (int r = 0; r < 2; ++r) {
         if constexpr (Softmax::kSums) softmax[r].gather_sum();
         const float sink_rescale = softmax[r].add_sink(sink_log2(p, b));  // before inverse_sum and lse
-        inv[r] = sink_rescale * softmax[r].inverse_sum();
+        // (dropout's 1 / (1 − p) here, once per row, not on each kept probability: Dropout::kept)
+        inv[r] = sink_rescale * softmax[r].inverse_sum() * (kDropoutBuilt ? p.dropout_scale : 1.f);
         if (t == 0 && row_lo + 8 * r < b.q_rows(p)) {
             ATTN_COUNT_GLOBAL(&lse[at.stats + row_lo + 8 * r], 4);
             lse[at.stats + row_lo + 8 * r] = softmax[r].lse();
