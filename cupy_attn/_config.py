@@ -273,7 +273,8 @@ class HopperTile:
 
     @property
     def shared_bytes(self) -> int:
-        """Q (block_m, D), two stages of K and of V (block_n, D each) and, if persistent, O's
+        """Q (block_m, D), two stages of K and of V (block_n, D each), at D = 64 a box of ones per
+        stage of V (block_n, 64: P·V's last 8 columns, the rows' sums of P) and, if persistent, O's
         staging tile (block_m, D) in 128-byte-swizzled boxes, 16-bit (V is read there as an
         MN-major operand: no transposed copy), then the barriers: full and empty of each stage of
         K and of V, Q's landed and free, the next work tile's posted and read (12 x 8 bytes), and
@@ -281,7 +282,8 @@ class HopperTile:
         return self._shared_bytes(own_output=self.persistent)
 
     def _shared_bytes(self, own_output: bool) -> int:
-        return 2 * (self.block_m * (2 if own_output else 1) + 4 * self.block_n) * self.head_dim + 104
+        ones = 2 * self.block_n * TMA_BOX_DIMS if self.head_dim == TMA_BOX_DIMS else 0
+        return 2 * ((self.block_m * (2 if own_output else 1) + 4 * self.block_n) * self.head_dim + ones) + 104
 
     def serves(self, features: int, mods: bool, diagonal: bool) -> bool:
         """Whether a call with these score features (a score_mod or mask_mod where mods; causal
@@ -328,9 +330,11 @@ TMA_BOX_DIMS = TMA_LINE_BYTES // 2  # head dims per TMA box of q, k, v, out and 
 # instructions against 392 for 128 keys (2.94 per key against 3.06; issue_per_tensor 0.73 against
 # 0.77), with the Q descriptors no longer hoisted (attention_fwd_wgmma.cu); with every 7th exp2 on
 # the FMA units (exp2_polynomial, 2026-12-06) 614 against 457, issue_per_tensor 0.87 against 0.89
-# and mufu_per_tensor 0.89 against 0.91. Causal and windowed
-# calls keep 128 (not `diagonal`), as FlashAttention-3 does: a tile on the diagonal is issue-bound
-# (boundary issue_per_tensor 1.17 at 176 keys, 1.11 at 128), 128 query rows cross one tile of 128
+# and mufu_per_tensor 0.89 against 0.91; with the rows' sums on the tensor cores and every 5th exp2
+# on the FMA units (2026-12-07) 554 against 426, 0.74 against 0.78 and 0.77 against 0.77. Causal
+# and windowed calls keep 128 (not `diagonal`), as FlashAttention-3 does: a tile on the diagonal
+# issues more (boundary issue_per_tensor 1.17 at 176 keys, 1.11 at 128; 0.98 and 0.93 since the
+# rows' sums moved to the tensor cores), 128 query rows cross one tile of 128
 # keys but often two of 176, and the masked part of the last tile grows; the model (interior tiles
 # at the tensor cores' rate, boundary tiles at their issue rate) puts a causal call at 1.20x the
 # 128-key time at S = 1k, 1.06x at 4k and 1.01x at 16k (bench/RESULTS.md, 2026-12-06). Shared memory
@@ -339,11 +343,11 @@ TMA_BOX_DIMS = TMA_LINE_BYTES // 2  # head dims per TMA box of q, k, v, out and 
 # instructions per score outweigh D = 64's tensor work, so the per-tile rest is what a longer tile
 # amortises); TMA staging (fourth session) gave 0.88 at D = 64, 0.70 at 128, 0.47 at 256.
 HOPPER_TILES = (
-    HopperTile(64, 176, "32 + 88 + 44 registers of O, S and P per consumer thread; 120 KB shared",
+    HopperTile(64, 176, "36 + 88 + 44 registers of O and the row sums, S and P per consumer thread; 164 KB shared",
                features=BOOL_MASK | FLOAT_MASK, mods=False, diagonal=False),
-    HopperTile(64, 128, "32 + 64 + 32 registers of O, S and P per consumer thread; 96 KB shared",
+    HopperTile(64, 128, "36 + 64 + 32 registers of O and the row sums, S and P per consumer thread; 128 KB shared",
                features=ANY_FEATURES & ~DROPOUT, mods=False),
-    HopperTile(64, 64, "32 + 32 + 16 registers of O, S and P besides the features'; 64 KB shared"),
+    HopperTile(64, 64, "36 + 32 + 16 registers of O and the row sums, S and P besides the features'; 80 KB shared"),
     HopperTile(128, 128, "64 + 64 + 32 registers of O, S and P; 192 KB shared", features=PLAIN_FEATURES, mods=False),
     HopperTile(128, 64, "64 + 32 + 16 registers of O, S and P besides the features'; 128 KB shared"),
     HopperTile(256, 64, "128 + 32 + 16 registers of O, S and P; 192 KB shared (O staged in Q: not persistent)",

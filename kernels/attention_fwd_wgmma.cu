@@ -104,32 +104,33 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
     // score. Where MUFU bounds the loop, a share of the softmax's exp2 goes to the FMA pipe
     // (exp2_polynomial: 9 issue slots for one MUFU's 8 cycles), as many as balance the two bounds
     // (SASS audit, NVRTC 13.5, fp16; mufu_per_tensor and issue_per_tensor, before → after):
-    // - plain builds at D = 64, every 7th in interior tiles: 1.02 and 0.73 → 0.89 and 0.87 at 176
-    //   keys, 1.03 and 0.77 → 0.91 and 0.89 at 128 (every 8th: 0.91 and 0.85 at 176 keys, every
-    //   6th: 0.86 and 0.90); their boundary tiles are issue-bound (1.17, 1.11) and keep MUFU;
-    // - softcap builds at D <= 128, every 2nd in boundary tiles (MUFU-bound there too) and in
-    //   interior tiles of builds with more features: at D = 128 (64 keys) 1.53 and 0.86 → 1.28
-    //   and 1.11 with softcap alone (also with ALiBi or a float mask: 1.28 and 1.25-1.26), 1.53
-    //   and 1.23 → 1.28 and 1.48 with both (every 3rd: 1.38 and 1.39); at D = 64 (64 keys then)
-    //   3.06 and 1.55 → 2.56 and 2.06 (2.56 and 2.81 with ALiBi and a float mask; every score:
-    //   2.06 and 2.56, 2.06 and 3.31), at 128 keys 2.53 and 1.89;
-    // - more in interior tiles where that balances better (kPolynomialOf of every kPolynomialEvery,
-    //   the last of each group; 2026-12-07): at D = 128 softcap alone 2 of 3, 1.28 and 1.11 → 1.22
-    //   and 1.18 (3 of 4: 1.16 and 1.24; with ALiBi or a mask beside it a loss, issue 1.31-1.51);
-    //   at D = 64 softcap alone 5 of 6, 2.53 and 1.89 → 2.22 and 2.21 (4 of 5: 2.25 and 2.17;
-    //   every score: 2.03 and 2.39), with ALiBi or a float mask 2 of 3, 2.53 and 2.09-2.20 → 2.38
-    //   and 2.24-2.35 (3 of 4: 2.28 and 2.34-2.45); with a bool mask 2 of 3 gave 1 %, with two of
-    //   them a loss.
+    // - plain builds at D = 64 (their rows' sums on the tensor cores: kTensorRowSums below), every
+    //   5th in interior tiles: 0.81 and 0.70 with every 7th → 0.77 and 0.74 at 176 keys, 0.82 and
+    //   0.72 → 0.77 and 0.78 at 128 (every 6th: 0.79 and 0.72, 0.79 and 0.75; every 4th: 0.71 and
+    //   0.81, 0.71 and 0.84); their boundary tiles, which issue more, keep MUFU;
+    // - softcap builds at D <= 128, every 2nd in boundary tiles (MUFU-bound there too), and in
+    //   interior tiles as many as balance the two with softcap's companions: at D = 128 (64 keys)
+    //   2 of 3 with softcap alone (1.53 and 0.86 → 1.22 and 1.18; 3 of 4: 1.16 and 1.24), 1 of 2
+    //   with ALiBi or a mask beside it (1.28 and 1.21-1.41; 2 of 3: a loss); at D = 64 (128 keys,
+    //   the row sums on the tensor cores) 5 of 6 with softcap alone (2.06 and 1.95), 3 of 4 with
+    //   ALiBi (2.12 and 2.08; 2 of 3: 2.21 and 1.99), 2 of 3 with a float mask, a bool mask, or
+    //   ALiBi and a float mask (2.21 and 2.09-2.27; 1 of 2: 2.35 and 2.06-2.14; with a float mask 3
+    //   of 4 spilled 8 bytes), 1 of 2 with ALiBi and a bool mask (2.35 and 2.24; 2 of 3: 2.21 and
+    //   2.38). bench/RESULTS.md, 2026-12-06 and 2026-12-07, has the earlier steps.
     // Other builds keep the MUFU unit for every score: at D = 128 and 256 plain builds need a half
     // and a quarter of the tensor cycles in MUFU, builds with ALiBi, masks, mods or dropout are
-    // issue-bound (issue_per_tensor 1.0-3.2 at D = 64, MUFU 1.03-1.06), and at D = 256 softcap's
-    // gain was 4 % alone and a loss with ALiBi and a float mask.
+    // issue-bound or within the tensor cores' time (at D = 64 issue_per_tensor 0.85-1.25 with MUFU
+    // 0.94, 3.1-3.8 with dropout), and at D = 256 softcap's gain was 4 % alone and a loss with
+    // ALiBi and a float mask.
     constexpr bool kSoftcapMufuBound = kSoftcapBuilt && !kDropoutBuilt && !ATTN_MODS && kHeadDim <= 128;
     // softcap's companions, weighed by their issue slots per score: ALiBi and a float mask one, a bool mask two
     constexpr int kSoftcapCompanions = kAlibiBuilt + (kMaskBuilt == kMaskFloat) + 2 * (kMaskBuilt == kMaskBool);
-    constexpr int kSoftcapEvery = kSoftcapCompanions == 0 ? (kHeadDim == 64 ? 6 : 3)
-                                  : kSoftcapCompanions == 1 && kHeadDim == 64 ? 3 : 2;
-    constexpr int kPolynomialEvery = kSoftcapMufuBound ? kSoftcapEvery : kHeadDim == 64 && ScoreTransform::kPlain ? 7 : 0;
+    constexpr int kSoftcapEvery = kHeadDim == 64 ? (kSoftcapCompanions == 0   ? 6
+                                                    : kSoftcapCompanions == 1 ? (kAlibiBuilt ? 4 : 3)
+                                                    : kSoftcapCompanions == 2 ? 3
+                                                                              : 2)
+                                                 : kSoftcapCompanions == 0 ? 3 : 2;
+    constexpr int kPolynomialEvery = kSoftcapMufuBound ? kSoftcapEvery : kHeadDim == 64 && ScoreTransform::kPlain ? 5 : 0;
     constexpr int kPolynomialOf = kSoftcapMufuBound ? kSoftcapEvery - 1 : 1;
     constexpr int kBoundaryPolynomialEvery = kSoftcapMufuBound ? 2 : 0;
     // Every build overlaps the softmax of a tile with P·V of the previous one, so it holds S, P and
@@ -141,23 +142,43 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
     // table; with and without a block mask). With 128 keys ptxas spilled 8-284 bytes at D = 128,
     // and at D = 64 4-76 with dropout and 12-60 with the bias table.
     constexpr unsigned kTileElements = kBlockN * kHeadDim;  // one stage of K or of V
+    // At D = 64 the rows' sums of P are taken on the tensor cores, as P·1 beside P·V (the mma.sync
+    // forward's way): P·V's N is 72, its last 8 columns read from ones (a box of kBlockN keys per
+    // stage of V, as far from its stage as the other: the V descriptor's leading byte offset) into
+    // an accumulator tile after O's, rescaled with O. That trades a float add per score (88 per
+    // lane and tile of 176 keys) for 1/8 more P·V (6 % more tensor cycles: 704 → 748 per tile of
+    // 176 keys), and sums the very rounded P that P·V weighs V by. With the exp2 shares above, the
+    // plain build of 176 keys issues 554 instructions per tile, not 614, and the larger of
+    // issue_per_tensor and mufu_per_tensor falls from 0.89 to 0.77 (128 keys: 0.91 → 0.78; issue
+    // 15's 0.8 with room for what the model ignores); in boundary tiles issue_per_tensor falls
+    // from 1.17 to 0.98 (128 keys: 1.11 → 0.93); the bound of builds with a mask falls 6-10 %, that
+    // of ALiBi alone rises 3 % (issue 0.85 and MUFU 0.94 then: the tensor cores bound it) (SASS
+    // audit, NVRTC 13.5, fp16). Builds with dropout keep the float adds, whose sums must
+    // take P before it is dropped, and leave the ones unused; at D = 128 and 256 the plain builds
+    // are within the tensor cores' time already.
+    constexpr bool kTensorRowSums = kHeadDim == 64 && !kDropoutBuilt;
+    constexpr int kSumTiles = kTensorRowSums ? 1 : 0;
+    constexpr int kPvN = kPvDims + 8 * kSumTiles;  // the N of P·V's instructions
+    constexpr unsigned kOnesElements = kHeadDim == 64 ? kKvStages * kTileElements : 0;
     // Persistent where O has a staging tile of its own beside Q, K and V (HopperTile.persistent: all
     // but D = 256 with 64 keys): a block then takes work tile after work tile, and the next one's Q,
     // K and V load while this one's O is staged and stored. Else O is staged in Q's rows and the
     // launcher starts one block per work tile.
     constexpr bool kPersistent =
-        sizeof(T) * (2 * kBlockM * kHeadDim + 4 * kTileElements) + sizeof(ForwardBarriers) <= kSharedLimit;
+        sizeof(T) * (2 * kBlockM * kHeadDim + 4 * kTileElements + kOnesElements) + sizeof(ForwardBarriers) <=
+        kSharedLimit;
     extern __shared__ __align__(1024) unsigned char smem_bytes[];
-    // Q (kBlockM x kHeadDim), K's stages, V's stages (kBlockN x kHeadDim each), O's staging tile
-    // (kBlockM x kHeadDim) if persistent (all multiples of 1024 bytes, so every box starts a
-    // swizzle atom), then the barriers. Stages by arithmetic: a run-time index into a pointer
-    // array would put it in local memory.
+    // Q (kBlockM x kHeadDim), K's stages, V's stages (kBlockN x kHeadDim each), at D = 64 the ones
+    // (kBlockN x 64 per stage of V), O's staging tile (kBlockM x kHeadDim) if persistent (all
+    // multiples of 1024 bytes, so every box starts a swizzle atom), then the barriers. Stages by
+    // arithmetic: a run-time index into a pointer array would put it in local memory.
     T* sQ = reinterpret_cast<T*>(smem_bytes);
     T* sK = sQ + kBlockM * kHeadDim;
     T* sV = sK + kKvStages * kTileElements;
-    T* sO = kPersistent ? sV + kKvStages * kTileElements : sQ;
+    T* sOnes = sV + kKvStages * kTileElements;
+    T* sO = kPersistent ? sOnes + kOnesElements : sQ;
     ForwardBarriers& bars =
-        *reinterpret_cast<ForwardBarriers*>(sV + kKvStages * kTileElements + (kPersistent ? kBlockM * kHeadDim : 0));
+        *reinterpret_cast<ForwardBarriers*>(sOnes + kOnesElements + (kPersistent ? kBlockM * kHeadDim : 0));
 
     if (threadIdx.x == 0) {
         bars.k.init(128 * kConsumerGroups);
@@ -168,7 +189,16 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
         ptx::mbarrier_init(&bars.work_read, 128 * kConsumerGroups);
         ptx::fence_mbarrier_init();
     }
-    __syncthreads();  // the barriers are initialised; the last block-wide barrier (the producer's threads exit)
+    if constexpr (kTensorRowSums) {  // the ones, which wgmma reads (through the async proxy) after the barrier below
+        const uint4 ones = {pack_pair<T>(1.f, 1.f), pack_pair<T>(1.f, 1.f), pack_pair<T>(1.f, 1.f),
+                            pack_pair<T>(1.f, 1.f)};
+        for (unsigned i = threadIdx.x; i < kOnesElements / 8; i += kWsThreads) {
+            ATTN_STORE_SHARED(sOnes + 8 * i, 16);
+            reinterpret_cast<uint4*>(sOnes)[i] = ones;
+        }
+        ptx::fence_proxy_async();  // each thread's stores of the ones
+    }
+    __syncthreads();  // the barriers are initialised, the ones stored; the last block-wide barrier (the producer's threads exit)
 
     if (threadIdx.x < 128) {
         ptx::set_max_registers<kProducerRegisters, false>();
@@ -228,8 +258,10 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
                                                             QTile::kKMajorSbo, ptx::Swizzle::B128);
     const unsigned long long k_desc0 =
         ptx::wgmma_descriptor(sK, KvTile::kKMajorLbo, KvTile::kKMajorSbo, ptx::Swizzle::B128);
-    const unsigned long long v_desc0 =
-        ptx::wgmma_descriptor(sV, KvTile::kMnMajorLbo, KvTile::kMnMajorSbo, ptx::Swizzle::B128);
+    // V's leading byte offset: to its next box of 64 head dims, or at D = 64 to its stage's ones.
+    constexpr unsigned kVStageBytes = sizeof(T) * kTileElements;
+    const unsigned long long v_desc0 = ptx::wgmma_descriptor(
+        sV, kTensorRowSums ? kKvStages * kVStageBytes : KvTile::kMnMajorLbo, KvTile::kMnMajorSbo, ptx::Swizzle::B128);
     StageCursor<kKvStages> k_at, v_at;
     unsigned q_tiles = 0, next = work.total, posted_phase = 0;
 
@@ -243,11 +275,11 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
         const Dropout dropout(p, b);
         const HeadView at = head_view(p, b, strides);
 
-        float o[kDTiles][4];
+        float o[kDTiles + kSumTiles][4];  // O, then the rows' sums of P (kTensorRowSums)
 #pragma unroll
-        for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
-        float(&o_flat)[4 * kDTiles] = reinterpret_cast<float(&)[4 * kDTiles]>(o);
-        TcSoftmax softmax[2];
+        for (int d = 0; d < kDTiles + kSumTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+        float(&o_flat)[4 * (kDTiles + kSumTiles)] = reinterpret_cast<float(&)[4 * (kDTiles + kSumTiles)]>(o);
+        TcSoftmaxOf<!kTensorRowSums> softmax[2];
         float s[kNTiles][4];
         float(&s_flat)[4 * kNTiles] = reinterpret_cast<float(&)[4 * kNTiles]>(s);
         unsigned pa[kBlockN / 16][4];  // P of the previous tile as A fragments (16 keys each)
@@ -278,7 +310,7 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
             ptx::wgmma_commit();
         };
         auto issue_pv = [&] {
-            const unsigned long long v_desc = ptx::descriptor_plus(v_desc0, sizeof(T) * v_at.stage * kTileElements);
+            const unsigned long long v_desc = ptx::descriptor_plus(v_desc0, v_at.stage * kVStageBytes);
             ptx::fence_operands(pa_flat);
             ptx::fence_operands(o_flat);
             ptx::wgmma_fence();
@@ -286,8 +318,8 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
             for (int kk = 0; kk < kBlockN / 16; ++kk)
 #pragma unroll
                 for (int c = 0; c < kHeadDim / kPvDims; ++c)
-                    ptx::wgmma_m64k16_rs<T, kPvDims, ptx::Major::MN>(
-                        reinterpret_cast<float(&)[kPvDims / 2]>(o_flat[c * kPvDims / 2]), pa[kk],
+                    ptx::wgmma_m64k16_rs<T, kPvN, ptx::Major::MN>(
+                        reinterpret_cast<float(&)[kPvN / 2]>(o_flat[c * kPvDims / 2]), pa[kk],
                         ptx::descriptor_plus(v_desc, sizeof(T) * KvTile::offset(16 * kk, c * kPvDims)), 1);
             ptx::wgmma_commit();
         };
@@ -372,6 +404,8 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
         // by TMA. Persistent: O's own tile, free once the previous work tile's store read it.
         // Else Q's rows: Q is dead there once the group's last S is in, and no TMA copy into them
         // is in flight (Q was loaded only when the block has key tiles, and waited for).
+        if constexpr (kTensorRowSums)  // every column of the sums' tile holds its row's whole sum
+            for (int r = 0; r < 2; ++r) softmax[r].row_sum = o[kDTiles][2 * r];
         float inv[2];
         finish_rows(p, b, at, lse, softmax, row_lo, t, inv);
         // Group 1's last hand-over. (After finish_rows: placed before it, with the next work tile
@@ -382,7 +416,11 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
             if (threadIdx.x % 128 == 0) ptx::bulk_wait_read<0>();
             ptx::named_barrier_sync(kStagedBarrier + group, 128);
         }
-        stage_pairs<T>(o, inv, lane, sO, [&](int row, int col) {
+        // At D = 64 the lane through opaque: its staging offsets are then worked out here, not once
+        // before the work loop and held (with 176 keys and a bool mask ptxas spilled them, 8 bytes;
+        // NVRTC 13.5). Elsewhere that moved the key loop's code by an instruction or two.
+        const int staging_lane = kTensorRowSums ? static_cast<int>(ptx::opaque(lane)) : lane;
+        stage_pairs<T>(reinterpret_cast<const float(&)[kDTiles][4]>(o), inv, staging_lane, sO, [&](int row, int col) {
             return QTile::swizzled(group_row0 + 16 * warp + row, col);
         });
         ptx::fence_proxy_async();  // the group's stores, visible to the TMA store
@@ -403,18 +441,18 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
 
 }  // namespace attn
 
-// grid (blocks), one dimension: persistent builds (kPersistent) as many blocks as the GPU runs
-// at once (one per SM), at most `work_total`; the others `work_total`. work_pairs x work_tiles x
+// grid (blocks), one dimension: persistent builds (kPersistent) as many blocks as the GPU runs at
+// once (one per SM), at most `work_total`; the others `work_total`. work_pairs x work_tiles x
 // sections (= work_total) is the sectioned grid of query tiles of 128 rows (WorkTiles);
 // work_claims, one zeroed counter per launch, counts the work tiles claimed past the grid's own
-// (persistent builds; the others leave it untouched). Block 384
-// threads (a producer warpgroup and two consumers), dynamic shared memory: Q (128 x kHeadDim), two
-// stages of K and of V (kBlockN x kHeadDim each), if persistent O's staging tile (128 x kHeadDim),
-// 16-bit, then the barriers. q_map, k_map, v_map, o_map: TMA maps of q, k, v and out (head dims,
-// rows, heads, batch) with 128-byte swizzle and boxes of 64 head dims x 128 query rows (q),
-// kBlockN keys (k, v) and 64 query rows (out: one consumer group's); q, k, v and out are read and
-// written through them only (their pointers and strides in ATTN_PARAMS go unused; lse is written
-// directly). Compiled for sm_90a only.
+// (persistent builds; the others leave it untouched). Block 384 threads (a producer warpgroup and
+// two consumers), dynamic shared memory: Q (128 x kHeadDim), two stages of K and of V (kBlockN x
+// kHeadDim each), at D = 64 ones (kBlockN x 64 per stage of V), if persistent O's staging tile (128
+// x kHeadDim), 16-bit, then the barriers. q_map, k_map, v_map, o_map: TMA maps of q, k, v and out
+// (head dims, rows, heads, batch) with 128-byte swizzle and boxes of 64 head dims x 128 query rows
+// (q), kBlockN keys (k, v) and 64 query rows (out: one consumer group's); q, k, v and out are read
+// and written through them only (their pointers and strides in ATTN_PARAMS go unused; lse is
+// written directly). Compiled for sm_90a only.
 template <class T, int kHeadDim, int kBlockN>
 __global__ void __launch_bounds__(attn::kWsThreads, 1)
 attention_fwd_wgmma(const T* q, const T* k, const T* v, T* out, float* lse,

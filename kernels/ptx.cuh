@@ -422,6 +422,12 @@ __device__ __forceinline__ unsigned long long descriptor_plus(unsigned long long
     return desc + (bytes >> 4);
 }
 
+// The descriptor with its leading byte offset replaced by `lbo` bytes (a multiple of 16, below
+// 2^18): for an operand whose stages lie at different distances from a region they share.
+__device__ __forceinline__ unsigned long long descriptor_with_lbo(unsigned long long desc, u32 lbo) {
+    return (desc & ~(0x3fffull << 16)) | static_cast<unsigned long long>((lbo & 0x3ffffu) >> 4) << 16;
+}
+
 // x, which the compiler must take as computed here: values derived from it (a k-step's descriptors)
 // are then computed where they are used, not hoisted out of a loop to stay live in registers.
 __device__ __forceinline__ unsigned long long opaque(unsigned long long x) {
@@ -709,6 +715,7 @@ __device__ __forceinline__ void set_max_registers() {
 // The asm of each shape and form, the element type ("f16" or "bf16") spliced into the opcode.
 #define WGMMA_ACCUMULATORS_32 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 #define WGMMA_ACCUMULATORS_64 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define WGMMA_ACCUMULATORS_72 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35])
 #define WGMMA_ACCUMULATORS_128 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 #define WGMMA_ACCUMULATORS_176 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])
 #define WGMMA_SS_32(TYPE) \
@@ -721,6 +728,11 @@ __device__ __forceinline__ void set_max_registers() {
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
                  "%32, %33, p, 1, 1, %35, %36;\n}\n" \
                  : WGMMA_ACCUMULATORS_64 : "l"(a_desc), "l"(b_desc), "r"(scale_d), "n"(kTransA), "n"(kTransB))
+#define WGMMA_SS_72(TYPE) \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n" \
+                 "wgmma.mma_async.sync.aligned.m64n72k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35}, " \
+                 "%36, %37, p, 1, 1, %39, %40;\n}\n" \
+                 : WGMMA_ACCUMULATORS_72 : "l"(a_desc), "l"(b_desc), "r"(scale_d), "n"(kTransA), "n"(kTransB))
 #define WGMMA_SS_128(TYPE) \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
                  "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
@@ -744,6 +756,12 @@ __device__ __forceinline__ void set_max_registers() {
                  : WGMMA_ACCUMULATORS_64 \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d), "n"(kTransB))
 
+#define WGMMA_RS_72(TYPE) \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %41, 0;\n" \
+                 "wgmma.mma_async.sync.aligned.m64n72k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35}, " \
+                 "{%36, %37, %38, %39}, %40, p, 1, 1, %42;\n}\n" \
+                 : WGMMA_ACCUMULATORS_72 \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d), "n"(kTransB))
 #define WGMMA_RS_128(TYPE) \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
                  "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
@@ -765,13 +783,13 @@ __device__ __forceinline__ void set_max_registers() {
 enum class Major { K = 0, MN = 1 };
 
 // SS form: B (kMajorB) and A (kMajorA, last: K-major unless told) from shared memory; N (32, 64,
-// 128 or 176: FlashAttention-3's key tile at D = 64) columns, N / 2 accumulators per lane.
+// 72, 128 or 176: FlashAttention-3's key tile at D = 64) columns, N / 2 accumulators per lane.
 // scale_d = 0 overwrites d, 1 accumulates.
 template <class T, int N, Major kMajorB, Major kMajorA = Major::K>
 __device__ __forceinline__ void wgmma_m64k16_ss(float (&d)[N / 2], unsigned long long a_desc, unsigned long long b_desc,
                                                 int scale_d) {
-    static_assert(N == 32 || N == 64 || N == 128 || N == 176,
-                  "wgmma shapes m64n32k16, m64n64k16, m64n128k16 and m64n176k16");
+    static_assert(N == 32 || N == 64 || N == 72 || N == 128 || N == 176,
+                  "wgmma shapes m64n32k16, m64n64k16, m64n72k16, m64n128k16 and m64n176k16");
     constexpr int kTransA = kMajorA == Major::MN, kTransB = kMajorB == Major::MN;
 #ifdef __CUDA_ARCH__
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -780,6 +798,8 @@ __device__ __forceinline__ void wgmma_m64k16_ss(float (&d)[N / 2], unsigned long
         if constexpr (kHalf) WGMMA_SS_32("f16"); else WGMMA_SS_32("bf16");
     } else if constexpr (N == 64) {
         if constexpr (kHalf) WGMMA_SS_64("f16"); else WGMMA_SS_64("bf16");
+    } else if constexpr (N == 72) {
+        if constexpr (kHalf) WGMMA_SS_72("f16"); else WGMMA_SS_72("bf16");
     } else if constexpr (N == 128) {
         if constexpr (kHalf) WGMMA_SS_128("f16"); else WGMMA_SS_128("bf16");
     } else {
@@ -799,13 +819,13 @@ __device__ __forceinline__ void wgmma_m64k16_ss(float (&d)[N / 2], unsigned long
 }
 
 // RS form: A from registers (the mma.m16n8k16 A fragment of this warp's 16 rows), B (kMajorB)
-// from shared memory. The A registers, like the accumulators, must stay untouched until the wait
+// from shared memory (N = 72: P·V at D = 64 with the rows' sums of P in 8 columns beside O's). The A registers, like the accumulators, must stay untouched until the wait
 // (the emulator fails otherwise).
 template <class T, int N, Major kMajorB>
 __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const u32 (&a)[4], unsigned long long b_desc,
                                                 int scale_d) {
-    static_assert(N == 32 || N == 64 || N == 128 || N == 176,
-                  "wgmma shapes m64n32k16, m64n64k16, m64n128k16 and m64n176k16");
+    static_assert(N == 32 || N == 64 || N == 72 || N == 128 || N == 176,
+                  "wgmma shapes m64n32k16, m64n64k16, m64n72k16, m64n128k16 and m64n176k16");
     constexpr int kTransB = kMajorB == Major::MN;
 #ifdef __CUDA_ARCH__
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -814,6 +834,8 @@ __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const u32 (&a
         if constexpr (kHalf) WGMMA_RS_32("f16"); else WGMMA_RS_32("bf16");
     } else if constexpr (N == 64) {
         if constexpr (kHalf) WGMMA_RS_64("f16"); else WGMMA_RS_64("bf16");
+    } else if constexpr (N == 72) {
+        if constexpr (kHalf) WGMMA_RS_72("f16"); else WGMMA_RS_72("bf16");
     } else if constexpr (N == 128) {
         if constexpr (kHalf) WGMMA_RS_128("f16"); else WGMMA_RS_128("bf16");
     } else {
@@ -834,14 +856,17 @@ __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const u32 (&a
 
 #undef WGMMA_SS_32
 #undef WGMMA_SS_64
+#undef WGMMA_SS_72
 #undef WGMMA_RS_32
 #undef WGMMA_RS_64
+#undef WGMMA_RS_72
 #undef WGMMA_SS_128
 #undef WGMMA_RS_128
 #undef WGMMA_SS_176
 #undef WGMMA_RS_176
 #undef WGMMA_ACCUMULATORS_32
 #undef WGMMA_ACCUMULATORS_64
+#undef WGMMA_ACCUMULATORS_72
 #undef WGMMA_ACCUMULATORS_128
 #undef WGMMA_ACCUMULATORS_176
 

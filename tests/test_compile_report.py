@@ -212,7 +212,7 @@ __global__ void probe(float* out, unsigned long long a_desc, unsigned long long 
     for (int i = 0; i < N / 2; ++i) out[threadIdx.x * (N / 2) + i] = d[i];
 }
 ''', [_paths.kernel_dir()], origin="probe.cu")
-    for n in (32, 64, 128, 176):
+    for n in (32, 64, 72, 128, 176):
         for registers in ("false", "true"):
             for ctype in ("__half", "__nv_bfloat16"):
                 c = _nvrtc.compile_kernel(probe, f"probe<{ctype}, {n}, {registers}>", "sm_90a", ("-std=c++17",))

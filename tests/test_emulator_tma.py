@@ -20,7 +20,7 @@ SOURCE = (HERE / "tma.cu").read_text()
 SCHEDULES = ["forward", "reverse", "random", "warps", "warps_reverse"]
 NAMES = ["tma_box<2>", "tma_box<3>", "tma_store_box<2>", "tma_store_box<3>",
          *(f"tma_wgmma<{a}, {b}>" for a in ("false", "true") for b in ("false", "true")),
-         "tma_wgmma_wide<false>", "tma_wgmma_wide<true>"]
+         *(f"tma_wgmma_wide<{r}, {n}>" for r in ("false", "true") for n in (128, 72))]
 BOX_AT = 1024  # where the kernels put the box in shared memory
 I32 = np.int32
 
@@ -211,29 +211,31 @@ def test_wgmma_operand_starting_past_its_atoms_first_line_fails(a_mn_major):
         run_wgmma(module("-DMID_ATOM_START"), True, a_mn_major=a_mn_major)
 
 
-def run_wide_wgmma(mod, register_a, schedule="forward"):
-    """tma_wgmma_wide: A (64 x 64) · B (64 x 128), B MN-major in two boxes, A from its box or from
-    registers."""
+def run_wide_wgmma(mod, register_a, schedule="forward", n=128):
+    """tma_wgmma_wide: A (64 x 64) · B (64 x n), B MN-major in two boxes (of which n = 72 reads 8
+    columns of the second), A from its box or from registers."""
     rng = np.random.default_rng(8)
     a = rng.standard_normal((64, 64)).astype(np.float16)
     b = rng.standard_normal((64, 128)).astype(np.float16)
     maps = [TensorMapSpec.of_array(x, (64, 64), swizzle=128).emulated() for x in (a, b)]
-    d = np.full((64, 128), np.nan, np.float32)
-    mod.get_function(f"tma_wgmma_wide<{str(register_a).lower()}>")(
+    d = np.full((64, n), np.nan, np.float32)
+    mod.get_function(f"tma_wgmma_wide<{str(register_a).lower()}, {n}>")(
         1, 128, (*maps, a.astype(np.float32), d), shared_mem=1024 + 5 * 8192, schedule=schedule)
-    return d, a.astype(np.float64) @ b.astype(np.float64)
+    return d, a.astype(np.float64) @ b[:, :n].astype(np.float64)
 
 
+@pytest.mark.parametrize("n", [128, 72])
 @pytest.mark.parametrize("register_a", [False, True], ids=["a_shared", "a_registers"])
 @pytest.mark.parametrize("schedule", ["forward", "warps_reverse"])
-def test_wgmma_reads_an_mn_major_operand_of_two_boxes(tma, register_a, schedule):
-    d, want = run_wide_wgmma(tma, register_a, schedule)
+def test_wgmma_reads_an_mn_major_operand_of_two_boxes(tma, register_a, schedule, n):
+    d, want = run_wide_wgmma(tma, register_a, schedule, n)
     np.testing.assert_allclose(d, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("n", [128, 72])
 @pytest.mark.parametrize("register_a", [False, True], ids=["a_shared", "a_registers"])
-def test_wgmma_with_the_wrong_leading_byte_offset_is_wrong(register_a):
-    d, want = run_wide_wgmma(module("-DWRONG_LBO"), register_a)
+def test_wgmma_with_the_wrong_leading_byte_offset_is_wrong(register_a, n):
+    d, want = run_wide_wgmma(module("-DWRONG_LBO"), register_a, n=n)
     assert np.allclose(d[:, :64], want[:, :64], rtol=1e-4, atol=1e-4)  # the first box needs no step
     assert not np.allclose(d[:, 64:], want[:, 64:], rtol=1e-4, atol=1e-4)
 
@@ -276,8 +278,9 @@ SASS_OPCODES = {
     "tma_store_box<2>": ["UTMASTG.2D", "FENCE.VIEW.ASYNC.S"],
     "tma_wgmma<false, true>": ["UTMALDG.2D", "HGMMA.64x64x16.F32"],
     "tma_wgmma<true, true>": ["UTMALDG.2D", "HGMMA.64x64x16.F32"],
-    "tma_wgmma_wide<false>": ["UTMALDG.2D", "HGMMA.64x128x16.F32"],
-    "tma_wgmma_wide<true>": ["UTMALDG.2D", "HGMMA.64x128x16.F32"],
+    "tma_wgmma_wide<false, 128>": ["UTMALDG.2D", "HGMMA.64x128x16.F32"],
+    "tma_wgmma_wide<true, 128>": ["UTMALDG.2D", "HGMMA.64x128x16.F32"],
+    "tma_wgmma_wide<true, 72>": ["UTMALDG.2D", "HGMMA.64x72x16.F32"],
 }
 
 

@@ -286,8 +286,9 @@ def test_sinks(tensor_core_kernels, dtype):
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
 def test_lse_of_long_rows(tensor_core_kernels, dtype):
-    """Rows of 128K keys with small scores (P near 1 everywhere). The mma.sync forward sums P on
-    the tensor cores, whose float32 additions were measured (on A100s, in published work) to
+    """Rows of 128K keys with small scores (P near 1 everywhere). The mma.sync forward, and the
+    wgmma forward at D = 64, sum P on the tensor cores, whose float32 additions were measured (on
+    A100s, in published work) to
     truncate: at most one ulp per 16 keys, so lse might come out low by up to about 1e-3 here.
     lse must stay within 2e-3 of the reference, tighter than the dtypes' tolerances (0.03 and 0.2
     at lse = 11.8), and out within them."""

@@ -81,19 +81,21 @@ def test_wgmma_reads_boxes_tma_swizzled(tma, mn_major, a_mn_major):
     np.testing.assert_allclose(d.get(), want, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("n", [128, 72])
 @pytest.mark.parametrize("register_a", [False, True], ids=["a_shared", "a_registers"])
-def test_wgmma_reads_an_mn_major_operand_of_two_boxes(tma, register_a):
-    """m64n128k16 with B MN-major across two boxes (the leading byte offset, as V's at D = 128), A
+def test_wgmma_reads_an_mn_major_operand_of_two_boxes(tma, register_a, n):
+    """m64n128k16 with B MN-major across two boxes (the leading byte offset, as V's at D = 128), and
+    m64n72k16 reading only the second box's first 8 columns (as P·V at D = 64 reads its ones); A
     from shared memory or from registers packed as P is (the RS form of P·V)."""
     rng = np.random.default_rng(8)
     a = rng.standard_normal((64, 64)).astype(np.float16)
     b = rng.standard_normal((64, 128)).astype(np.float16)
     on_gpu = [cupy.asarray(x) for x in (a, b)]
     maps = [TensorMapSpec.of_array(x, (64, 64), swizzle=128).encoded() for x in on_gpu]
-    d = cupy.full((64, 128), np.nan, np.float32)
-    tma.get_function(f"tma_wgmma_wide<{str(register_a).lower()}>")(
+    d = cupy.full((64, n), np.nan, np.float32)
+    tma.get_function(f"tma_wgmma_wide<{str(register_a).lower()}, {n}>")(
         (1,), (128,), (*maps, cupy.asarray(a.astype(np.float32)), d), shared_mem=1024 + 3 * 8192)
-    np.testing.assert_allclose(d.get(), a.astype(np.float64) @ b.astype(np.float64), rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(d.get(), a.astype(np.float64) @ b[:, :n].astype(np.float64), rtol=1e-3, atol=1e-3)
 
 
 def test_pipeline():

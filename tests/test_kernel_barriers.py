@@ -161,7 +161,19 @@ def test_removing_a_barrier_breaks_a_kernel(monkeypatch, filename, at, barrier):
 
 
 FENCE = "ptx::fence_proxy_async();"
-FENCE_SITES = [(f, at) for f, at, b in SITES if b == FENCE]
+
+
+def fences_for_syncthreads(filename, at):
+    """Whether the fence at `at` comes right before a __syncthreads (past the end of its block):
+    the wgmma forward's fence of the ones it stores at D = 64, before the block's first use of the
+    async proxy, whose stores the emulator lets any thread's later fence publish (emu_async.cpp).
+    There one thread fencing after the barrier is not told apart from every thread fencing before
+    it; removing the fence is (test_removing_a_barrier_breaks_a_kernel)."""
+    source = _compile.kernel_source(filename)
+    return source[source.index("\n", at):].lstrip().lstrip("}").lstrip().startswith("__syncthreads();")
+
+
+FENCE_SITES = [(f, at) for f, at, b in SITES if b == FENCE and not fences_for_syncthreads(f, at)]
 
 
 @pytest.mark.parametrize("filename,at", FENCE_SITES, ids=[f"{f}@{at}" for f, at in FENCE_SITES])

@@ -61,9 +61,9 @@ def test_head_dims(schedule, dtype, d, dv):
 def test_softcap_builds_with_more_exp2_on_the_fma_units(tensor_core_kernel, d, dtype, kw):
     """Softcap builds take a share of the softmax's exp2 on the FMA units (exp2_polynomial) in
     interior tiles: 3 of 4 at D = 32 and 2 of 3 at D = 64 in the mma.sync forward with softcap
-    alone, 5 of 6 (D = 64) and 2 of 3 (D = 128) in the wgmma one, 2 of 3 there with ALiBi or a
-    float mask beside it at D = 64; every 2nd in boundary tiles and with other features. Interior
-    and boundary tiles (causal of both alignments, key lengths) against the reference."""
+    alone, 5 of 6 (D = 64) and 2 of 3 (D = 128) in the wgmma one, at D = 64 there 3 of 4 with
+    ALiBi beside it and 2 of 3 with a mask; every 2nd in boundary tiles and with other features.
+    Interior and boundary tiles (causal of both alignments, key lengths) against the reference."""
     rng = np.random.default_rng(d + len(kw))
     q, k, v = random_qkv(rng, b=2, h=2, hkv=1, sq=150, sk=400, d=d, dtype=dtype)
     check(*(tma_addressable(x) for x in (q, k, v)), dtype, softcap=4.0,
@@ -393,27 +393,32 @@ def test_dropout_builds_keep_the_exact_running_max(monkeypatch, compute_capabili
     check(q, k, v, np.float16, dropout_p=0.999, dropout_seed=3)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["whole", "causal"])
+@pytest.mark.parametrize("capability", [80, 90], ids=["mma_sync", "wgmma"])
 @pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
-def test_mma_sync_forward_normalises_by_the_rounded_probabilities(monkeypatch, dtype):
-    """The mma.sync forward (builds without dropout) sums each row's P as rounded to the input
-    type, on the tensor cores (P·1 beside P·V), so V's rows are weighed by weights that sum to 1
-    as used: with V all ones every output is exactly 1, as the reference's. Here every P but the
-    first (1) lies 0.44 of an ulp above 0.75 and rounds down, so a sum of the unrounded P (float
-    adds, as the other kernels take) would leave every row one ulp below 1."""
-    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 80)
+def test_tensor_core_forwards_normalise_by_the_rounded_probabilities(monkeypatch, dtype, capability, causal):
+    """The mma.sync forward and the wgmma forward at D = 64 (builds without dropout) sum each
+    row's P as rounded to the input type, on the tensor cores (P·1 beside P·V), so V's rows are
+    weighed by weights that sum to 1 as used: with V all ones every output is exactly 1, as the
+    reference's. Here every P but the first (1) lies 0.44 of an ulp above 0.75 and rounds down, so
+    a sum of the unrounded P (float adds, as the other kernels take) would leave every row one ulp
+    below 1. 400 keys: several key tiles, so both stages of the wgmma forward's ring of V (each
+    pointing to the ones its own way) and, with causal (the queries aligned to the keys' end), its
+    128-key tile as well as the 176-key one."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", capability)
     ulp = 2.0 ** -(np.finfo(dtype).nmant + 1)  # the spacing in [0.5, 1)
     target = 8 * np.log(0.75 + 0.44 * ulp)  # the score giving that P at D = 64 (scale 1/8)
     q = np.zeros((1, 1, 5, 64), dtype)
-    k = np.zeros((1, 1, 100, 64), dtype)
+    k = np.zeros((1, 1, 400, 64), dtype)
     q[..., :2] = 1
     k[..., 1:, 0] = target
     k[..., 1:, 1] = target - k[0, 0, 1, 0].astype(np.float64)  # the rest, in finer steps
-    v = np.ones((1, 1, 100, 64), dtype)
+    v = np.ones((1, 1, 400, 64), dtype)
     p = np.exp((k[0, 0, :, 0].astype(np.float64) + k[0, 0, :, 1].astype(np.float64)) / 8)
     rounded = p.astype(dtype).astype(np.float64)
     assert np.all(rounded[1:] == 0.75) and p[0] == 1  # P rounds down by 0.44 ulp ...
     assert np.float64(rounded.sum() / p.sum()).astype(dtype) != 1  # ... enough to show in O
-    out = cupy_attn.attention(q, k, v, backend="emulator")
+    out = cupy_attn.attention(q, k, v, causal=causal, backend="emulator")
     assert out.dtype == dtype and np.all(out.astype(np.float64) == 1)
 
 

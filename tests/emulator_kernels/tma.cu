@@ -132,13 +132,15 @@ __global__ void tma_wgmma(const __grid_constant__ ptx::TensorMap a_map, const __
         for (int e = 0; e < 4; ++e) D[(16 * warp + g + 8 * (e / 2)) * 64 + 8 * j + 2 * t + (e & 1)] = d[4 * j + e];
 }
 
-// D (64 x 128, float) = A (64 x 64) · B (64 x 128), one m64n128k16 per k-step. B is MN-major in two
-// TMA boxes of 64 n (rows k, 64 n per line), which the descriptor's leading byte offset (8192 bytes)
-// steps between, as V's does at D = 128 and dO's and Q's in the backward at D = 128. A is K-major
+// D (64 x N, float) = A (64 x 64) · B (64 x N), one m64nNk16 per k-step (N = 128 or 72). B is
+// MN-major in two TMA boxes of 64 n (rows k, 64 n per line), which the descriptor's leading byte
+// offset (8192 bytes) steps between, as V's does at D = 128 and dO's and Q's in the backward at
+// D = 128; with N = 72 the instruction reads only the second box's first 8 n, as P·V at D = 64
+// reads its 8 columns of ones. A is K-major
 // from its box (SS) or, with kRegisterA, in registers: read from a_values (64 x 64, float) in the
 // accumulator layout and packed as P is for P·V (accumulators_as_a, RS). -DWRONG_LBO gives B's
 // descriptor the leading byte offset of a K-major operand (16 bytes).
-template <bool kRegisterA>
+template <bool kRegisterA, int N>
 __global__ void tma_wgmma_wide(const __grid_constant__ ptx::TensorMap a_map, const __grid_constant__ ptx::TensorMap b_map,
                                const float* a_values, float* D) {
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -162,19 +164,19 @@ __global__ void tma_wgmma_wide(const __grid_constant__ ptx::TensorMap a_map, con
 #endif
     const unsigned long long a_desc = ptx::wgmma_descriptor(sA, 16, 1024, ptx::Swizzle::B128);
     const unsigned long long b_desc = ptx::wgmma_descriptor(sB, kBLbo, 1024, ptx::Swizzle::B128);
-    float d[64];
+    float d[N / 2];
     ptx::fence_operands(a_flat);
     ptx::wgmma_fence();
     for (int kk = 0; kk < 4; ++kk) {
         const unsigned long long b_step = ptx::descriptor_plus(b_desc, 2048 * kk);
         if constexpr (kRegisterA)
-            ptx::wgmma_m64k16_rs<__half, 128, ptx::Major::MN>(d, a[kk], b_step, kk > 0);
+            ptx::wgmma_m64k16_rs<__half, N, ptx::Major::MN>(d, a[kk], b_step, kk > 0);
         else
-            ptx::wgmma_m64k16_ss<__half, 128, ptx::Major::MN>(d, ptx::descriptor_plus(a_desc, 32 * kk), b_step, kk > 0);
+            ptx::wgmma_m64k16_ss<__half, N, ptx::Major::MN>(d, ptx::descriptor_plus(a_desc, 32 * kk), b_step, kk > 0);
     }
     ptx::wgmma_commit();
     ptx::wgmma_wait<0>();
     ptx::fence_operands(a_flat);
-    for (int j = 0; j < 16; ++j)
-        for (int e = 0; e < 4; ++e) D[(16 * warp + g + 8 * (e / 2)) * 128 + 8 * j + 2 * t + (e & 1)] = d[4 * j + e];
+    for (int j = 0; j < N / 8; ++j)
+        for (int e = 0; e < 4; ++e) D[(16 * warp + g + 8 * (e / 2)) * N + 8 * j + 2 * t + (e & 1)] = d[4 * j + e];
 }
