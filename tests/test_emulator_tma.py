@@ -70,9 +70,14 @@ BOX_CASES = {
     "bf16-sw32": ((37, 104), ml_dtypes.bfloat16, (16, 16), (30, -8), 32),
     "f16-none": ((37, 104), np.float16, (8, 24), (5, 90), 0),
     # The first H200 run stopped at "f16-none" (an illegal instruction; its process's later tests
-    # were lost with the context): these tell a 48-byte line from one partly outside the tensor.
+    # were lost with the context): these tell its 48-byte line, its columns past the tensor and
+    # its first column's 180 bytes (not a multiple of 16, unlike every other case's and every box
+    # the kernels load) apart: a 48-byte line inside, at byte 80; a 64-byte line past the tensor,
+    # at byte 180; a 48-byte line past the tensor, at byte 176; a 64-byte line inside, at byte 90.
     "f16-none-inside": ((37, 104), np.float16, (8, 24), (5, 40), 0),
     "f16-none-64b": ((37, 104), np.float16, (8, 32), (5, 90), 0),
+    "f16-none-aligned": ((37, 104), np.float16, (8, 24), (5, 88), 0),
+    "f16-none-64b-unaligned-inside": ((37, 104), np.float16, (8, 32), (5, 45), 0),
     "f32-3d-sw128": ((5, 9, 32), np.float32, (2, 4, 32), (4, -2, 0), 128),
     # wholly past the last column, as the boxes of head dims past Dv are at D = 64, Dv = 128: the
     # box's bytes complete its barrier all the same
