@@ -305,8 +305,8 @@ TMA_LINE_BYTES = 128  # one 128-byte swizzled line per box row: 64 head dims of 
 TMA_BOX_DIMS = TMA_LINE_BYTES // 2  # head dims per TMA box of q, k, v, out and dout
 
 
-# Per consumer thread (232 registers after setmaxnreg): D/2 floats of O, block_n/2 of S and
-# block_n/4 registers of packed P. Every build overlaps the softmax of one tile with P·V of the
+# Per consumer thread (232 registers after setmaxnreg): D/2 floats of O (and 4 of the rows' sums of
+# P at D = 64, builds without dropout), block_n/2 of S and block_n/4 registers of packed P. Every build overlaps the softmax of one tile with P·V of the
 # previous, so all three are live at once, besides the state of its score features and mods
 # (attention_fwd_wgmma.cu).
 # Measured with NVRTC 13.5 (fp16; bench/RESULTS.md, 2026-12-01, fifth session): without the overlap 128 keys at
@@ -347,7 +347,8 @@ HOPPER_TILES = (
                features=BOOL_MASK | FLOAT_MASK, mods=False, diagonal=False),
     HopperTile(64, 128, "36 + 64 + 32 registers of O and the row sums, S and P per consumer thread; 128 KB shared",
                features=ANY_FEATURES & ~DROPOUT, mods=False),
-    HopperTile(64, 64, "36 + 32 + 16 registers of O and the row sums, S and P besides the features'; 80 KB shared"),
+    HopperTile(64, 64, "32 + 32 + 16 registers of O, S and P (36 of O and the row sums without dropout) besides the "
+                       "features'; 80 KB shared"),
     HopperTile(128, 128, "64 + 64 + 32 registers of O, S and P; 192 KB shared", features=PLAIN_FEATURES, mods=False),
     HopperTile(128, 64, "64 + 32 + 16 registers of O, S and P besides the features'; 128 KB shared"),
     HopperTile(256, 64, "128 + 32 + 16 registers of O, S and P; 192 KB shared (O staged in Q: not persistent)",

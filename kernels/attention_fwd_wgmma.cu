@@ -18,7 +18,8 @@
 // consumer group issues, on its turn,
 //   S_n = Q·K_nᵀ        wgmma SS: Q and K K-major from their swizzled boxes (head dims reduced)
 //   O  += P_{n-1}·V_{n-1}  wgmma RS: P from registers, V an MN-major operand (no transpose); up to
-//                       128 head dims per instruction
+//                       128 head dims per instruction (at D = 64 with 8 columns of ones beside
+//                       V's, which sum P's rows on the tensor cores: kTensorRowSums)
 // and then computes the softmax of S_n while the tensor cores still work on P_{n-1}·V_{n-1}
 // (wgmma.wait_group 1: FlashAttention-3's intra-warpgroup overlap; O is rescaled once that
 // product is in). The two groups take turns at the tensor cores on two named barriers (ping-
@@ -134,13 +135,14 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
     constexpr int kPolynomialOf = kSoftcapMufuBound ? kSoftcapEvery - 1 : 1;
     constexpr int kBoundaryPolynomialEvery = kSoftcapMufuBound ? 2 : 0;
     // Every build overlaps the softmax of a tile with P·V of the previous one, so it holds S, P and
-    // O at once (D/2 + 3·kBlockN/4 registers) besides what its score features and mods need: with
-    // the features' tiles (the tile table: 64 keys at D <= 128, 32 at 256, 128 at D = 64 without
-    // dropout or mods) and the rows' scores one after the other (softmax_scores' kRowByRow) no
-    // build of the 23 feature sets spills at 232 registers (NVRTC 13.5; bench/feature_builds.py),
-    // nor do bench/bench_mods.py's mods (a document mask, a window with global tokens, a bias
-    // table; with and without a block mask). With 128 keys ptxas spilled 8-284 bytes at D = 128,
-    // and at D = 64 4-76 with dropout and 12-60 with the bias table.
+    // O at once (D/2 + 3·kBlockN/4 registers, 4 more for the rows' sums at D = 64 without dropout)
+    // besides what its score features and mods need: with the features' tiles (the tile table: 64
+    // keys at D <= 128, 32 at 256, 128 at D = 64 without dropout or mods) and the rows' scores one
+    // after the other (softmax_scores' kRowByRow) no build of the 23 feature sets spills at 232
+    // registers (NVRTC 13.5; bench/feature_builds.py), nor do bench/bench_mods.py's mods (a
+    // document mask, a window with global tokens, a bias table; with and without a block mask).
+    // With 128 keys ptxas spilled 8-284 bytes at D = 128, and at D = 64 4-76 with dropout and 12-60
+    // with the bias table.
     constexpr unsigned kTileElements = kBlockN * kHeadDim;  // one stage of K or of V
     // At D = 64 the rows' sums of P are taken on the tensor cores, as P·1 beside P·V (the mma.sync
     // forward's way): P·V's N is 72, its last 8 columns read from ones (a box of kBlockN keys per

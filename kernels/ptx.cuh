@@ -422,12 +422,6 @@ __device__ __forceinline__ unsigned long long descriptor_plus(unsigned long long
     return desc + (bytes >> 4);
 }
 
-// The descriptor with its leading byte offset replaced by `lbo` bytes (a multiple of 16, below
-// 2^18): for an operand whose stages lie at different distances from a region they share.
-__device__ __forceinline__ unsigned long long descriptor_with_lbo(unsigned long long desc, u32 lbo) {
-    return (desc & ~(0x3fffull << 16)) | static_cast<unsigned long long>((lbo & 0x3ffffu) >> 4) << 16;
-}
-
 // x, which the compiler must take as computed here: values derived from it (a k-step's descriptors)
 // are then computed where they are used, not hoisted out of a loop to stay live in registers.
 __device__ __forceinline__ unsigned long long opaque(unsigned long long x) {
@@ -819,8 +813,9 @@ __device__ __forceinline__ void wgmma_m64k16_ss(float (&d)[N / 2], unsigned long
 }
 
 // RS form: A from registers (the mma.m16n8k16 A fragment of this warp's 16 rows), B (kMajorB)
-// from shared memory (N = 72: P·V at D = 64 with the rows' sums of P in 8 columns beside O's). The A registers, like the accumulators, must stay untouched until the wait
-// (the emulator fails otherwise).
+// from shared memory (N = 72: P·V at D = 64 with the rows' sums of P in 8 columns beside O's).
+// The A registers, like the accumulators, must stay untouched until the wait (the emulator fails
+// otherwise).
 template <class T, int N, Major kMajorB>
 __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const u32 (&a)[4], unsigned long long b_desc,
                                                 int scale_d) {

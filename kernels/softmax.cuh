@@ -25,8 +25,9 @@ __device__ __forceinline__ float row_reduce_sum(float x) {
 // soon settles and most tiles leave the accumulators unscaled, which pays where a caller then
 // skips scaling them (the tensor-core forwards' rescale_rows); 0 keeps the exact running max.
 // kSumsProbabilities: whether update adds up the probabilities. Without, the caller sums them
-// itself (the mma.sync forward: on the tensor cores, as P·1 beside P·V) and sets row_sum to the
-// whole row's sum after the last tile, in place of gather_sum.
+// itself (the mma.sync forward, and the wgmma forward at D = 64: on the tensor cores, as P·1
+// beside P·V) and sets row_sum to the whole row's sum after the last tile, in place of
+// gather_sum.
 template <int kLanes, int kMaxLag = 0, bool kSumsProbabilities = true>
 struct OnlineSoftmax {
     static constexpr bool kSums = kSumsProbabilities;
