@@ -254,10 +254,12 @@ class HopperTile:
     head_dim: int
     block_n: int
     reason: str
-    # The calls it serves: those whose score features are among these, and with a score_mod or
-    # mask_mod where `mods` (the state of the others spills beside this tile's S, P and O).
+    # The calls it serves: those whose score features are among these, but not all of
+    # `spills_with`, and with a score_mod or mask_mod where `mods` (the state of the others spills
+    # beside this tile's S, P and O).
     features: int = ANY_FEATURES
     mods: bool = True
+    spills_with: int = 0
     diagonal: bool = True  # for calls whose rows end on a diagonal (causal or a window) too
     block_m: ClassVar[int] = 128  # attn::kConsumerGroups x 64, every tile
     threads: ClassVar[int] = WS_THREADS  # every tile
@@ -288,7 +290,8 @@ class HopperTile:
     def serves(self, features: int, mods: bool, diagonal: bool) -> bool:
         """Whether a call with these score features (a score_mod or mask_mod where mods; causal
         or a window where diagonal) may take this tile."""
-        return not features & ~self.features and (self.mods or not mods) and (self.diagonal or not diagonal)
+        return (not features & ~self.features and (self.mods or not mods) and (self.diagonal or not diagonal)
+                and not (self.spills_with and features & self.spills_with == self.spills_with))
 
     def tma_rows(self, operand: str) -> int:
         """Rows of one TMA box of q, k, v or out (each box TMA_BOX_DIMS head dims wide): the
@@ -306,9 +309,9 @@ TMA_BOX_DIMS = TMA_LINE_BYTES // 2  # head dims per TMA box of q, k, v, out and 
 
 
 # Per consumer thread (232 registers after setmaxnreg): D/2 floats of O (and 4 of the rows' sums of
-# P at D = 64, builds without dropout), block_n/2 of S and block_n/4 registers of packed P. Every build overlaps the softmax of one tile with P·V of the
-# previous, so all three are live at once, besides the state of its score features and mods
-# (attention_fwd_wgmma.cu).
+# P at D = 64, builds without dropout), block_n/2 of S and block_n/4 registers of packed P. Every
+# build overlaps the softmax of one tile with P·V of the previous, so all three are live at once,
+# besides the state of its score features and mods (attention_fwd_wgmma.cu).
 # Measured with NVRTC 13.5 (fp16; bench/RESULTS.md, 2026-12-01, fifth session): without the overlap 128 keys at
 # D = 128 spill 4-24 bytes with softcap, ALiBi and a float mask (and dropout), 64 keys at D = 256
 # 12-120 with a float mask; 64 and 32 keys spilled with none of the feature sets tried (dropout
@@ -319,7 +322,11 @@ TMA_BOX_DIMS = TMA_LINE_BYTES // 2  # head dims per TMA box of q, k, v, out and 
 # dropout (2026-12-07), fp16 or bf16, but in 10 of the 12 with it (4-76 bytes) and with the bias
 # table of bench/bench_mods.py (12-60): calls with features but neither take 128 keys, where 64
 # gave the SASS audit's issue_per_tensor 1.215 → 1.025 with ALiBi, 1.477 → 1.318 with a bool
-# mask, 1.367 → 1.201 with a float mask (softcap: the MUFU bound 2.562 → 2.531); at D = 128, 128
+# mask, 1.367 → 1.201 with a float mask (softcap: the MUFU bound 2.562 → 2.531). Since the
+# epilogue works its staging offsets out where it uses them (twenty-fifth session) only the 4
+# dropout sets with ALiBi but not a bool mask spill there (4-44 bytes): calls with dropout but not
+# ALiBi take 128 keys too (`spills_with`), 3.090 → 2.859 with dropout alone, 5-6 % with a mask or
+# softcap beside it; the bias table still spills (12 bytes, in the key loop). At D = 128, 128
 # keys would spill with ALiBi, and its 64-key builds without softcap are within the tensor cores'
 # time already (issue_per_tensor 0.68-0.88). 176 keys (calls without causal or a window) spill
 # in no build with a mask alone: 1.318 → 1.256 (bool), 1.201 → 1.136 (float) against 128 keys;
@@ -346,7 +353,7 @@ HOPPER_TILES = (
     HopperTile(64, 176, "36 + 88 + 44 registers of O and the row sums, S and P per consumer thread; 164 KB shared",
                features=BOOL_MASK | FLOAT_MASK, mods=False, diagonal=False),
     HopperTile(64, 128, "36 + 64 + 32 registers of O and the row sums, S and P per consumer thread; 128 KB shared",
-               features=ANY_FEATURES & ~DROPOUT, mods=False),
+               mods=False, spills_with=ALIBI | DROPOUT),
     HopperTile(64, 64, "32 + 32 + 16 registers of O, S and P (36 of O and the row sums without dropout) besides the "
                        "features'; 80 KB shared"),
     HopperTile(128, 128, "64 + 64 + 32 registers of O, S and P; 192 KB shared", features=PLAIN_FEATURES, mods=False),

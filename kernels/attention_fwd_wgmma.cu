@@ -137,12 +137,12 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
     // Every build overlaps the softmax of a tile with P·V of the previous one, so it holds S, P and
     // O at once (D/2 + 3·kBlockN/4 registers, 4 more for the rows' sums at D = 64 without dropout)
     // besides what its score features and mods need: with the features' tiles (the tile table: 64
-    // keys at D <= 128, 32 at 256, 128 at D = 64 without dropout or mods) and the rows' scores one
-    // after the other (softmax_scores' kRowByRow) no build of the 23 feature sets spills at 232
-    // registers (NVRTC 13.5; bench/feature_builds.py), nor do bench/bench_mods.py's mods (a
-    // document mask, a window with global tokens, a bias table; with and without a block mask).
-    // With 128 keys ptxas spilled 8-284 bytes at D = 128, and at D = 64 4-76 with dropout and 12-60
-    // with the bias table.
+    // keys at D <= 128, 32 at 256, 128 at D = 64 without mods, or ALiBi and dropout together) and
+    // the rows' scores one after the other (softmax_scores' kRowByRow) no build of the 23 feature
+    // sets spills at 232 registers (NVRTC 13.5; bench/feature_builds.py), nor do
+    // bench/bench_mods.py's mods (a document mask, a window with global tokens, a bias table; with
+    // and without a block mask). With 128 keys ptxas spilled 8-284 bytes at D = 128, and at D = 64
+    // 4-44 with ALiBi and dropout and 12 with the bias table.
     constexpr unsigned kTileElements = kBlockN * kHeadDim;  // one stage of K or of V
     // At D = 64 the rows' sums of P are taken on the tensor cores, as P·1 beside P·V (the mma.sync
     // forward's way): P·V's N is 72, its last 8 columns read from ones (a box of kBlockN keys per
@@ -419,9 +419,10 @@ __device__ __forceinline__ void forward_wgmma_block(const Params& p, const WorkT
             ptx::named_barrier_sync(kStagedBarrier + group, 128);
         }
         // At D = 64 the lane through opaque: its staging offsets are then worked out here, not once
-        // before the work loop and held (with 176 keys and a bool mask ptxas spilled them, 8 bytes;
-        // NVRTC 13.5). Elsewhere that moved the key loop's code by an instruction or two.
-        const int staging_lane = kTensorRowSums ? static_cast<int>(ptx::opaque(lane)) : lane;
+        // before the work loop and held (ptxas spilled them with 176 keys and a bool mask, 8 bytes,
+        // and with 128 keys and dropout, 4-76; NVRTC 13.5). At D = 128 and 256 that moved the key
+        // loop's code by an instruction or two.
+        const int staging_lane = kHeadDim == 64 ? static_cast<int>(ptx::opaque(lane)) : lane;
         stage_pairs<T>(reinterpret_cast<const float(&)[kDTiles][4]>(o), inv, staging_lane, sO, [&](int row, int col) {
             return QTile::swizzled(group_row0 + 16 * warp + row, col);
         });

@@ -52,21 +52,20 @@ def test_every_variant_compiles_without_spills(tmp_path, capsys):
                       for words, features in _config.FEATURE_NAMES.items()
                       if ci_builds(arch, name, dtype, words) and _config.selectable(filename, name, features))
     assert sorted((r["name"], r["features"]) for r in rows) == expected
-    # unselectable, so not listed: the dropout builds of the wgmma forward's tiles that do not
-    # serve dropout; the plain builds of the tiles that serve it (each after a tile of its head dim
-    # for plain calls); and of the mma.sync forward's tiles that serve calls with a mask or mods
-    # where an unmasked_only tile serves the rest, the plain and dropout builds
+    # unselectable, so not listed: the dropout builds of the wgmma forward's tiles that a call with
+    # dropout alone does not take; the plain builds of the tiles that only calls with features or
+    # mods take; and of the mma.sync forward's tiles that serve calls with a mask or mods where an
+    # unmasked_only tile serves the rest, the plain and dropout builds
     masked_twins = sum(any(u.unmasked_only and u.head_dim == t.head_dim for u in _config.TENSOR_CORE_TILES)
                        and not t.unmasked_only for t in _config.TENSOR_CORE_TILES)
     assert masked_twins == 1
-    dropout_tiles = [t for t in _config.HOPPER_TILES if t.features & _config.DROPOUT]
-    assert all(t.features == _config.ANY_FEATURES and t.mods for t in dropout_tiles) and len(dropout_tiles) == 3
-    assert sum(not _config.selectable(f, n, _config.DROPOUT_FEATURES) for f, n, _ in _config.kernel_variants("sm_90")) \
-        == len(_config.TENSOR_CORE_DTYPES) * (len(_config.HOPPER_TILES) - len(dropout_tiles) + masked_twins)
-    assert sum(not _config.selectable(f, n, _config.PLAIN_FEATURES) for f, n, _ in _config.kernel_variants("sm_90")) \
-        == len(_config.TENSOR_CORE_DTYPES) * (len(dropout_tiles) + masked_twins)
-    # as numbers, for fp16 and bf16: without dropout 176 and 128 keys at D = 64, 128 at 128, 64 at
-    # 256 and the mma.sync twin; plain 64 keys at D = 64, 64 at 128, 32 at 256 and the twin
+    # the tiles a call with dropout alone takes (one per head dim), and those that serve every call
+    assert [(t.head_dim, t.block_n) for t in _config.HOPPER_TILES if _config.selectable(
+        t.filename, t.name_expression(BF16), _config.DROPOUT_FEATURES)] == [(64, 128), (128, 64), (256, 32)]
+    assert [(t.head_dim, t.block_n) for t in _config.HOPPER_TILES if t.serves(_config.ANY_FEATURES, True, True)] \
+        == [(64, 64), (128, 64), (256, 32)]
+    # so, for fp16 and bf16: without dropout alone 176 and 64 keys at D = 64, 128 at 128, 64 at 256
+    # and the mma.sync twin; plain 64 keys at D = 64, 64 at 128, 32 at 256 and the twin
     assert (sum(not _config.selectable(f, n, _config.DROPOUT_FEATURES) for f, n, _ in _config.kernel_variants("sm_90")),
             sum(not _config.selectable(f, n, _config.PLAIN_FEATURES) for f, n, _ in _config.kernel_variants("sm_90"))) \
         == (2 * 5, 2 * 4)
@@ -158,7 +157,8 @@ def test_every_feature_build_of_the_wgmma_forward_and_its_mods_compile_without_s
     assert len(rows) == sum(len({_config.forward_tile(d, d, np.float16, 90, f, diagonal=diagonal) for diagonal in (False, True)})
                             for d in {t.head_dim for t in _config.HOPPER_TILES} for f in _config.FEATURE_SETS)
     # as a number: at D = 64 the 12 sets without dropout on 128 keys, the plain and mask-alone ones
-    # on 176 too, the 12 with dropout on 64 (12 + 3 + 12); at D = 128 and 256 each set on one tile
+    # on 176 too, the 12 with dropout on 128 or, the 6 with ALiBi, on 64 (12 + 3 + 6 + 6); at
+    # D = 128 and 256 each set on one tile
     assert len(rows) == 27 + 24 + 24
     assert {r["features"] for r in rows} == {_config.feature_words(f) for f in _config.FEATURE_SETS}
     assert all(r["issue_per_tensor"] > 0 and r["exposed_per_tensor"] is not None for r in rows)
@@ -245,18 +245,22 @@ def test_tile_tables_cover_every_head_dim():
         else:
             assert hopper is tc
         dropout = _config.forward_tile(d, d, BF16, compute_capability=90, features=_config.DROPOUT | _config.BOOL_MASK)
+        every = _config.forward_tile(d, d, BF16, compute_capability=90, features=_config.ANY_FEATURES, mods=True)
         causal = _config.forward_tile(d, d, BF16, compute_capability=90, diagonal=True)
         if hopper is tc:
-            assert dropout is tc and causal is tc
-        else:  # the tile of calls with dropout or mods serves every call; the plain call's unless that one does not serve dropout
-            assert isinstance(dropout, _config.HopperTile) and dropout.features == _config.ANY_FEATURES and dropout.mods
-            assert dropout.head_dim == hopper.head_dim and (dropout is hopper) == bool(hopper.features & _config.DROPOUT)
-            assert _config.forward_tile(d, d, BF16, compute_capability=90, mods=True) is dropout
-            # other features at D = 64 take 128 keys, whose state spills beside dropout's and mods'
+            assert dropout is tc and every is tc and causal is tc
+        else:  # the tile of calls with mods, or every feature, serves every call
+            assert isinstance(every, _config.HopperTile) and every.features == _config.ANY_FEATURES and every.mods
+            assert not every.spills_with and every.head_dim == hopper.head_dim and every is not hopper
+            assert _config.forward_tile(d, d, BF16, compute_capability=90, mods=True) is every
+            assert _config.forward_tile(d, d, BF16, compute_capability=90, features=_config.ALIBI | _config.DROPOUT) is every
+            # other features at D = 64 take 128 keys, whose state spills beside mods' and beside ALiBi's
+            # and dropout's together; dropout with a mask too
             featured = _config.forward_tile(d, d, BF16, compute_capability=90, features=_config.ANY_FEATURES & ~_config.DROPOUT)
             assert featured.head_dim == hopper.head_dim and featured.diagonal
-            assert featured is dropout if hopper.head_dim > 64 else \
-                (featured.block_n, featured.features, featured.mods) == (128, _config.ANY_FEATURES & ~_config.DROPOUT, False)
+            assert featured is every if hopper.head_dim > 64 else \
+                (featured.block_n, featured.spills_with, featured.mods) == (128, _config.ALIBI | _config.DROPOUT, False)
+            assert dropout is (every if hopper.head_dim > 64 else featured)
             # a causal or windowed call's: the plain call's unless that one is for calls without a diagonal
             assert causal.diagonal and causal.head_dim == hopper.head_dim and (causal is hopper) == hopper.diagonal
         assert _config.selectable(dropout.filename, dropout.name_expression(BF16), _config.DROPOUT)

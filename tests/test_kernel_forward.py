@@ -232,13 +232,15 @@ def test_each_wgmma_forward_call_claims_work_tiles_from_none(monkeypatch):
                                      (dict(window=(None, 30)), 128), (dict(softcap=4.0), 128),
                                      (dict(alibi_slopes=[0.3, 0.1], window=(20, 0)), 128),
                                      (dict(softcap=3.0, alibi_slopes=[0.3, 0.1]), 128),
-                                     (dict(dropout_p=0.2, dropout_seed=5), 64),
+                                     (dict(dropout_p=0.2, dropout_seed=5), 128),
+                                     (dict(dropout_p=0.2, dropout_seed=5, alibi_slopes=[0.3, 0.1]), 64),
                                      (dict(mask=np.arange(150) % 7 > 0), 176), (dict(mask=np.arange(150) % 7 > 0, causal=True), 128),
                                      (dict(mask=np.arange(150) % 7 > 0, softcap=3.0), 128)])
 def test_wgmma_forward_tile_at_d64_follows_the_diagonal(monkeypatch, kw, keys):
     """At D = 64 a plain call without causal or a window takes tiles of 176 keys (m64n176k16),
     and so does one with a mask alone; a causal or windowed one 128, whose diagonal tiles waste
-    less (_config.HOPPER_TILES); a call with other score features 128, with dropout (or mods) 64."""
+    less (_config.HOPPER_TILES); a call with other score features 128, dropout included, but with
+    ALiBi and dropout together (or mods) 64."""
     monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
     grids = recorded_launches(monkeypatch)
     rng = np.random.default_rng(keys + len(kw))
@@ -280,14 +282,16 @@ def test_wgmma_forward_of_176_key_tiles(monkeypatch, schedule_name, dtype, sq, s
 @pytest.mark.parametrize("sq,sk,kw,keys", [(1, 1100, {}, 176), (203, 1000, dict(causal=True), 128),
                                            (113, 1030, dict(causal="top_left", softcap=3.0, kv_lengths=[1030, 517]), 128),
                                            (70, 1000, dict(causal=True, softcap=3.0, kv_lengths=[1000, 517],
+                                                           dropout_p=0.1, dropout_seed=9), 128),
+                                           (70, 1000, dict(causal=True, alibi_slopes=[0.3, 0.1], kv_lengths=[1000, 517],
                                                            dropout_p=0.1, dropout_seed=9), 64)])
 def test_wgmma_forward_over_many_key_tiles(monkeypatch, schedule_name, sq, sk, kw, keys):
     """Many key tiles: 7 of 176 keys (a plain call) and 8 of 128 (a causal one), so the producer's
     stage rings go round three or four times and the consumer groups take as many turns, on every
     schedule, the producer far ahead of the consumers (warps) and starving them (warps_reverse);
-    plain builds, a build with softcap over 9 tiles of 128 keys and one with softcap and dropout
-    over 16 of 64 (each tile's softmax overlapping P·V of the one before); a block of one query
-    row, whose second consumer group has none."""
+    plain builds, builds with softcap, and with softcap and dropout, over 9 tiles of 128 keys and
+    one with ALiBi and dropout over 16 of 64 (each tile's softmax overlapping P·V of the one
+    before); a block of one query row, whose second consumer group has none."""
     monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
     monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", schedule_name)
     grids = recorded_launches(monkeypatch)
