@@ -397,18 +397,16 @@ def test_dropout_builds_keep_the_exact_running_max(monkeypatch, compute_capabili
     check(q, k, v, np.float16, dropout_p=0.999, dropout_seed=3)
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["whole", "causal"])
 @pytest.mark.parametrize("capability", [80, 90], ids=["mma_sync", "wgmma"])
 @pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
-def test_tensor_core_forwards_normalise_by_the_rounded_probabilities(monkeypatch, dtype, capability, causal):
+def test_tensor_core_forwards_normalise_by_the_rounded_probabilities(monkeypatch, dtype, capability):
     """The mma.sync forward and the wgmma forward at D = 64 (builds without dropout) sum each
     row's P as rounded to the input type, on the tensor cores (P·1 beside P·V), so V's rows are
     weighed by weights that sum to 1 as used: with V all ones every output is exactly 1, as the
     reference's. Here every P but the first (1) lies 0.44 of an ulp above 0.75 and rounds down, so
     a sum of the unrounded P (float adds, as the other kernels take) would leave every row one ulp
-    below 1. 400 keys: several key tiles, so both stages of the wgmma forward's ring of V (each
-    pointing to the ones its own way) and, with causal (the queries aligned to the keys' end), its
-    128-key tile as well as the 176-key one."""
+    below 1. 400 keys: several key tiles of 176, so both stages of the wgmma forward's ring of V,
+    each with its own ones."""
     monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", capability)
     ulp = 2.0 ** -(np.finfo(dtype).nmant + 1)  # the spacing in [0.5, 1)
     target = 8 * np.log(0.75 + 0.44 * ulp)  # the score giving that P at D = 64 (scale 1/8)
@@ -422,7 +420,7 @@ def test_tensor_core_forwards_normalise_by_the_rounded_probabilities(monkeypatch
     rounded = p.astype(dtype).astype(np.float64)
     assert np.all(rounded[1:] == 0.75) and p[0] == 1  # P rounds down by 0.44 ulp ...
     assert np.float64(rounded.sum() / p.sum()).astype(dtype) != 1  # ... enough to show in O
-    out = cupy_attn.attention(q, k, v, causal=causal, backend="emulator")
+    out = cupy_attn.attention(q, k, v, backend="emulator")
     assert out.dtype == dtype and np.all(out.astype(np.float64) == 1)
 
 

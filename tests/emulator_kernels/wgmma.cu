@@ -1,9 +1,9 @@
 #include "access_count.cuh"
 #include "ptx.cuh"
-// wgmma.mma_async m64nNk16 (N = 32, 64, 72, 128, 176) in both forms, one warpgroup. Operands are
+// wgmma.mma_async m64nNk16 (N = 32, 64, 128, 176) in both forms, one warpgroup. Operands are
 // placed in shared memory with plain C++ following the no-swizzle canonical layouts (A K-major, B
 // K-major or MN-major), with deliberately unusual strides (A: LBO 256, SBO 512 bytes; B: LBO 1024
-// bytes, 16·N for N = 72, 128 and 176 whose N / 8 row groups fill that, SBO 128 bytes) so the
+// bytes, 16·N for N = 128 and 176 whose N / 8 row groups fill that, SBO 128 bytes) so the
 // descriptor decoding is exercised; -DWRONG_LAYOUT passes LBO and SBO swapped, -DWRONG_MAJOR tells
 // the instruction the other major-ness of B than the one it was placed in: both must give a wrong
 // result. -DNO_FENCE leaves out the proxy fence, so wgmma reads poison. -DWRITE_D_BEFORE_WAIT and
