@@ -3,7 +3,7 @@ compile report (`python -m cupy_attn kernels --sass`) builds three feature sets 
 dropout); a call runs the build of exactly its own features, one of _config.FEATURE_SETS, so this
 builds each one the launcher can choose and reports its spills and hot loop.
 
-    python bench/feature_builds.py [--kernels attention_fwd_wgmma] [--dtypes float16] [--mods] [--json]
+    python bench/feature_builds.py [--kernels attention_fwd_wgmma] [--dtypes float16] [--head-dims 64] [--mods] [--json]
 
 One row per (kernel, feature set): registers, spill stores and loads, the hot loop's fastest path
 per tile, issue_per_tensor, mufu_per_tensor, shared_per_tensor and exposed_per_tensor (wgmma
@@ -38,15 +38,18 @@ def bench_mods():
             for block in ((False, True) if "mask_mod" in m else (False,))]
 
 
-def feature_build_rows(kernels, dtypes, arch: str = "sm_90", mods: bool = False) -> list[dict]:
+def feature_build_rows(kernels, dtypes, arch: str = "sm_90", mods: bool = False, head_dims=None) -> list[dict]:
     """Rows for each variant of `kernels` (names without template arguments) that the table lists
-    on `arch`, in `dtypes`, and each feature set a call can run it with (_config.selectable); with
-    `mods`, each of bench_mods' mods without score features and with softcap instead."""
+    on `arch`, in `dtypes` and, unless None, `head_dims`, and each feature set a call can run it with
+    (_config.selectable); with `mods`, each of bench_mods' mods without score features and with
+    softcap instead."""
     rows = []
     builds = ([(label, m, f) for label, m in bench_mods() for f in (_config.PLAIN_FEATURES, _config.SOFTCAP)] if mods
               else [(None, None, f) for f in _config.FEATURE_SETS])
     for filename, name, dtype in _config.kernel_variants(arch):
         if name.split("<")[0] not in kernels or str(dtype) not in dtypes:
+            continue
+        if head_dims is not None and int(name.split(",")[1]) not in head_dims:  # <type, head dim, ...>
             continue
         build_arch = _config.FILE_ARCH.get(filename, arch)
         for label, mod, features in builds:
@@ -69,13 +72,16 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", nargs="+", default=["attention_fwd_wgmma"],
                         help="kernel names without template arguments (default: the wgmma forward)")
     parser.add_argument("--dtypes", nargs="+", default=["float16"], choices=["float16", "bfloat16"])
+    parser.add_argument("--head-dims", nargs="+", type=int, help="only the variants of these head dims (default: all)")
     parser.add_argument("--arch", default="sm_90", choices=["sm_80", "sm_86", "sm_89", "sm_90"])
     parser.add_argument("--mods", action="store_true", help="build bench_mods.py's mods instead of the feature sets")
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     args = parser.parse_args(argv)
-    rows = feature_build_rows(set(args.kernels), set(args.dtypes), args.arch, args.mods)
+    head_dims = None if args.head_dims is None else set(args.head_dims)
+    rows = feature_build_rows(set(args.kernels), set(args.dtypes), args.arch, args.mods, head_dims)
     if not rows:
-        parser.error(f"no variant of {', '.join(args.kernels)} in {', '.join(args.dtypes)} on {args.arch}")
+        parser.error(f"no variant of {', '.join(args.kernels)} in {', '.join(args.dtypes)}"
+                     f"{'' if head_dims is None else ' of head dims ' + ', '.join(map(str, sorted(head_dims)))} on {args.arch}")
     if args.json:
         print(json.dumps(rows, indent=1))
     else:

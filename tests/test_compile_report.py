@@ -180,9 +180,11 @@ def test_every_feature_build_of_the_wgmma_dkdv_at_d64_compiles_without_spills():
     keeps K and V in shared memory, the deterministic dQ's builds with softcap, ALiBi, a mask and
     dropout spill 24 bytes: bench/RESULTS.md, 2026-12-06, twentieth session.)"""
     result = subprocess.run([sys.executable, str(ROOT / "bench" / "feature_builds.py"), "--kernels",
-                             "attention_bwd_dkdv_wgmma", "--json"], capture_output=True, text=True, timeout=900)
+                             "attention_bwd_dkdv_wgmma", "--head-dims", "64", "--json"], capture_output=True, text=True,
+                            timeout=900)
     assert result.returncode in (0, 1), result.stderr  # 1: a build spills
-    rows = [r for r in json.loads(result.stdout) if ", 64, 64, " in r["name"]]
+    rows = json.loads(result.stdout)
+    assert {r["name"] for r in rows} == {f"attention_bwd_dkdv_wgmma<__half, 64, 64, {dq}>" for dq in ("true", "false")}
     assert len(rows) == 2 * len(_config.FEATURE_SETS)
     assert [r for r in rows if r["spill_stores"] or r["spill_loads"]] == []
     # K and V from registers: Sᵀ and dPᵀ read B alone from shared memory, which the plain build's
