@@ -77,11 +77,11 @@ def main(argv=None) -> int:
     parser.add_argument("--mods", action="store_true", help="build bench_mods.py's mods instead of the feature sets")
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     args = parser.parse_args(argv)
-    head_dims = None if args.head_dims is None else set(args.head_dims)
+    head_dims = args.head_dims and set(args.head_dims)
     rows = feature_build_rows(set(args.kernels), set(args.dtypes), args.arch, args.mods, head_dims)
     if not rows:
-        parser.error(f"no variant of {', '.join(args.kernels)} in {', '.join(args.dtypes)}"
-                     f"{'' if head_dims is None else ' of head dims ' + ', '.join(map(str, sorted(head_dims)))} on {args.arch}")
+        of_head_dims = f" of head dims {', '.join(map(str, args.head_dims))}" if head_dims else ""
+        parser.error(f"no variant of {', '.join(args.kernels)} in {', '.join(args.dtypes)}{of_head_dims} on {args.arch}")
     if args.json:
         print(json.dumps(rows, indent=1))
     else:

@@ -100,9 +100,9 @@ def results(filename):
 
 @functools.lru_cache(maxsize=None)
 def unmutated_results(filename):
-    """What the source's kernels compute (results), and the kernels of ``filename`` that computes it
-    with, by build options: a mutated source is built once per options with all of those (one g++
-    run per kernel took 1.6 times as long for attention_bwd_tc.cu's six)."""
+    """What the source's kernels compute (results), and by build options the kernels of
+    ``filename`` that ran: a mutated source is built once per options with all of them (one g++ run
+    per kernel took 1.6 times as long for attention_bwd_tc.cu's six)."""
     kernels = collections.defaultdict(set)
     real_function = _compile.function
 
