@@ -51,6 +51,11 @@ EMULATOR_SMS = 3
 _COMPILE_ONLY = contextvars.ContextVar("cupy_attn_compile_only", default=None)
 
 _CAUSAL = {None: 0, "bottom_right": 1, "top_left": 2}
+# How the dK/dV kernels write dK and dV (the wgmma kernel's attn::DkdvOut; the mma.sync kernel
+# takes the first two as its dkdv_in_input_type): in the input type per query head (no GQA group),
+# float32 per query head (each group summed after), float32 per kv head that the group's heads add
+# to (the wgmma kernel's TMA reductions).
+DKDV_INPUT_TYPE, DKDV_FLOAT, DKDV_FLOAT_ADDED = 0, 1, 2
 # The fewest query rows a tile of the tensor-core forwards or dQ kernel holds: the grid's y axis
 # counts their tiles (_query_grid).
 _QUERY_TILE_ROWS = min([t.block_m for t in _config.TENSOR_CORE_TILES + _config.HOPPER_TILES]
@@ -418,14 +423,14 @@ def tensor_maps(problem: Problem, tile, target: str, **operands):
         return None, "a packed (varlen) batch: a box would reach into the next sequence"
     shapes = {"q": (p.head_dim, p.seq_q, p.heads), "k": (p.head_dim, p.seq_k, p.kv_heads),
               "v": (p.head_dim_v, p.seq_k, p.kv_heads), "out": (p.head_dim_v, p.seq_q, p.heads),
-              "dout": (p.head_dim_v, p.seq_q, p.heads), "dk": (p.head_dim, p.seq_k, p.heads),
-              "dv": (p.head_dim_v, p.seq_k, p.heads)}
+              "dout": (p.head_dim_v, p.seq_q, p.heads)}
     maps = []
     for name, x in operands.items():
-        head_dim, rows, heads = shapes[name]
-        if name in ("dk", "dv"):  # (B, H, Sk, dims) whatever the call's layout
+        if name in ("dk", "dv"):  # (B, heads, Sk, dims) views (_per_head), of any strides
+            heads, rows, head_dim = (int(n) for n in x.shape[1:])
             batch, head, row = (int(s) for s in x.strides[:3])
         else:
+            head_dim, rows, heads = shapes[name]
             batch, head, row = (int(s) * x.itemsize for s in _bhs_strides(p, x))
         # An axis of one entry is never stepped along: its stride becomes the packed one (the inner
         # axes' extent, a multiple of 16 bytes), which the driver takes whatever the array's is.
@@ -527,12 +532,21 @@ def _copies_in_16_bytes(x) -> bool:
     return _pointer(x) % 16 == 0 and all(st % 16 == 0 for st in x.strides[:-1])
 
 
-def _per_head(problem: Problem, rows: int, dims: int, zeroed: bool = False, dtype=np.float32):
+def _per_head(problem: Problem, rows: int, dims: int, zeroed: bool = False, dtype=np.float32,
+              callers_layout: bool = False, heads: int | None = None):
     """A buffer of one row per (query head, row): (B, H, rows, dims), or (H, total rows, dims) for
-    a packed batch (kernels/block_info.cuh, HeadView.stats and .key_stats); float32 unless told."""
+    a packed batch (kernels/block_info.cuh, HeadView.stats and .key_stats); float32 unless told;
+    `heads` of them (the query heads unless told). With callers_layout, a bshd call's buffer is a
+    (B, H, rows, dims) view of (B, rows, H, dims) storage, which _from_per_head hands back (or
+    converts) without a transposing copy (for kernels that write through strides: the TMA
+    store's maps)."""
     p, xp = problem, problem.xp
-    shape = (p.heads, rows, dims) if p.packing is not None else (p.batch, p.heads, rows, dims)
-    return xp.zeros(shape, dtype) if zeroed else _empty(xp, shape, dtype)
+    heads = p.heads if heads is None else heads
+    bshd = callers_layout and p.packing is None and p.layout == "bshd"
+    shape = (heads, rows, dims) if p.packing is not None else (p.batch, rows, heads, dims) if bshd else \
+        (p.batch, heads, rows, dims)
+    buffer = xp.zeros(shape, dtype) if zeroed else _empty(xp, shape, dtype)
+    return buffer.transpose(0, 2, 1, 3) if bshd else buffer
 
 
 def _from_per_head(problem: Problem, x, dtype, *, sum_groups: bool = False, scale: float | None = None):
@@ -601,7 +615,8 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     # per element per key block in their hot loops (32 of the D = 64 mma.sync kernel's 673
     # instructions per tile on sm_90, NVRTC 13.5).
     # dK, dV per query head: in the input type where each is one kv head's (no GQA group to sum),
-    # else in float32, each GQA group summed at the end.
+    # else in float32, each GQA group summed at the end (but for the wgmma kernel's reductions,
+    # below).
     rows_k = p.packing.total_k if p.packing is not None else sk
     dq_tile = None
     if deterministic:
@@ -611,25 +626,33 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     dkdv_dtype = p.dtype if p.groups == 1 else np.dtype(np.float32)
     module = _module(p)
     vectorised = _vector_flags(q, k, v, dout)
-    maps = ()
+    per_query_head = DKDV_INPUT_TYPE if dkdv_dtype == p.dtype else DKDV_FLOAT
+    maps, dkdv_out = (), per_query_head
     if isinstance(tile, _config.HopperBackwardTile):
         # dK and dV leave by TMA store, which needs rows a multiple of 16 bytes apart (views of
         # wider rows; the caller gets contiguous copies). No query rows (dK = dV = 0) or nothing to
         # launch: no map to build; the mma.sync kernel writes the zeros.
-        width = 16 // dkdv_dtype.itemsize
-        dk = _per_head(p, rows_k, -(-p.head_dim // width) * width, dtype=dkdv_dtype)[..., :p.head_dim]
-        dv = _per_head(p, rows_k, -(-p.head_dim_v // width) * width, dtype=dkdv_dtype)[..., :p.head_dim_v]
+        # In the caller's layout, which a map addresses as well as any other: where nothing is
+        # summed after (no GQA), a bshd call then gets them without a transposing copy of each.
+        # A GQA group's query heads add theirs to float32 per kv head (TMA reductions into zeros),
+        # a buffer and a pass the group's size smaller than one per query head and the sum over
+        # it; except in deterministic mode, where the adds' order must not vary.
+        if p.groups > 1 and not deterministic:
+            dkdv_out = DKDV_FLOAT_ADDED
+        width, added = 16 // dkdv_dtype.itemsize, dkdv_out == DKDV_FLOAT_ADDED
+        dk, dv = (_per_head(p, rows_k, -(-dims // width) * width, zeroed=added, dtype=dkdv_dtype,
+                            callers_layout=dkdv_out != DKDV_FLOAT, heads=p.kv_heads if added else p.heads)[..., :dims]
+                  for dims in (p.head_dim, p.head_dim_v))
         maps, why_not = (tensor_maps(p, tile, target, q=q, k=k, v=v, dout=dout, dk=dk, dv=dv)
                          if 0 not in (sq, sk, h, b) else (None, ""))
         if maps is None:  # the cp.async kernels read any strides
             if why_not:
                 _say_once(f"the wgmma backward needs TMA, which cannot address this call's operands ({why_not}): "
                           "the mma.sync backward runs instead")
-            tile = _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, 80, limit)
+            tile, dkdv_out = _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, 80, limit), per_query_head
     if not maps:
         dk = _per_head(p, rows_k, p.head_dim, dtype=dkdv_dtype)
         dv = _per_head(p, rows_k, p.head_dim_v, dtype=dkdv_dtype)
-    in_input_type = I32(dkdv_dtype == p.dtype)
     common = _common_args(p, q, k, v, dout, (tile.block_m, tile.block_n))
     # The tensor-core dK/dV kernels up to D = 128 start their blocks in the order _key_grid shapes;
     # the others keep the grid (key tiles, heads, batch entries) (kernels/block_info.cuh).
@@ -640,10 +663,11 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
                 **module)
     elif isinstance(tile, _config.HopperBackwardTile):  # wgmma and TMA: q, k, v, dout, dk, dv through their maps
         _launch(target, tile.filename, tile.name_expression(p.dtype, accumulate_dq=not deterministic), dkdv_grid,
-                (lse, delta, dq, in_input_type, *maps, *common), tile.shared_bytes, threads=tile.threads, **module)
+                (lse, delta, dq, I32(dkdv_out), *maps, *common), tile.shared_bytes, threads=tile.threads, **module)
     else:  # mma.sync
         _launch(target, tile.filename, tile.name_expression(p.dtype), dkdv_grid,
-                (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), in_input_type, vectorised, *common),
+                (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), I32(dkdv_out == DKDV_INPUT_TYPE),
+                 vectorised, *common),
                 tile.shared_bytes, threads=tile.threads, **module)
     if deterministic:
         if isinstance(dq_tile, _config.BackwardTile):  # fp32, and fp16/bf16 head dims above 256: CUDA cores
@@ -656,8 +680,8 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
                     (q, k, v, dout, lse, delta, dq, vectorised, *common), dq_tile.dq_shared_bytes, **module)
     dq_unscaled = not deterministic and not isinstance(tile, _config.BackwardTile)
     grads = (_from_per_head(p, dq, p.dtype, scale=p.scale if dq_unscaled else None),
-             _from_per_head(p, dk, p.dtype, sum_groups=True),
-             _from_per_head(p, dv, p.dtype, sum_groups=True))
+             _from_per_head(p, dk, p.dtype, sum_groups=dkdv_out != DKDV_FLOAT_ADDED),
+             _from_per_head(p, dv, p.dtype, sum_groups=dkdv_out != DKDV_FLOAT_ADDED))
     if p.sinks is None:
         return grads
     return grads + (_numpy_backend.sink_gradient(xp, p.sinks.astype(np.float32), lse, delta),)

@@ -35,8 +35,9 @@
 // own wgmma, as FlashAttention-3's does: Pᵀ (and what dSᵀ needs of the scores: tc_backward.cuh
 // DsFactors) while dPᵀ multiplies, dSᵀ while dV does, and dQ's reductions while dK does (the
 // stage's last rows' dK issued after the dQ product). At the end each group stages its dK and dV
-// (swizzled; in the input type, or float32 where a GQA group's heads are summed after) in shared
-// memory the loop no longer needs and one of its threads stores them with TMA.
+// (swizzled; in the input type, or float32 for a GQA group) in shared memory the loop no longer
+// needs and one of its threads stores them with TMA, or adds them to its kv head's with TMA
+// reductions (DkdvOut).
 // Head dims up to 128: dK and dV of 64 keys take D floats per thread, so D = 256 stays on the
 // mma.sync kernel, which splits its dims over two warps. The launcher uses this kernel where TMA
 // can address q, k, v and dout (cupy_attn/_tensor_map.py) and the mma.sync kernel elsewhere.
@@ -78,11 +79,20 @@ struct BackwardMaps {
     const ptx::TensorMap &q, &k, &v, &dout, &dk, &dv;
 };
 
+// How a block's dK and dV leave it, through the dk and dv maps (the launcher's choice by dtype,
+// GQA and deterministic mode).
+enum DkdvOut : int {
+    kDkdvInputType = 0,   // T, per query head: each is its kv head's (no GQA group to sum)
+    kDkdvFloat = 1,       // float32 per query head, each GQA group summed after, in a fixed order
+    kDkdvFloatAdded = 2,  // float32 per kv head, which every query head of its group adds to (TMA
+                          // reductions into zeros: an order of the adds not fixed)
+};
+
 // kAccumulateDq: dQ by reductions here (else the deterministic dQ kernel computes it), a
 // compile-time switch so that neither loop tests it per score.
 template <class T, int kHeadDim, int kBlockM, bool kAccumulateDq>
 __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* lse, const float* delta, float* dq_accum,
-                                                 bool dkdv_in_input_type, const long long (&strides)[12],
+                                                 DkdvOut dkdv_out, const long long (&strides)[12],
                                                  const BackwardMaps& maps) {
     static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "head-dim tiles 64 and 128");
     static_assert(kBlockM == 64 || kBlockM == 128, "Sᵀ and dPᵀ m64n64k16 or m64n128k16; dQ in m64 products");
@@ -430,8 +440,8 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
     // dK (times scale) and dV out through shared memory and TMA, which clips keys past seq_k and
     // dims past the head. Once both groups are done with K, V and the last stage, group 0 stages
     // its rows in K and V's place and group 1 in the stages' (dK, then dV, in swizzled boxes of
-    // 128-byte lines: float32 for a GQA group's sum after, else the input type); one thread per
-    // group stores them.
+    // 128-byte lines: float32 for a GQA group, else the input type); one thread per group stores
+    // them (or adds them to its kv head's).
     ptx::named_barrier_sync(kGroupsBarrier, 128 * kBwdConsumerGroups);
     unsigned char* staging = reinterpret_cast<unsigned char*>(group == 0 ? sK : sQ0);
     auto store_staged = [&](auto* s_dk, auto* s_dv, auto layout) {
@@ -439,10 +449,18 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
         ptx::fence_proxy_async();  // the group's stores, visible to the TMA store
         ptx::named_barrier_sync(kStagedBarrier + group, 128);
         if (threadIdx.x % 128 == 0) {
+            const bool add = dkdv_out == kDkdvFloatAdded;
             for (int c = 0; c < kHeadDim / Layout::kBoxCols; ++c) {
-                const int box[4] = {c * Layout::kBoxCols, group_n0, b.bidh, b.bidb};
-                ptx::tma_store<4>(maps.dk, box, s_dk + Layout::offset(0, c * Layout::kBoxCols));
-                ptx::tma_store<4>(maps.dv, box, s_dv + Layout::offset(0, c * Layout::kBoxCols));
+                const int box[4] = {c * Layout::kBoxCols, group_n0, add ? b.bidh_kv : b.bidh, b.bidb};
+                const auto* at_dk = s_dk + Layout::offset(0, c * Layout::kBoxCols);
+                const auto* at_dv = s_dv + Layout::offset(0, c * Layout::kBoxCols);
+                if (add) {
+                    ptx::tma_reduce_add<4>(maps.dk, box, at_dk);
+                    ptx::tma_reduce_add<4>(maps.dv, box, at_dv);
+                } else {
+                    ptx::tma_store<4>(maps.dk, box, at_dk);
+                    ptx::tma_store<4>(maps.dv, box, at_dv);
+                }
             }
             ptx::bulk_commit();
             ptx::bulk_wait_read<0>();  // shared memory must outlive the stores' reads of it
@@ -452,7 +470,7 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
     static_assert(2 * sizeof(float) * kOutElements <= sizeof(T) * 2 * kKvElements &&
                   2 * sizeof(float) * kOutElements <= sizeof(T) * kQueryStages * 2 * kQElements,
                   "a group's dK and dV fit in K and V's, and in the stages', shared memory");
-    if (dkdv_in_input_type) {
+    if (dkdv_out == kDkdvInputType) {
         // 16-bit pairs of the accumulator layout: one 4-byte store each, 32 banks per warp.
         using OutTile = SwizzledBoxLayout<64, kHeadDim>;
         T* s_dk = reinterpret_cast<T*>(staging);
@@ -495,9 +513,9 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
 // producer warpgroup and two consumers), dynamic shared memory as laid out in dkdv_wgmma_block
 // (HopperBackwardTile.shared_bytes). q_map, k_map, v_map, do_map: TMA maps of q, k, v and dout
 // (head dims, rows, heads, batch) with 128-byte swizzle and boxes of 64 head dims x kBlockM query
-// rows (q, dout) or 128 keys (k, v); dk_map, dv_map: of dK, dV per query head (head dims, keys,
-// heads, batch), float32 or, with dkdv_in_input_type (no GQA group to sum), T; 128-byte swizzle,
-// boxes of one 128-byte line (32 or 64 dims) x 64 keys. Those six are read and written through them
+// rows (q, dout) or 128 keys (k, v); dk_map, dv_map: of dK, dV (head dims, keys, heads, batch) as
+// dkdv_out (attn::DkdvOut) says: T or float32 per query head, or float32 per kv head, zeroed, to
+// add to; 128-byte swizzle, boxes of one 128-byte line (32 or 64 dims) x 64 keys. Those six are read and written through them
 // only (the pointers and strides of q, k, v and dout in ATTN_PARAMS go unused). With kAccumulateDq,
 // dS·K (without the scale) is added to dq_accum (float32, per query head, zeroed); without, the
 // deterministic dQ kernel runs after and dq_accum goes unused. A template argument, not a run-time
@@ -505,13 +523,13 @@ __device__ __forceinline__ void dkdv_wgmma_block(const Params& p, const float* l
 // either alone none. Compiled for sm_90a only.
 template <class T, int kHeadDim, int kBlockM, bool kAccumulateDq>
 __global__ void __launch_bounds__(attn::kBwdThreads, 1)
-attention_bwd_dkdv_wgmma(const float* lse, const float* delta, float* dq_accum, int dkdv_in_input_type,
+attention_bwd_dkdv_wgmma(const float* lse, const float* delta, float* dq_accum, int dkdv_out,
                          const __grid_constant__ ptx::TensorMap q_map, const __grid_constant__ ptx::TensorMap k_map,
                          const __grid_constant__ ptx::TensorMap v_map, const __grid_constant__ ptx::TensorMap do_map,
                          const __grid_constant__ ptx::TensorMap dk_map, const __grid_constant__ ptx::TensorMap dv_map,
                          ATTN_PARAMS) {
     ATTN_UNPACK_PARAMS;
     const attn::BackwardMaps maps{q_map, k_map, v_map, do_map, dk_map, dv_map};
-    attn::dkdv_wgmma_block<T, kHeadDim, kBlockM, kAccumulateDq>(p, lse, delta, dq_accum, dkdv_in_input_type, strides,
-                                                                maps);
+    attn::dkdv_wgmma_block<T, kHeadDim, kBlockM, kAccumulateDq>(p, lse, delta, dq_accum,
+                                                                static_cast<attn::DkdvOut>(dkdv_out), strides, maps);
 }

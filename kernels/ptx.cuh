@@ -612,29 +612,51 @@ __device__ __forceinline__ void tma_load(void* smem, const TensorMap& map, const
 #endif
 }
 
-// Store the box at `coords` from shared memory at `smem`, read through the async proxy (so
-// generic writes of it need fence_proxy_async first); part of the bulk group that bulk_commit
-// closes. `smem` may be reused once bulk_wait_read covers the group.
-template <int kRank>
-__device__ __forceinline__ void tma_store(const TensorMap& map, const int (&coords)[kRank], const void* smem) {
+// Write the box at `coords` from shared memory at `smem`, read through the async proxy (so
+// generic writes of it need fence_proxy_async first): store it, or with kAdd add it element by
+// element to what the tensor holds (cp.reduce.async.bulk.tensor .add: each element's add is
+// atomic against other blocks' adds, in no fixed order). Part of the bulk group that bulk_commit
+// closes; `smem` may be reused once bulk_wait_read covers the group.
+template <bool kAdd, int kRank>
+__device__ __forceinline__ void tma_write(const TensorMap& map, const int (&coords)[kRank], const void* smem) {
     static_assert(kRank >= 1 && kRank <= 5, "tensor maps have 1 to 5 dimensions");
 #ifdef __CUDA_ARCH__
     const u32 src = shared_address(smem);
     const unsigned long long tensor = reinterpret_cast<unsigned long long>(&map);
-#define TMA_STORE(N, COORDS, ...) \
-    asm volatile("cp.async.bulk.tensor." #N "d.global.shared::cta.tile.bulk_group [%0, " COORDS "], [%1];\n" \
+#define TMA_WRITE(OPCODE, N, COORDS, ...) \
+    asm volatile(OPCODE #N "d.global.shared::cta" SUFFIX " [%0, " COORDS "], [%1];\n" \
                  :: "l"(tensor), "r"(src), __VA_ARGS__ : "memory")
-    if constexpr (kRank == 1) TMA_STORE(1, "{%2}", "r"(coords[0]));
-    else if constexpr (kRank == 2) TMA_STORE(2, "{%2, %3}", "r"(coords[0]), "r"(coords[1]));
-    else if constexpr (kRank == 3) TMA_STORE(3, "{%2, %3, %4}", "r"(coords[0]), "r"(coords[1]), "r"(coords[2]));
-    else if constexpr (kRank == 4)
-        TMA_STORE(4, "{%2, %3, %4, %5}", "r"(coords[0]), "r"(coords[1]), "r"(coords[2]), "r"(coords[3]));
-    else
-        TMA_STORE(5, "{%2, %3, %4, %5, %6}", "r"(coords[0]), "r"(coords[1]), "r"(coords[2]), "r"(coords[3]), "r"(coords[4]));
-#undef TMA_STORE
+#define TMA_WRITE_RANKS(OPCODE)                                                                                       \
+    if constexpr (kRank == 1) TMA_WRITE(OPCODE, 1, "{%2}", "r"(coords[0]));                                          \
+    else if constexpr (kRank == 2) TMA_WRITE(OPCODE, 2, "{%2, %3}", "r"(coords[0]), "r"(coords[1]));                 \
+    else if constexpr (kRank == 3) TMA_WRITE(OPCODE, 3, "{%2, %3, %4}", "r"(coords[0]), "r"(coords[1]), "r"(coords[2])); \
+    else if constexpr (kRank == 4)                                                                                    \
+        TMA_WRITE(OPCODE, 4, "{%2, %3, %4, %5}", "r"(coords[0]), "r"(coords[1]), "r"(coords[2]), "r"(coords[3]));      \
+    else                                                                                                              \
+        TMA_WRITE(OPCODE, 5, "{%2, %3, %4, %5, %6}", "r"(coords[0]), "r"(coords[1]), "r"(coords[2]), "r"(coords[3]),   \
+                  "r"(coords[4]))
+    if constexpr (kAdd) {
+#define SUFFIX ".add.tile.bulk_group"
+        TMA_WRITE_RANKS("cp.reduce.async.bulk.tensor.");
+#undef SUFFIX
+    } else {
+#define SUFFIX ".tile.bulk_group"
+        TMA_WRITE_RANKS("cp.async.bulk.tensor.");
+#undef SUFFIX
+    }
+#undef TMA_WRITE_RANKS
+#undef TMA_WRITE
 #else
-    ::emu::tma_store(&map, coords, smem);
+    ::emu::tma_write(&map, coords, smem, kAdd);
 #endif
+}
+template <int kRank>
+__device__ __forceinline__ void tma_store(const TensorMap& map, const int (&coords)[kRank], const void* smem) {
+    tma_write<false>(map, coords, smem);
+}
+template <int kRank>
+__device__ __forceinline__ void tma_reduce_add(const TensorMap& map, const int (&coords)[kRank], const void* smem) {
+    tma_write<true>(map, coords, smem);
 }
 
 // Close the bulk group of TMA stores issued since the last commit.

@@ -18,7 +18,7 @@ from cupy_attn.emulator import EmulatorError, RawModule
 HERE = Path(__file__).parent / "emulator_kernels"
 SOURCE = (HERE / "tma.cu").read_text()
 SCHEDULES = ["forward", "reverse", "random", "warps", "warps_reverse"]
-NAMES = ["tma_box<2>", "tma_box<3>", "tma_store_box<2>", "tma_store_box<3>",
+NAMES = ["tma_box<2>", "tma_box<3>", "tma_store_box<2, false>", "tma_store_box<3, false>", "tma_store_box<2, true>",
          *(f"tma_wgmma<{a}, {b}>" for a in ("false", "true") for b in ("false", "true")),
          *(f"tma_wgmma_wide<{r}, {n}>" for r in ("false", "true") for n in (128, 72))]
 BOX_AT = 1024  # where the kernels put the box in shared memory
@@ -131,11 +131,21 @@ def test_tma_load_refuses_a_map_not_encoded_for_the_emulator(tma):
                                        shared_mem=2048)
 
 
-def store(mod, target, coords, box, swizzle, data, schedule="forward"):
+def store(mod, target, coords, box, swizzle, data, schedule="forward", *, add_blocks=0):
+    """TMA-store the box `data` (its bytes as they lie in shared memory) at coords of target, or
+    with add_blocks, have that many blocks each add it there."""
     spec = TensorMapSpec.of_array(target, box, swizzle=swizzle)
-    mod.get_function(f"tma_store_box<{target.ndim}>")(1, 64, (spec.emulated(), np.array(coords[::-1], np.int32),
-                                                              I32(spec.box_bytes), data),
-                                                      shared_mem=BOX_AT + spec.box_bytes, schedule=schedule)
+    mod.get_function(f"tma_store_box<{target.ndim}, {str(bool(add_blocks)).lower()}>")(
+        max(add_blocks, 1), 64, (spec.emulated(), np.array(coords[::-1], np.int32), I32(spec.box_bytes), data),
+        shared_mem=BOX_AT + spec.box_bytes, schedule=schedule)
+
+
+def swizzled_bytes(values, swizzle):
+    """values' bytes as a box of them lies in shared memory at BOX_AT with that swizzle."""
+    raw = np.frombuffer(values.tobytes(), np.uint8)
+    data = np.empty(raw.size, np.uint8)
+    data[[swizzled(BOX_AT + o, swizzle) - BOX_AT for o in range(raw.size)]] = raw
+    return data
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -143,16 +153,46 @@ def store(mod, target, coords, box, swizzle, data, schedule="forward"):
 def test_tma_store_writes_the_box_inside_the_tensor(tma, schedule, swizzle, box):
     rng = np.random.default_rng(5)
     values = rng.standard_normal(box).astype(np.float16)
-    data = np.empty(values.nbytes, np.uint8)  # the box's bytes as they lie in shared memory
-    raw = np.frombuffer(values.tobytes(), np.uint8)
-    data[[swizzled(BOX_AT + o, swizzle) - BOX_AT for o in range(raw.size)]] = raw
     target = np.full((37, 104), -1, np.float16)
     coords = (33, 70)
-    store(tma, target, coords, box, swizzle, data, schedule)
+    store(tma, target, coords, box, swizzle, swizzled_bytes(values, swizzle), schedule)
     want = np.full_like(target, -1)
     rows, cols = min(box[0], 37 - coords[0]), min(box[1], 104 - coords[1])
     want[coords[0]:coords[0] + rows, coords[1]:coords[1] + cols] = values[:rows, :cols]
     np.testing.assert_array_equal(target, want)
+
+
+def reduce_add_case():
+    """(target, values, coords, want): three blocks each add a float32 box of 8 rows x 32 (one
+    128-byte swizzled line) at (33, 20) of a (37, 40) tensor, partly past its last rows and
+    columns; the elements outside are not added. Small integers, so that any order of the adds
+    gives the same float32 sums."""
+    rng = np.random.default_rng(8)
+    target = rng.integers(-50, 50, (37, 40)).astype(np.float32)
+    values = rng.integers(-50, 50, (8, 32)).astype(np.float32)
+    want = target.copy()
+    want[33:37, 20:40] += 3 * values[:4, :20]
+    return target, values, (33, 20), want
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_tma_reduce_add_adds_the_box_inside_the_tensor(tma, schedule):
+    target, values, coords, want = reduce_add_case()
+    store(tma, target, coords, values.shape, 128, swizzled_bytes(values, 128), schedule, add_blocks=3)
+    np.testing.assert_array_equal(target, want)
+
+
+def test_tma_reduce_add_of_a_16_bit_box_is_refused():
+    """The emulator's twin adds float32 (the only 4-byte type of cupy_attn's maps) and refuses the
+    16-bit types rather than add their bits as something else."""
+    with pytest.raises(EmulatorError, match="adds float32 elements only, and this map's are 2 bytes"):
+        store(module(), np.zeros((8, 64), np.float16), (0, 0), (8, 64), 128, np.zeros(1024, np.uint8), add_blocks=1)
+
+
+def test_tma_reduce_add_without_the_proxy_fence_adds_poison():
+    target = np.zeros((8, 32), np.float32)
+    store(module("-DNO_FENCE"), target, (0, 0), (8, 32), 128, np.zeros(1024, np.uint8), add_blocks=2)
+    assert np.isnan(target).all()
 
 
 def test_tma_store_without_the_proxy_fence_stores_poison():
@@ -280,7 +320,8 @@ def test_tensor_map_of_an_array_lists_dims_innermost_first():
 SASS_OPCODES = {
     "tma_box<2>": ["UTMALDG.2D", "SYNCS.PHASECHK"],
     "tma_box<3>": ["UTMALDG.3D"],
-    "tma_store_box<2>": ["UTMASTG.2D", "FENCE.VIEW.ASYNC.S"],
+    "tma_store_box<2, false>": ["UTMASTG.2D", "FENCE.VIEW.ASYNC.S"],
+    "tma_store_box<2, true>": ["UTMAREDG.2D.ADD", "FENCE.VIEW.ASYNC.S"],
     "tma_wgmma<false, true>": ["UTMALDG.2D", "HGMMA.64x64x16.F32"],
     "tma_wgmma<true, true>": ["UTMALDG.2D", "HGMMA.64x64x16.F32"],
     "tma_wgmma_wide<false, 128>": ["UTMALDG.2D", "HGMMA.64x128x16.F32"],

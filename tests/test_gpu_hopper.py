@@ -10,7 +10,8 @@ from cupy_attn import _paths
 from cupy_attn._source import inline_local_includes
 from cupy_attn._tensor_map import TensorMapSpec
 from test_emulator import check_exp2_polynomial, check_max_nan
-from test_emulator_tma import BOX_AT, BOX_CASES, NAMES, PIPELINE, STAGES, TILE_ROWS, TILES, box_model, swizzled
+from test_emulator_tma import (BOX_AT, BOX_CASES, NAMES, PIPELINE, STAGES, TILE_ROWS, TILES, box_model, reduce_add_case,
+                               swizzled_bytes)
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
@@ -51,17 +52,27 @@ def test_tma_load(tma, case):
 def test_tma_store(tma):
     box, coords = (8, 64), (33, 70)
     values = np.random.default_rng(5).standard_normal(box).astype(np.float16)
-    raw = np.frombuffer(values.tobytes(), np.uint8)
-    data = np.empty_like(raw)
-    data[[swizzled(BOX_AT + o, 128) - BOX_AT for o in range(raw.size)]] = raw
+    data = swizzled_bytes(values, 128)
     target = cupy.full((37, 104), -1, np.float16)
     spec = TensorMapSpec.of_array(target, box, swizzle=128)
-    tma.get_function("tma_store_box<2>")((1,), (64,), (spec.encoded(), cupy.asarray(np.array(coords[::-1], I32)),
-                                                       I32(spec.box_bytes), cupy.asarray(data)),
-                                         shared_mem=BOX_AT + spec.box_bytes)
+    tma.get_function("tma_store_box<2, false>")((1,), (64,), (spec.encoded(), cupy.asarray(np.array(coords[::-1], I32)),
+                                                              I32(spec.box_bytes), cupy.asarray(data)),
+                                                shared_mem=BOX_AT + spec.box_bytes)
     want = np.full((37, 104), -1, np.float16)
     want[33:37, 70:104] = values[:4, :34]
     np.testing.assert_array_equal(target.get(), want)
+
+
+def test_tma_reduce_add(tma):
+    """cp.reduce.async.bulk.tensor .add on the hardware, as the wgmma dK/dV adds a GQA group's
+    float32 dK and dV: three blocks add the same partly clipped box."""
+    target, values, coords, want = reduce_add_case()
+    device = cupy.asarray(target)
+    spec = TensorMapSpec.of_array(device, values.shape, swizzle=128)
+    tma.get_function("tma_store_box<2, true>")((3,), (64,), (spec.encoded(), cupy.asarray(np.array(coords[::-1], I32)),
+                                                             I32(spec.box_bytes), cupy.asarray(swizzled_bytes(values, 128))),
+                                               shared_mem=BOX_AT + spec.box_bytes)
+    np.testing.assert_array_equal(device.get(), want)
 
 
 @pytest.mark.parametrize("mn_major", [False, True], ids=["k_major", "mn_major"])

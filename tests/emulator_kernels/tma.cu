@@ -43,8 +43,9 @@ __global__ void tma_box(const __grid_constant__ ptx::TensorMap map, const int* c
     for (int i = threadIdx.x; i < box_bytes; i += blockDim.x) out[i] = smem[kBoxAt + i];
 }
 
-// Every thread writes the box's bytes from in to shared memory; thread 0 stores the box at coords.
-template <int kRank>
+// Every thread writes the box's bytes from in to shared memory; thread 0 stores the box at coords
+// (kAdd: adds it there; every block of the grid does, so the tensor gains gridDim.x boxes).
+template <int kRank, bool kAdd>
 __global__ void tma_store_box(const __grid_constant__ ptx::TensorMap map, const int* coords, int box_bytes,
                               const unsigned char* in) {
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -56,7 +57,7 @@ __global__ void tma_store_box(const __grid_constant__ ptx::TensorMap map, const 
     if (threadIdx.x == 0) {
         int at[kRank];
         for (int d = 0; d < kRank; ++d) at[d] = coords[d];
-        ptx::tma_store<kRank>(map, at, smem + kBoxAt);
+        ptx::tma_write<kAdd>(map, at, smem + kBoxAt);
         ptx::bulk_commit();
 #ifndef NO_STORE_WAIT
         ptx::bulk_wait_read<0>();

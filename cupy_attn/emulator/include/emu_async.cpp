@@ -353,7 +353,7 @@ static void tma_land_for(unsigned bar) {
 
 static TmaCopy tma_copy(const void* map, const int* coords, void* smem, const char* what) {
     const EmulatedTensorMap& m = tensor_map(map, what);
-    TmaCopy c{m, {}, shared_offset(smem, what), 0, tl_fiber->bulk_groups_committed, false};
+    TmaCopy c{m, {}, shared_offset(smem, what), 0, tl_fiber->bulk_groups_committed, false, false};
     for (unsigned d = 0; d < m.rank; ++d) c.coords[d] = coords[d];
     if (c.smem % 128) fail(format("%s: the shared address %u is not 128-byte aligned", what, c.smem));
     if (m.swizzle && c.smem % (8 * m.swizzle))
@@ -379,12 +379,24 @@ void tma_load(void* smem, const void* map, const int* coords, void* bar) {
 static void tma_store_now(const TmaCopy& c) {
     const std::vector<unsigned char>& view = async_view();
     for_each_box_element(c, [&](unsigned at, unsigned char* dst) {
-        if (dst) std::memcpy(dst, view.data() + at, c.map.element_bytes);
+        if (!dst) return;
+        if (!c.add) {
+            std::memcpy(dst, view.data() + at, c.map.element_bytes);
+            return;
+        }
+        float value;  // a 4-byte element is float32: the only 4-byte type of cupy_attn's maps
+        std::memcpy(&value, view.data() + at, sizeof value);
+        atomic_float_update<float>(reinterpret_cast<float*>(dst), [](float x, float y) { return x + y; }, value);
     });
 }
 
-void tma_store(const void* map, const int* coords, const void* smem) {
-    TmaCopy c = tma_copy(map, coords, const_cast<void*>(smem), "cp.async.bulk.tensor (store)");
+void tma_write(const void* map, const int* coords, const void* smem, bool add) {
+    const char* what = add ? "cp.reduce.async.bulk.tensor (add)" : "cp.async.bulk.tensor (store)";
+    TmaCopy c = tma_copy(map, coords, const_cast<void*>(smem), what);
+    if (add && c.map.element_bytes != 4)
+        fail(format("%s: the emulator adds float32 elements only, and this map's are %u bytes", what,
+                    c.map.element_bytes));
+    c.add = add;
     if (copy_lands_at_issue()) {
         tma_store_now(c);
         c.done = true;

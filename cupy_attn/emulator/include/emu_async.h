@@ -49,10 +49,11 @@ void mbarrier_wait(const void* bar, unsigned parity);
 // ---- TMA (cp.async.bulk.tensor) ------------------------------------------------------------------
 // A load copies a box of the tensor into shared memory (elements outside the tensor read as the
 // map's fill) and completes its bytes on the mbarrier at `bar`; a store writes the box from shared
-// memory, read through the async proxy, to the elements inside the tensor; bulk_wait(pending)
-// waits for the reads of all but the `pending` most recent bulk groups.
+// memory, read through the async proxy, to the elements inside the tensor (with `add`, adds it to
+// them, each element atomically: float32 only); bulk_wait(pending) waits for the reads of all but
+// the `pending` most recent bulk groups.
 void tma_load(void* smem, const void* map, const int* coords, void* bar);
-void tma_store(const void* map, const int* coords, const void* smem);
+void tma_write(const void* map, const int* coords, const void* smem, bool add);
 inline void bulk_commit() { tl_fiber->bulk_groups_committed++; }
 void bulk_wait(unsigned pending);
 

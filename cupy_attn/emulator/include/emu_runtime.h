@@ -78,6 +78,7 @@ struct TmaCopy {
     int coords[5];
     unsigned smem, bar, group;
     bool done;  // a store already performed (it stays listed until its bulk group is waited for)
+    bool add;   // a store that adds to global memory (cp.reduce.async.bulk.tensor .add)
 };
 
 struct Fiber {
