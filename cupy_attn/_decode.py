@@ -27,12 +27,12 @@ def _unwritten(xp, dtype):
     split, the final out and lse when there are several): made once per device and dtype and kept,
     instead of an allocation and a fill per decoding step. Writable, as the emulator requires of
     an array behind a pointer the kernel may write through."""
-    return _unwritten_arrays(xp, None if xp is np else xp.cuda.Device().id, np.dtype(dtype).str)
+    return _unwritten_arrays(xp, None if xp is np else xp.cuda.Device().id, np.dtype(dtype))
 
 
 @functools.lru_cache(maxsize=64)
-def _unwritten_arrays(xp, device, dtype: str):
-    return xp.zeros(1, np.dtype(dtype))
+def _unwritten_arrays(xp, device, dtype: np.dtype):
+    return xp.zeros(1, dtype)
 
 
 def splits(kv: KVCache, tile: _config.DecodeTile, row_tiles: int, target: str) -> int:

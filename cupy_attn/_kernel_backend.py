@@ -636,8 +636,9 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
         # summed after (no GQA), a bshd call then gets them without a transposing copy of each.
         # A GQA group's query heads add theirs to float32 per kv head (TMA reductions into zeros),
         # a buffer and a pass the group's size smaller than one per query head and the sum over
-        # it; except in deterministic mode, where the adds' order must not vary.
-        if p.groups > 1 and not deterministic:
+        # it; except in deterministic mode, where the adds' order must not vary (and for a packed
+        # batch, which TMA cannot address).
+        if p.groups > 1 and not deterministic and p.packing is None:
             dkdv_out = DKDV_FLOAT_ADDED
         width, added = 16 // dkdv_dtype.itemsize, dkdv_out == DKDV_FLOAT_ADDED
         dk, dv = (_per_head(p, rows_k, -(-dims // width) * width, zeroed=added, dtype=dkdv_dtype,

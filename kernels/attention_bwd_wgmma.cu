@@ -73,8 +73,9 @@ struct BackwardBarriers {
     unsigned long long kv_landed;
 };
 
-// The kernel's TMA maps: q, k, v and dout read (16-bit), dk and dv written (per query head, in
-// the input type or float32), each (head dims, rows, heads, batch).
+// The kernel's TMA maps: q, k, v and dout read (16-bit), dk and dv written (per query head in the
+// input type or float32, or per kv head in float32, added to: DkdvOut), each (head dims, rows,
+// heads, batch).
 struct BackwardMaps {
     const ptx::TensorMap &q, &k, &v, &dout, &dk, &dv;
 };

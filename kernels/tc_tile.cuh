@@ -13,7 +13,7 @@ struct TcLayout {
 };
 
 // A tile of kRows rows x kCols columns of kBytes-byte elements (16-bit by default; float32 for the
-// backward's dK, dV epilogue where a GQA group's heads are summed after) as TMA writes it with
+// backward's dK, dV epilogue of a GQA group) as TMA writes it with
 // 128-byte swizzle: boxes of 128 bytes of columns (a 128-byte line per row: 64 16-bit or 32
 // float32 columns), kCols / kBoxCols of them one after another, the 16-byte chunks of each line
 // permuted by its row (ptx.cuh, Swizzle::B128). offset(r, c) is the element offset a descriptor
