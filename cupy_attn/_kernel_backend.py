@@ -563,7 +563,9 @@ def _from_per_head(problem: Problem, x, dtype, *, sum_groups: bool = False, scal
     elif p.layout == "bshd":
         x = x.transpose(0, 2, 1, 3)
     if scale is None:
-        return xp.ascontiguousarray(x.astype(dtype, copy=False))
+        # Order "C": converted and laid out in one pass (astype's default, "K", keeps a transposed
+        # view's memory order, which another pass then made contiguous).
+        return x.astype(dtype, order="C", copy=False)
     # One pass: the product in float32, rounded once to dtype as it is stored. A value past the
     # type's range becomes inf, as in astype and the kernels' own stores, without NumPy's warning.
     out = xp.empty(x.shape, dtype=dtype)
