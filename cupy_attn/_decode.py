@@ -3,13 +3,11 @@ on "cuda" (CuPy arrays) or "emulator" (NumPy arrays), and merging its splits wit
 kernel (cupy_attn._merge.combine)."""
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from . import _config, _merge
-from ._kernel_backend import (I32, I64, _blocks, _common_args, _device_attribute, _empty, _kernel_addressable, _launch,
-                              _vector_flags, score_features)
+from ._kernel_backend import (I32, I64, _blocks, _common_args, _constant, _device_attribute, _empty, _kernel_addressable,
+                              _launch, _vector_flags, score_features)
 from ._kvcache import KVCache
 
 
@@ -20,19 +18,6 @@ def sm_count(target: str) -> int:
     import cupy
 
     return int(_device_attribute(cupy.cuda.Device().id, "MultiProcessorCount"))
-
-
-def _unwritten(xp, dtype):
-    """An output argument of one element the launch does not write (the partials when there is one
-    split, the final out and lse when there are several): made once per device and dtype and kept,
-    instead of an allocation and a fill per decoding step. Writable, as the emulator requires of
-    an array behind a pointer the kernel may write through."""
-    return _unwritten_arrays(xp, None if xp is np else xp.cuda.Device().id, np.dtype(dtype))
-
-
-@functools.lru_cache(maxsize=64)
-def _unwritten_arrays(xp, device, dtype: np.dtype):
-    return xp.zeros(1, dtype)
 
 
 def splits(kv: KVCache, tile: _config.DecodeTile, row_tiles: int, target: str) -> int:
@@ -59,14 +44,14 @@ def forward(kv: KVCache, q, k_cache, v_cache, *, target: str):
     bhsd = (p.batch, p.heads, p.seq_q)
     if n == 1:  # the final out and lse, directly
         out, lse = _empty(xp, p.out_shape, p.dtype), _empty(xp, p.lse_shape, np.float32)
-        unused = _unwritten(xp, np.float32)
+        unused = _constant(xp, np.float32, writable=True)  # the partials, not written with one split
         outputs, fourth = (out, lse, unused, unused, I64(0), I64(0)), out
     else:  # float32 partials per split, rows (b, h, i) as combine takes them
         out_parts = _empty(xp, (n,) + bhsd + (p.head_dim_v,), np.float32)
         lse_parts = _empty(xp, (n,) + bhsd, np.float32)
         fourth = out_parts[0] if p.layout == "bhsd" else out_parts[0].transpose(0, 2, 1, 3)
-        outputs = (_unwritten(xp, p.dtype), _unwritten(xp, np.float32), out_parts, lse_parts,
-                   I64(out_parts.strides[0] // 4), I64(lse_parts.strides[0] // 4))
+        outputs = (_constant(xp, p.dtype, writable=True), _constant(xp, np.float32, writable=True),  # out, lse: not written
+                   out_parts, lse_parts, I64(out_parts.strides[0] // 4), I64(lse_parts.strides[0] // 4))
     args = (q, k_cache, v_cache, table, I32(table.shape[1]), I32(kv.page_size), *outputs, I32(n),
             _vector_flags(k_cache, v_cache), *_common_args(p, q, k_view, v_view, fourth))
     _launch(target, tile.filename, tile.name_expression(p.dtype), (row_tiles * n, p.kv_heads, p.batch), args,

@@ -100,18 +100,20 @@ def _bhs_strides(problem: Problem, x) -> list:
     return [I64(s[0]), I64(s[1]), I64(s[2])] if problem.layout == "bhsd" else [I64(s[0]), I64(s[2]), I64(s[1])]
 
 
-def _constant(xp, dtype, length: int = 1, value: int = 0):
+def _constant(xp, dtype, length: int = 1, value: int = 0, *, writable: bool = False):
     """A read-only array of `length` entries of `value`: the arguments a launch takes but does not
     use (no mask, ALiBi, sinks or packing) and the lengths of an unpadded batch. Made once per
     device and kept (_constants), instead of an allocation and a fill kernel per argument and
-    launch (6 per forward launch on CuPy arrays); the kernels only read them (const pointers)."""
-    return _constants(xp, None if xp is np else xp.cuda.Device().id, np.dtype(dtype).str, length, value)
+    launch (6 per forward launch on CuPy arrays); the kernels only read them (const pointers).
+    With `writable`, an output argument the launch does not write (the emulator refuses a
+    read-only array behind a pointer the kernel may write through)."""
+    return _constants(xp, None if xp is np else xp.cuda.Device().id, np.dtype(dtype), length, value, writable)
 
 
 @functools.lru_cache(maxsize=256)
-def _constants(xp, device, dtype: str, length: int, value: int):
-    array = xp.full(length, value, dtype=np.dtype(dtype))
-    if xp is np:  # the emulator refuses it for a pointer the kernel may write through
+def _constants(xp, device, dtype: np.dtype, length: int, value: int, writable: bool):
+    array = xp.full(length, value, dtype=dtype)
+    if xp is np and not writable:
         array.flags.writeable = False
     return array
 

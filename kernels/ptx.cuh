@@ -623,27 +623,22 @@ __device__ __forceinline__ void tma_write(const TensorMap& map, const int (&coor
 #ifdef __CUDA_ARCH__
     const u32 src = shared_address(smem);
     const unsigned long long tensor = reinterpret_cast<unsigned long long>(&map);
-#define TMA_WRITE(OPCODE, N, COORDS, ...) \
-    asm volatile(OPCODE #N "d.global.shared::cta" SUFFIX " [%0, " COORDS "], [%1];\n" \
+// The instruction is OPCODE "<rank>d.global.shared::cta" MODE.
+#define TMA_WRITE(OPCODE, MODE, N, COORDS, ...) \
+    asm volatile(OPCODE #N "d.global.shared::cta" MODE " [%0, " COORDS "], [%1];\n" \
                  :: "l"(tensor), "r"(src), __VA_ARGS__ : "memory")
-#define TMA_WRITE_RANKS(OPCODE)                                                                                       \
-    if constexpr (kRank == 1) TMA_WRITE(OPCODE, 1, "{%2}", "r"(coords[0]));                                          \
-    else if constexpr (kRank == 2) TMA_WRITE(OPCODE, 2, "{%2, %3}", "r"(coords[0]), "r"(coords[1]));                 \
-    else if constexpr (kRank == 3) TMA_WRITE(OPCODE, 3, "{%2, %3, %4}", "r"(coords[0]), "r"(coords[1]), "r"(coords[2])); \
+#define TMA_WRITE_RANKS(OPCODE, MODE)                                                                                 \
+    if constexpr (kRank == 1) TMA_WRITE(OPCODE, MODE, 1, "{%2}", "r"(coords[0]));                                    \
+    else if constexpr (kRank == 2) TMA_WRITE(OPCODE, MODE, 2, "{%2, %3}", "r"(coords[0]), "r"(coords[1]));           \
+    else if constexpr (kRank == 3)                                                                                    \
+        TMA_WRITE(OPCODE, MODE, 3, "{%2, %3, %4}", "r"(coords[0]), "r"(coords[1]), "r"(coords[2]));                   \
     else if constexpr (kRank == 4)                                                                                    \
-        TMA_WRITE(OPCODE, 4, "{%2, %3, %4, %5}", "r"(coords[0]), "r"(coords[1]), "r"(coords[2]), "r"(coords[3]));      \
+        TMA_WRITE(OPCODE, MODE, 4, "{%2, %3, %4, %5}", "r"(coords[0]), "r"(coords[1]), "r"(coords[2]), "r"(coords[3])); \
     else                                                                                                              \
-        TMA_WRITE(OPCODE, 5, "{%2, %3, %4, %5, %6}", "r"(coords[0]), "r"(coords[1]), "r"(coords[2]), "r"(coords[3]),   \
-                  "r"(coords[4]))
-    if constexpr (kAdd) {
-#define SUFFIX ".add.tile.bulk_group"
-        TMA_WRITE_RANKS("cp.reduce.async.bulk.tensor.");
-#undef SUFFIX
-    } else {
-#define SUFFIX ".tile.bulk_group"
-        TMA_WRITE_RANKS("cp.async.bulk.tensor.");
-#undef SUFFIX
-    }
+        TMA_WRITE(OPCODE, MODE, 5, "{%2, %3, %4, %5, %6}", "r"(coords[0]), "r"(coords[1]), "r"(coords[2]),             \
+                  "r"(coords[3]), "r"(coords[4]))
+    if constexpr (kAdd) TMA_WRITE_RANKS("cp.reduce.async.bulk.tensor.", ".add.tile.bulk_group");
+    else TMA_WRITE_RANKS("cp.async.bulk.tensor.", ".tile.bulk_group");
 #undef TMA_WRITE_RANKS
 #undef TMA_WRITE
 #else

@@ -376,7 +376,7 @@ void tma_load(void* smem, const void* map, const int* coords, void* bar) {
     else tl_block->tma_loads.push_back(c);
 }
 
-static void tma_store_now(const TmaCopy& c) {
+static void tma_write_now(const TmaCopy& c) {
     const std::vector<unsigned char>& view = async_view();
     for_each_box_element(c, [&](unsigned at, unsigned char* dst) {
         if (!dst) return;
@@ -398,7 +398,7 @@ void tma_write(const void* map, const int* coords, const void* smem, bool add) {
                     c.map.element_bytes));
     c.add = add;
     if (copy_lands_at_issue()) {
-        tma_store_now(c);
+        tma_write_now(c);
         c.done = true;
     }
     tl_fiber->bulk_stores.push_back(c);
@@ -411,7 +411,7 @@ void bulk_wait(unsigned pending) {
     std::vector<TmaCopy> keep;
     for (const TmaCopy& c : f->bulk_stores) {
         if (!(c.group < f->bulk_groups_committed && f->bulk_groups_committed - c.group > pending)) keep.push_back(c);
-        else if (!c.done) tma_store_now(c);
+        else if (!c.done) tma_write_now(c);
     }
     f->bulk_stores.swap(keep);
 }
