@@ -51,10 +51,10 @@ EMULATOR_SMS = 3
 _COMPILE_ONLY = contextvars.ContextVar("cupy_attn_compile_only", default=None)
 
 _CAUSAL = {None: 0, "bottom_right": 1, "top_left": 2}
-# How the dK/dV kernels write dK and dV (the wgmma kernel's attn::DkdvOut; the mma.sync kernel
-# takes the first two as its dkdv_in_input_type): in the input type per query head (no GQA group),
-# float32 per query head (each group summed after), float32 per kv head that the group's heads add
-# to (the wgmma kernel's TMA reductions).
+# How the tensor-core dK/dV kernels write dK and dV (attn::DkdvOut, kernels/tc_backward.cuh): in
+# the input type per query head (no GQA group), float32 per query head (each group summed after),
+# float32 per kv head that the group's heads add to (reductions: the wgmma kernel's TMA ones, the
+# mma.sync kernel's red.global.add).
 DKDV_INPUT_TYPE, DKDV_FLOAT, DKDV_FLOAT_ADDED = 0, 1, 2
 # The fewest query rows a tile of the tensor-core forwards or dQ kernel holds: the grid's y axis
 # counts their tiles (_query_grid).
@@ -618,35 +618,34 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     # (FlashAttention's dQ postprocessing): a multiplication per dQ element once, instead of one
     # per element per key block in their hot loops (32 of the D = 64 mma.sync kernel's 673
     # instructions per tile on sm_90, NVRTC 13.5).
-    # dK, dV per query head: in the input type where each is one kv head's (no GQA group to sum),
-    # else in float32, each GQA group summed at the end (but for the wgmma kernel's reductions,
-    # below).
+    # dK, dV: in the input type per query head where each is one kv head's (no GQA group to sum).
+    # A GQA group's query heads add theirs to float32 per kv head (reductions into zeros), a buffer
+    # and a pass the group's size smaller than one per query head and the sum over it; except in
+    # deterministic mode, where the adds' order must not vary, and on the float32 CUDA-core kernel:
+    # there float32 per query head, each group summed at the end in a fixed order.
     rows_k = p.packing.total_k if p.packing is not None else sk
     dq_tile = None
     if deterministic:
         dq_tile = tile if isinstance(tile, _config.BackwardTile) else _config.tensor_core_dq_tile(p.head_dim, p.head_dim_v)
     dq_dtype = p.dtype if isinstance(dq_tile, _config.TensorCoreTile) else np.dtype(np.float32)
     dq = _per_head(p, rows_q, p.head_dim, zeroed=not deterministic, dtype=dq_dtype)
-    dkdv_dtype = p.dtype if p.groups == 1 else np.dtype(np.float32)
+    dkdv_out = DKDV_INPUT_TYPE if p.groups == 1 else \
+        DKDV_FLOAT if deterministic or isinstance(tile, _config.BackwardTile) else DKDV_FLOAT_ADDED
+    dkdv_dtype = p.dtype if dkdv_out == DKDV_INPUT_TYPE else np.dtype(np.float32)
+    added = dkdv_out == DKDV_FLOAT_ADDED
+    dkdv_heads = p.kv_heads if added else p.heads
     module = _module(p)
     vectorised = _vector_flags(q, k, v, dout)
-    per_query_head = DKDV_INPUT_TYPE if dkdv_dtype == p.dtype else DKDV_FLOAT
-    maps, dkdv_out = (), per_query_head
+    maps = ()
     if isinstance(tile, _config.HopperBackwardTile):
-        # dK and dV leave by TMA store, which needs rows a multiple of 16 bytes apart (views of
-        # wider rows; the caller gets contiguous copies). No query rows (dK = dV = 0) or nothing to
-        # launch: no map to build; the mma.sync kernel writes the zeros.
+        # dK and dV leave by TMA store (or reduction), which needs rows a multiple of 16 bytes apart
+        # (views of wider rows; the caller gets contiguous copies). No query rows (dK = dV = 0) or
+        # nothing to launch: no map to build; the mma.sync kernel writes the zeros.
         # In the caller's layout, which a map addresses as well as any other: where nothing is
-        # summed after (no GQA), a bshd call then gets them without a transposing copy of each.
-        # A GQA group's query heads add theirs to float32 per kv head (TMA reductions into zeros),
-        # a buffer and a pass the group's size smaller than one per query head and the sum over
-        # it; except in deterministic mode, where the adds' order must not vary (and for a packed
-        # batch, which TMA cannot address).
-        if p.groups > 1 and not deterministic and p.packing is None:
-            dkdv_out = DKDV_FLOAT_ADDED
-        width, added = 16 // dkdv_dtype.itemsize, dkdv_out == DKDV_FLOAT_ADDED
+        # summed after, a bshd call then gets them without a transposing copy of each.
+        width = 16 // dkdv_dtype.itemsize
         dk, dv = (_per_head(p, rows_k, -(-dims // width) * width, zeroed=added, dtype=dkdv_dtype,
-                            callers_layout=dkdv_out != DKDV_FLOAT, heads=p.kv_heads if added else p.heads)[..., :dims]
+                            callers_layout=dkdv_out != DKDV_FLOAT, heads=dkdv_heads)[..., :dims]
                   for dims in (p.head_dim, p.head_dim_v))
         maps, why_not = (tensor_maps(p, tile, target, q=q, k=k, v=v, dout=dout, dk=dk, dv=dv)
                          if 0 not in (sq, sk, h, b) else (None, ""))
@@ -654,10 +653,10 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
             if why_not:
                 _say_once(f"the wgmma backward needs TMA, which cannot address this call's operands ({why_not}): "
                           "the mma.sync backward runs instead")
-            tile, dkdv_out = _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, 80, limit), per_query_head
+            tile = _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, 80, limit)
     if not maps:
-        dk = _per_head(p, rows_k, p.head_dim, dtype=dkdv_dtype)
-        dv = _per_head(p, rows_k, p.head_dim_v, dtype=dkdv_dtype)
+        dk, dv = (_per_head(p, rows_k, dims, zeroed=added, dtype=dkdv_dtype, heads=dkdv_heads)
+                  for dims in (p.head_dim, p.head_dim_v))
     common = _common_args(p, q, k, v, dout, (tile.block_m, tile.block_n))
     # The tensor-core dK/dV kernels up to D = 128 start their blocks in the order _key_grid shapes;
     # the others keep the grid (key tiles, heads, batch entries) (kernels/block_info.cuh).
@@ -671,7 +670,7 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
                 (lse, delta, dq, I32(dkdv_out), *maps, *common), tile.shared_bytes, threads=tile.threads, **module)
     else:  # mma.sync
         _launch(target, tile.filename, tile.name_expression(p.dtype), dkdv_grid,
-                (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), I32(dkdv_out == DKDV_INPUT_TYPE),
+                (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), I32(dkdv_out),
                  vectorised, *common),
                 tile.shared_bytes, threads=tile.threads, **module)
     if deterministic:
@@ -685,8 +684,8 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
                     (q, k, v, dout, lse, delta, dq, vectorised, *common), dq_tile.dq_shared_bytes, **module)
     dq_unscaled = not deterministic and not isinstance(tile, _config.BackwardTile)
     grads = (_from_per_head(p, dq, p.dtype, scale=p.scale if dq_unscaled else None),
-             _from_per_head(p, dk, p.dtype, sum_groups=dkdv_out != DKDV_FLOAT_ADDED),
-             _from_per_head(p, dv, p.dtype, sum_groups=dkdv_out != DKDV_FLOAT_ADDED))
+             _from_per_head(p, dk, p.dtype, sum_groups=dkdv_out == DKDV_FLOAT),
+             _from_per_head(p, dv, p.dtype, sum_groups=dkdv_out == DKDV_FLOAT))
     if p.sinks is None:
         return grads
     return grads + (_numpy_backend.sink_gradient(xp, p.sinks.astype(np.float32), lse, delta),)

@@ -57,7 +57,7 @@ struct DkdvTcLayout {
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const T* k, const T* v, const T* dout,
                                               const float* lse, const float* delta, float* dq_accum, void* dk_out,
-                                              void* dv_out, int accumulate_dq, int dkdv_in_input_type, int vectorised,
+                                              void* dv_out, int accumulate_dq, DkdvOut dkdv_out, int vectorised,
                                               const long long (&strides)[12]) {
     using Layout = DkdvTcLayout<T, kHeadDim, kBlockM, kBlockN, kStages>;
     constexpr int kStride = Layout::kStride, kSStride = Layout::kSStride;
@@ -218,9 +218,10 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
         b_out.bidh = static_cast<int>(ptx::opaque(static_cast<unsigned long long>(b.bidh)));
         b_out.bidb = static_cast<int>(ptx::opaque(static_cast<unsigned long long>(b.bidb)));
     }
-    if (dkdv_in_input_type)
+    if (dkdv_out == kDkdvInputType)
         store_dkdv(p, b_out, static_cast<T*>(dk_out), static_cast<T*>(dv_out), dk, dv, n0, key0, dim0, g, t);
-    else store_dkdv(p, b_out, static_cast<float*>(dk_out), static_cast<float*>(dv_out), dk, dv, n0, key0, dim0, g, t);
+    else store_dkdv(p, b_out, static_cast<float*>(dk_out), static_cast<float*>(dv_out), dk, dv, n0, key0, dim0, g, t,
+                    dkdv_out == kDkdvFloatAdded);
 }
 
 template <class T, int kHeadDim, int kBlockN, int kBlockM>
@@ -358,17 +359,19 @@ attention_bwd_dq_tc(const T* q, const T* k, const T* v, const T* dout, const flo
 // shared memory (DkdvTcLayout): K, V (kBlockN rows)
 // of kHeadDim + 8 16-bit elements, dS (kBlockM x (kBlockN + 8), 16-bit), kStages x (Q, dO (kBlockM
 // rows of kHeadDim + 8), lse and delta (kBlockM floats each)), and with kBlockN < 64 the warps'
-// partial sums of Sᵀ and dPᵀ (4 x 2 x kBlockM x 16 floats). dk_out, dv_out: per query head, float32
-// or, with dkdv_in_input_type (no GQA group to sum), T. With accumulate_dq, dS·K (without the
-// scale) is added to dq_accum (float32, per query head, zeroed). vectorised: bits 0-3 for q, k, v,
-// dout rows copyable in 16-byte chunks. minBlocksPerSM = 1 lets ptxas use up to 255 registers: dK
+// partial sums of Sᵀ and dPᵀ (4 x 2 x kBlockM x 16 floats). dk_out, dv_out as dkdv_out
+// (attn::DkdvOut) says: T or float32 per query head, or float32 per kv head, zeroed, to add to
+// ((B, Hkv, Sk, D), or (Hkv, total_k, D) packed). With accumulate_dq, dS·K (without the scale) is
+// added to dq_accum (float32, per query head, zeroed). vectorised: bits 0-3 for q, k, v, dout rows
+// copyable in 16-byte chunks. minBlocksPerSM = 1 lets ptxas use up to 255 registers: dK
 // and dV stay in registers, unspilled.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 __global__ void __launch_bounds__(attn::DkdvTcLayout<T, kHeadDim, kBlockM, kBlockN, kStages>::kBlockThreads, 1)
 attention_bwd_dkdv_tc(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,
-                      float* dq_accum, void* dk_out, void* dv_out, int accumulate_dq, int dkdv_in_input_type,
+                      float* dq_accum, void* dk_out, void* dv_out, int accumulate_dq, int dkdv_out,
                       int vectorised, ATTN_PARAMS) {
     ATTN_UNPACK_PARAMS;
     attn::dkdv_tc_block<T, kHeadDim, kBlockM, kBlockN, kStages>(p, q, k, v, dout, lse, delta, dq_accum, dk_out, dv_out,
-                                                                accumulate_dq, dkdv_in_input_type, vectorised, strides);
+                                                                accumulate_dq, static_cast<attn::DkdvOut>(dkdv_out),
+                                                                vectorised, strides);
 }

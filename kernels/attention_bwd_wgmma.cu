@@ -80,15 +80,6 @@ struct BackwardMaps {
     const ptx::TensorMap &q, &k, &v, &dout, &dk, &dv;
 };
 
-// How a block's dK and dV leave it, through the dk and dv maps (the launcher's choice by dtype,
-// GQA and deterministic mode).
-enum DkdvOut : int {
-    kDkdvInputType = 0,   // T, per query head: each is its kv head's (no GQA group to sum)
-    kDkdvFloat = 1,       // float32 per query head, each GQA group summed after, in a fixed order
-    kDkdvFloatAdded = 2,  // float32 per kv head, which every query head of its group adds to (TMA
-                          // reductions into zeros: an order of the adds not fixed)
-};
-
 // kAccumulateDq: dQ by reductions here (else the deterministic dQ kernel computes it), a
 // compile-time switch so that neither loop tests it per score.
 template <class T, int kHeadDim, int kBlockM, bool kAccumulateDq>

@@ -12,6 +12,15 @@
 
 namespace attn {
 
+// How a dK/dV kernel writes a block's dK and dV (the launcher's choice by dtype, GQA and
+// deterministic mode).
+enum DkdvOut : int {
+    kDkdvInputType = 0,   // T, per query head: each is its kv head's (no GQA group to sum)
+    kDkdvFloat = 1,       // float32 per query head, each GQA group summed after, in a fixed order
+    kDkdvFloatAdded = 2,  // float32 per kv head, which every query head of its group adds to
+                          // (reductions into zeros: an order of the adds not fixed)
+};
+
 // Calls element(j, e, prob, qk, i, key, row_delta, z) for each score of Sᵀ (st[j][e] = q·k of
 // query row i and key `key`) of query tile m0 and key tile n0, prob its probability (before
 // dropout) and z its dropout factor (1 / (1 − p) where kept, else 0; 1 without dropout).
@@ -264,15 +273,42 @@ __device__ __forceinline__ void store_pair(Out* dst, int col, int dims, float lo
     }
 }
 
-// Write this warp's rows of dK (times scale) and dV as Out: float32 (per query head, for a GQA
-// group's sum after) or the input type (a call without GQA: no conversion pass after). Keys n0 +
-// key0 + (g, g + 8), dims dim0 + 8d + 2t (+1), by pairs (store_pair). Every key row inside the
-// sequence is written, those no query could see included (as 0).
+// A pair of adjacent elements (columns col, col + 1 of a row of `dims`, lo and hi) added to dst in
+// float32: one 8-byte reduction where both columns exist and rows have an even number of them
+// (pair-aligned), else an atomic add per element within the row.
+__device__ __forceinline__ void add_pair(float* dst, int col, int dims, float lo, float hi) {
+    if (col + 1 < dims && dims % 2 == 0) {
+        ptx::red_add_pair(dst, lo, hi, true);
+        return;
+    }
+    if (col < dims) {
+        ATTN_COUNT_GLOBAL(dst, 4);
+        atomicAdd(dst, lo);
+    }
+    if (col + 1 < dims) {
+        ATTN_COUNT_GLOBAL(dst + 1, 4);
+        atomicAdd(dst + 1, hi);
+    }
+}
+
+// Write this warp's rows of dK (times scale) and dV as Out (float32 or the input type) per query
+// head, or with `add` add them (float32) to their kv head's (DkdvOut). Keys n0 + key0 + (g, g + 8),
+// dims dim0 + 8d + 2t (+1), by pairs (store_pair, add_pair). Every key row inside the sequence is
+// written, those no query could see included (as 0).
 template <class Out, int kDTiles>
 __device__ __forceinline__ void store_dkdv(const Params& p, const BlockInfo& b, Out* dk_out, Out* dv_out,
                                            const float (&dk)[kDTiles][4], const float (&dv)[kDTiles][4], int n0,
-                                           int key0, int dim0, int g, int t) {
-    const long long key_rows = b.key_stats(p) + n0;
+                                           int key0, int dim0, int g, int t, bool add = false) {
+    const long long key_rows = b.key_stats(p, add) + n0;
+    auto write = [&](Out* dst, int col, int dims, float lo, float hi) {
+        if constexpr (sizeof(Out) == 4) {
+            if (add) {
+                add_pair(dst, col, dims, lo, hi);
+                return;
+            }
+        }
+        store_pair(dst, col, dims, lo, hi);
+    };
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int key = key0 + g + 8 * r;
@@ -280,9 +316,9 @@ __device__ __forceinline__ void store_dkdv(const Params& p, const BlockInfo& b, 
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
             const int col = dim0 + d * 8 + 2 * t;
-            store_pair(dk_out + (key_rows + key) * p.head_dim + col, col, p.head_dim, dk[d][2 * r] * p.scale,
-                       dk[d][2 * r + 1] * p.scale);
-            store_pair(dv_out + (key_rows + key) * p.head_dim_v + col, col, p.head_dim_v, dv[d][2 * r], dv[d][2 * r + 1]);
+            write(dk_out + (key_rows + key) * p.head_dim + col, col, p.head_dim, dk[d][2 * r] * p.scale,
+                  dk[d][2 * r + 1] * p.scale);
+            write(dv_out + (key_rows + key) * p.head_dim_v + col, col, p.head_dim_v, dv[d][2 * r], dv[d][2 * r + 1]);
         }
     }
 }

@@ -294,9 +294,9 @@ def test_gradients_are_written_in_the_input_type_where_nothing_is_summed_after(m
     the input type, and a bhsd call gets back the very arrays they wrote (no conversion pass;
     except rows of the wgmma kernel that are not a multiple of 16 bytes, which it pads), and so
     does a bshd call of the wgmma kernel, whose TMA stores write the caller's layout. With GQA
-    they write float32, which is summed over each group and then converted; except the wgmma
-    kernel outside deterministic mode, whose group's heads add theirs to float32 per kv head. dQ:
-    float32 summed by atomics, or in the input type from the deterministic dQ kernel."""
+    they write float32: a group's heads add theirs to one per kv head, or in deterministic mode
+    each writes its own, summed over each group after; then converted. dQ: float32 summed by
+    atomics, or in the input type from the deterministic dQ kernel."""
     buffers = []  # (dq, dk or dv as the kernels wrote it, as returned)
     real = _kernel_backend._from_per_head
     monkeypatch.setattr(_kernel_backend, "_from_per_head", lambda p, x, dtype, **kw: buffers.append(
@@ -312,7 +312,7 @@ def test_gradients_are_written_in_the_input_type_where_nothing_is_summed_after(m
     wgmma = tensor_core_kernel == 90 and max(d, dv) <= 128  # D = 256: the mma.sync dK/dV
     for (written, returned), dims in ((dk_buffers, d), (dv_buffers, dv)):
         assert written.dtype == (np.float16 if hkv == 3 else np.float32)
-        assert written.shape[1] == (hkv if wgmma and not deterministic else 3)
+        assert written.shape[1] == (3 if deterministic else hkv)
         unpadded = tensor_core_kernel == 80 or dims % 8 == 0
         in_callers_layout = layout == "bhsd" or wgmma
         assert np.shares_memory(written, returned) == (hkv == 3 and in_callers_layout and unpadded)
