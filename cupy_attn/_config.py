@@ -407,6 +407,14 @@ class TensorCoreBackwardTile:
         arithmetic made the D = 256 build spill 36 bytes on sm_90 (NVRTC 13.5)."""
         return self.head_dim <= 128
 
+    @property
+    def adds_kv_heads(self) -> bool:
+        """Whether a GQA group's query heads add their dK, dV to float32 per kv head outside
+        deterministic mode (kernels/attention_bwd_tc.cu decides the same from kHeadDim): up to D =
+        128. At D = 256 choosing the kv head's rows made the build spill 12-28 bytes on sm_90
+        (NVRTC 13.5); there each query head's is written in float32 and each group summed after."""
+        return self.head_dim <= 128
+
     def name_expression(self, dtype) -> str:
         return (f"attention_bwd_dkdv_tc<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_m}, {self.block_n}, "
                 f"{self.stages}>")

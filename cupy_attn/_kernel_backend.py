@@ -539,16 +539,28 @@ def _per_head(problem: Problem, rows: int, dims: int, zeroed: bool = False, dtyp
     """A buffer of one row per (query head, row): (B, H, rows, dims), or (H, total rows, dims) for
     a packed batch (kernels/block_info.cuh, HeadView.stats and .key_stats); float32 unless told;
     `heads` of them (the query heads unless told). With callers_layout, a bshd call's buffer is a
-    (B, H, rows, dims) view of (B, rows, H, dims) storage, which _from_per_head hands back (or
-    converts) without a transposing copy (for kernels that write through strides: the TMA
-    store's maps)."""
+    (B, H, rows, dims) view of (B, rows, H, dims) storage, and a packed batch's an (H, rows, dims)
+    view of (rows, H, dims) storage, which _from_per_head hands back (or converts) without a
+    transposing copy (for kernels that write through strides: _gradient_rows, the TMA store's
+    maps)."""
     p, xp = problem, problem.xp
     heads = p.heads if heads is None else heads
-    bshd = callers_layout and p.packing is None and p.layout == "bshd"
-    shape = (heads, rows, dims) if p.packing is not None else (p.batch, rows, heads, dims) if bshd else \
-        (p.batch, heads, rows, dims)
+    if p.packing is not None:
+        shape, order = ((rows, heads, dims), (1, 0, 2)) if callers_layout else ((heads, rows, dims), (0, 1, 2))
+    else:
+        bshd = callers_layout and p.layout == "bshd"
+        shape, order = ((p.batch, rows, heads, dims), (0, 2, 1, 3)) if bshd else ((p.batch, heads, rows, dims),
+                                                                                 (0, 1, 2, 3))
     buffer = xp.zeros(shape, dtype) if zeroed else _empty(xp, shape, dtype)
-    return buffer.transpose(0, 2, 1, 3) if bshd else buffer
+    return buffer.transpose(order)
+
+
+def _gradient_rows(problem: Problem, view) -> list:
+    """A `_per_head` view's (batch, head, row) strides in elements, as the tensor-core backward
+    kernels take them (kernels/tc_backward.cuh, GradientRows): a packed batch's row stride as its
+    batch stride, which the kernels multiply by a sequence's first row."""
+    s = [st // view.itemsize for st in view.strides]
+    return [I64(s[1]), I64(s[0]), I64(s[1])] if problem.packing is not None else [I64(x) for x in s[:3]]
 
 
 def _from_per_head(problem: Problem, x, dtype, *, sum_groups: bool = False, scale: float | None = None):
@@ -621,16 +633,21 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     # dK, dV: in the input type per query head where each is one kv head's (no GQA group to sum).
     # A GQA group's query heads add theirs to float32 per kv head (reductions into zeros), a buffer
     # and a pass the group's size smaller than one per query head and the sum over it; except in
-    # deterministic mode, where the adds' order must not vary, and on the float32 CUDA-core kernel:
-    # there float32 per query head, each group summed at the end in a fixed order.
+    # deterministic mode, where the adds' order must not vary, on the mma.sync kernel at D = 256
+    # (TensorCoreBackwardTile.adds_kv_heads) and on the CUDA-core kernel: there float32 per query
+    # head, each group summed at the end in a fixed order.
     rows_k = p.packing.total_k if p.packing is not None else sk
     dq_tile = None
     if deterministic:
         dq_tile = tile if isinstance(tile, _config.BackwardTile) else _config.tensor_core_dq_tile(p.head_dim, p.head_dim_v)
     dq_dtype = p.dtype if isinstance(dq_tile, _config.TensorCoreTile) else np.dtype(np.float32)
-    dq = _per_head(p, rows_q, p.head_dim, zeroed=not deterministic, dtype=dq_dtype)
-    dkdv_out = DKDV_INPUT_TYPE if p.groups == 1 else \
-        DKDV_FLOAT if deterministic or isinstance(tile, _config.BackwardTile) else DKDV_FLOAT_ADDED
+    # The tensor-core dQ kernel writes through strides (GradientRows): in the caller's layout, so
+    # that a bshd or packed call gets dq without a transposing copy.
+    dq = _per_head(p, rows_q, p.head_dim, zeroed=not deterministic, dtype=dq_dtype,
+                   callers_layout=isinstance(dq_tile, _config.TensorCoreTile))
+    adds = isinstance(tile, _config.HopperBackwardTile) or \
+        (isinstance(tile, _config.TensorCoreBackwardTile) and tile.adds_kv_heads)
+    dkdv_out = DKDV_INPUT_TYPE if p.groups == 1 else DKDV_FLOAT_ADDED if adds and not deterministic else DKDV_FLOAT
     dkdv_dtype = p.dtype if dkdv_out == DKDV_INPUT_TYPE else np.dtype(np.float32)
     added = dkdv_out == DKDV_FLOAT_ADDED
     dkdv_heads = p.kv_heads if added else p.heads
@@ -655,7 +672,11 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
                           "the mma.sync backward runs instead")
             tile = _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, 80, limit)
     if not maps:
-        dk, dv = (_per_head(p, rows_k, dims, zeroed=added, dtype=dkdv_dtype, heads=dkdv_heads)
+        # The mma.sync dK/dV writes through strides (GradientRows) too, so in the caller's layout
+        # where nothing is summed after; the CUDA-core kernel per head.
+        callers_layout = dkdv_out != DKDV_FLOAT and not isinstance(tile, _config.BackwardTile)
+        dk, dv = (_per_head(p, rows_k, dims, zeroed=added, dtype=dkdv_dtype, callers_layout=callers_layout,
+                            heads=dkdv_heads)
                   for dims in (p.head_dim, p.head_dim_v))
     common = _common_args(p, q, k, v, dout, (tile.block_m, tile.block_n))
     # The tensor-core dK/dV kernels up to D = 128 start their blocks in the order _key_grid shapes;
@@ -670,8 +691,8 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
                 (lse, delta, dq, I32(dkdv_out), *maps, *common), tile.shared_bytes, threads=tile.threads, **module)
     else:  # mma.sync
         _launch(target, tile.filename, tile.name_expression(p.dtype), dkdv_grid,
-                (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), I32(dkdv_out),
-                 vectorised, *common),
+                (q, k, v, dout, lse, delta, dq, dk, dv, *_gradient_rows(p, dk), *_gradient_rows(p, dv),
+                 I32(not deterministic), I32(dkdv_out), vectorised, *common),
                 tile.shared_bytes, threads=tile.threads, **module)
     if deterministic:
         if isinstance(dq_tile, _config.BackwardTile):  # fp32, and fp16/bf16 head dims above 256: CUDA cores
@@ -681,7 +702,8 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
         else:
             common = _common_args(p, q, k, v, dout, (dq_tile.dq_block_m, dq_tile.dq_block_n))
             _launch(target, "attention_bwd_tc.cu", dq_tile.dq_name(p.dtype), _query_grid(p, target, dq_tile.dq_block_m),
-                    (q, k, v, dout, lse, delta, dq, vectorised, *common), dq_tile.dq_shared_bytes, **module)
+                    (q, k, v, dout, lse, delta, dq, *_gradient_rows(p, dq), vectorised, *common),
+                    dq_tile.dq_shared_bytes, **module)
     dq_unscaled = not deterministic and not isinstance(tile, _config.BackwardTile)
     grads = (_from_per_head(p, dq, p.dtype, scale=p.scale if dq_unscaled else None),
              _from_per_head(p, dk, p.dtype, sum_groups=dkdv_out == DKDV_FLOAT),

@@ -57,7 +57,8 @@ struct DkdvTcLayout {
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const T* k, const T* v, const T* dout,
                                               const float* lse, const float* delta, float* dq_accum, void* dk_out,
-                                              void* dv_out, int accumulate_dq, DkdvOut dkdv_out, int vectorised,
+                                              void* dv_out, const GradientRows& dk_rows, const GradientRows& dv_rows,
+                                              int accumulate_dq, DkdvOut dkdv_out, int vectorised,
                                               const long long (&strides)[12]) {
     using Layout = DkdvTcLayout<T, kHeadDim, kBlockM, kBlockN, kStages>;
     constexpr int kStride = Layout::kStride, kSStride = Layout::kSStride;
@@ -209,24 +210,32 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
         }
     }
 
-    // With 8 warps, the rows of dK and dV from an entry and head the compiler cannot take from
-    // before the loop: with 128 keys at D = 128 it held (bidb·H + bidh) across the loop for them,
-    // and spilled it (12 bytes on sm_80, NVRTC 13.5). (Not with 4: the 64-key D = 128 build with
-    // softcap, ALiBi and a float mask then takes 9 instructions more per tile.)
+    // The head whose rows of dK and dV this block writes: its own, or its kv head's that a GQA
+    // group adds to (DkdvOut; up to D = 128, as the launcher's TensorCoreBackwardTile.adds_kv_heads
+    // says: at D = 256 the choice made the build spill 12-28 bytes on sm_90, NVRTC 13.5). With 8
+    // warps, the rows from an entry and head the compiler cannot take from before the loop: with
+    // 128 keys at D = 128 it held (bidb·H + bidh) across the loop for them, and spilled it (12
+    // bytes on sm_80), and the kv head held made a packed 128-key D = 64 build with softcap, ALiBi
+    // and a mask spill 12 bytes. (Not with 4: the 64-key D = 128 build with softcap, ALiBi and a
+    // float mask then takes 9 instructions more per tile.)
+    const bool add = kHeadDim <= 128 && dkdv_out == kDkdvFloatAdded;
     BlockInfo b_out = b;
     if constexpr (Layout::kWarps > 4) {
         b_out.bidh = static_cast<int>(ptx::opaque(static_cast<unsigned long long>(b.bidh)));
         b_out.bidb = static_cast<int>(ptx::opaque(static_cast<unsigned long long>(b.bidb)));
     }
+    const int out_head = add ? b_out.bidh / p.kv_group : b_out.bidh;
     if (dkdv_out == kDkdvInputType)
-        store_dkdv(p, b_out, static_cast<T*>(dk_out), static_cast<T*>(dv_out), dk, dv, n0, key0, dim0, g, t);
-    else store_dkdv(p, b_out, static_cast<float*>(dk_out), static_cast<float*>(dv_out), dk, dv, n0, key0, dim0, g, t,
-                    dkdv_out == kDkdvFloatAdded);
+        store_dkdv(p, b_out, static_cast<T*>(dk_out), static_cast<T*>(dv_out), dk_rows, dv_rows, out_head, dk, dv, n0,
+                   key0, dim0, g, t);
+    else store_dkdv(p, b_out, static_cast<float*>(dk_out), static_cast<float*>(dv_out), dk_rows, dv_rows, out_head, dk,
+                    dv, n0, key0, dim0, g, t, add);
 }
 
 template <class T, int kHeadDim, int kBlockN, int kBlockM>
 __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T* k, const T* v, const T* dout,
-                                            const float* lse, const float* delta, T* dq_out, int vectorised,
+                                            const float* lse, const float* delta, T* dq_out,
+                                            const GradientRows& dq_rows, int vectorised,
                                             const long long (&strides)[12]) {
     static_assert(kBlockM == 64 || kBlockM == 128, "one or two row tiles of 16 rows per warp");
     constexpr int kStride = TcLayout<kHeadDim>::kStride;
@@ -323,20 +332,19 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
         mma_registers_by_rows<T, kStride, kBlockN / 16>(dq, s, sK, lane);
     }
 
-    // Every row inside the sequence is written, rows that attended nothing included (as 0), by
-    // pairs (store_pair). (b.stats(p), not at.stats: recomputed rather than held across the
-    // loop; see attention_bwd.cu.)
+    // Every row inside the sequence is written at dq_rows, rows that attended nothing included
+    // (as 0), by pairs (store_pair).
 #pragma unroll
     for (int m = 0; m < kRowTiles; ++m)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int i = m0 + 64 * m + warp * 16 + g + 8 * r;
             if (i >= b.q_rows(p)) continue;
+            T* row = dq_out + dq_rows.at(b.q_origin(p), b.bidh, i);
 #pragma unroll
             for (int d = 0; d < kDTiles; ++d) {
                 const int col = d * 8 + 2 * t;
-                store_pair(dq_out + (b.stats(p) + i) * p.head_dim + col, col, p.head_dim, dq[m][d][2 * r] * p.scale,
-                           dq[m][d][2 * r + 1] * p.scale);
+                store_pair(row + col, col, p.head_dim, dq[m][d][2 * r] * p.scale, dq[m][d][2 * r + 1] * p.scale);
             }
         }
 }
@@ -345,13 +353,15 @@ __device__ __forceinline__ void dq_tc_block(const Params& p, const T* q, const T
 
 // grid (pairs per section, ceil(Sq / kBlockM), sections) (query_block_place), block 128, dynamic
 // shared memory: Q, dO (kBlockM rows) and K, V (kBlockN rows) of kHeadDim + 8 16-bit elements, lse
-// and delta (kBlockM floats each).
+// and delta (kBlockM floats each). dq: T, its rows where dq_batch, dq_head and dq_row say
+// (attn::GradientRows: the caller's layout).
 template <class T, int kHeadDim, int kBlockN, int kBlockM>
 __global__ void __launch_bounds__(attn::kThreads, 1)
 attention_bwd_dq_tc(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,
-                    T* dq, int vectorised, ATTN_PARAMS) {
+                    T* dq, ATTN_GRADIENT_ROWS_PARAMS(dq), int vectorised, ATTN_PARAMS) {
     ATTN_UNPACK_PARAMS;
-    attn::dq_tc_block<T, kHeadDim, kBlockN, kBlockM>(p, q, k, v, dout, lse, delta, dq, vectorised, strides);
+    attn::dq_tc_block<T, kHeadDim, kBlockN, kBlockM>(p, q, k, v, dout, lse, delta, dq, ATTN_GRADIENT_ROWS(dq),
+                                                     vectorised, strides);
 }
 
 // grid (pairs per section, ceil(Sk / kBlockN), sections) (key_block_place) up to D = 128, else
@@ -360,18 +370,19 @@ attention_bwd_dq_tc(const T* q, const T* k, const T* v, const T* dout, const flo
 // of kHeadDim + 8 16-bit elements, dS (kBlockM x (kBlockN + 8), 16-bit), kStages x (Q, dO (kBlockM
 // rows of kHeadDim + 8), lse and delta (kBlockM floats each)), and with kBlockN < 64 the warps'
 // partial sums of Sᵀ and dPᵀ (4 x 2 x kBlockM x 16 floats). dk_out, dv_out as dkdv_out
-// (attn::DkdvOut) says: T or float32 per query head, or float32 per kv head, zeroed, to add to
-// ((B, Hkv, Sk, D), or (Hkv, total_k, D) packed). With accumulate_dq, dS·K (without the scale) is
-// added to dq_accum (float32, per query head, zeroed). vectorised: bits 0-3 for q, k, v, dout rows
-// copyable in 16-byte chunks. minBlocksPerSM = 1 lets ptxas use up to 255 registers: dK
-// and dV stay in registers, unspilled.
+// (attn::DkdvOut) says: T or float32 per query head, or float32 per kv head, zeroed, to add to;
+// their rows where dk_* and dv_* say (attn::GradientRows). With accumulate_dq, dS·K (without the
+// scale) is added to dq_accum (float32, per query head, zeroed). vectorised: bits 0-3 for q, k,
+// v, dout rows copyable in 16-byte chunks. minBlocksPerSM = 1 lets ptxas use up to 255
+// registers: dK and dV stay in registers, unspilled.
 template <class T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 __global__ void __launch_bounds__(attn::DkdvTcLayout<T, kHeadDim, kBlockM, kBlockN, kStages>::kBlockThreads, 1)
 attention_bwd_dkdv_tc(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,
-                      float* dq_accum, void* dk_out, void* dv_out, int accumulate_dq, int dkdv_out,
-                      int vectorised, ATTN_PARAMS) {
+                      float* dq_accum, void* dk_out, void* dv_out, ATTN_GRADIENT_ROWS_PARAMS(dk),
+                      ATTN_GRADIENT_ROWS_PARAMS(dv), int accumulate_dq, int dkdv_out, int vectorised, ATTN_PARAMS) {
     ATTN_UNPACK_PARAMS;
     attn::dkdv_tc_block<T, kHeadDim, kBlockM, kBlockN, kStages>(p, q, k, v, dout, lse, delta, dq_accum, dk_out, dv_out,
+                                                                ATTN_GRADIENT_ROWS(dk), ATTN_GRADIENT_ROWS(dv),
                                                                 accumulate_dq, static_cast<attn::DkdvOut>(dkdv_out),
                                                                 vectorised, strides);
 }

@@ -283,15 +283,10 @@ struct BlockInfo {
     __device__ __forceinline__ int kv_rows(const Params& p) const { return kPacked ? kv_len : p.seq_k; }
 
     // First row of this (entry, head) in the per-query-head dK, dV: (B, H, Sk) padded, (H,
-    // total_k) packed; or with per_kv_head, of its kv head's in dK, dV per kv head (B, Hkv, Sk) or
-    // (Hkv, total_k), to which a GQA group's query heads add theirs.
-    __device__ __forceinline__ long long key_stats(const Params& p, bool per_kv_head = false) const {
-        if (kPacked) return static_cast<long long>(per_kv_head ? bidh_kv : bidh) * p.total_k + kv_origin(p);
-        // bidb·Hkv + bidh_kv = (bidb·H + bidh) / kv_group, H being a multiple of kv_group: one
-        // division (the two terms each divided took registers enough to make the D = 256 mma.sync
-        // dK/dV spill 12 bytes on sm_90, NVRTC 13.5); B·H < 2^31 (the launcher checks).
-        const unsigned head_row = static_cast<unsigned>(bidb) * p.heads + bidh;
-        return static_cast<long long>(per_kv_head ? head_row / p.kv_group : head_row) * p.seq_k;
+    // total_k) packed.
+    __device__ __forceinline__ long long key_stats(const Params& p) const {
+        return kPacked ? static_cast<long long>(bidh) * p.total_k + kv_origin(p)
+                       : (static_cast<long long>(bidb) * p.heads + bidh) * p.seq_k;
     }
 
     // The keys row i attends: inside the lengths (none for a row past q_len), the causal diagonal

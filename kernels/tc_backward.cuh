@@ -255,6 +255,24 @@ __device__ __forceinline__ void add_dq_fragments(const Params& p, const DqTile& 
 // A pair of adjacent elements (columns col, col + 1 of a row of `dims`, lo and hi) to dst as Out:
 // one 8-byte (float32) or 4-byte (16-bit) store where both columns exist and rows have an even
 // number of them (pair-aligned), else element by element within the row.
+// Where a tensor-core backward kernel writes rows of a gradient (dQ, dK or dV): element strides of
+// its batch entries, heads and rows, which the launcher takes from the array it made (in the
+// caller's layout, or per head). A packed batch passes its row stride as the batch stride,
+// multiplied by a sequence's first row, as HeadView's strides are. The launcher's arrays are
+// contiguous, so every stride is a multiple of the row's length: pairs of an even-length row are
+// aligned (store_pair, add_pair).
+struct GradientRows {
+    long long batch, head, row;
+
+    __device__ __forceinline__ long long at(int origin, int head_index, int row_index) const {
+        return origin * batch + head_index * head + row_index * row;
+    }
+};
+
+// A GradientRows as a kernel's parameters (name_batch, name_head, name_row), and back.
+#define ATTN_GRADIENT_ROWS_PARAMS(name) long long name##_batch, long long name##_head, long long name##_row
+#define ATTN_GRADIENT_ROWS(name) attn::GradientRows{name##_batch, name##_head, name##_row}
+
 template <class Out>
 __device__ __forceinline__ void store_pair(Out* dst, int col, int dims, float lo, float hi) {
     if (col + 1 < dims && dims % 2 == 0) {
@@ -291,15 +309,17 @@ __device__ __forceinline__ void add_pair(float* dst, int col, int dims, float lo
     }
 }
 
-// Write this warp's rows of dK (times scale) and dV as Out (float32 or the input type) per query
-// head, or with `add` add them (float32) to their kv head's (DkdvOut). Keys n0 + key0 + (g, g + 8),
-// dims dim0 + 8d + 2t (+1), by pairs (store_pair, add_pair). Every key row inside the sequence is
-// written, those no query could see included (as 0).
+// Write this warp's rows of dK (times scale) and dV as Out (float32 or the input type), or with
+// `add` add them (float32: DkdvOut), at head `head` of dk_rows and dv_rows (the query head's, or
+// its kv head's). Keys n0 + key0 + (g, g + 8), dims dim0 + 8d + 2t (+1), by pairs (store_pair,
+// add_pair). Every key row inside the sequence is written, those no query could see included
+// (as 0).
 template <class Out, int kDTiles>
 __device__ __forceinline__ void store_dkdv(const Params& p, const BlockInfo& b, Out* dk_out, Out* dv_out,
+                                           const GradientRows& dk_rows, const GradientRows& dv_rows, int head,
                                            const float (&dk)[kDTiles][4], const float (&dv)[kDTiles][4], int n0,
                                            int key0, int dim0, int g, int t, bool add = false) {
-    const long long key_rows = b.key_stats(p, add) + n0;
+    const int origin = b.kv_origin(p);
     auto write = [&](Out* dst, int col, int dims, float lo, float hi) {
         if constexpr (sizeof(Out) == 4) {
             if (add) {
@@ -311,14 +331,15 @@ __device__ __forceinline__ void store_dkdv(const Params& p, const BlockInfo& b, 
     };
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const int key = key0 + g + 8 * r;
-        if (n0 + key >= b.kv_rows(p)) continue;
+        const int key = n0 + key0 + g + 8 * r;
+        if (key >= b.kv_rows(p)) continue;
+        Out* dk_row = dk_out + dk_rows.at(origin, head, key);
+        Out* dv_row = dv_out + dv_rows.at(origin, head, key);
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
             const int col = dim0 + d * 8 + 2 * t;
-            write(dk_out + (key_rows + key) * p.head_dim + col, col, p.head_dim, dk[d][2 * r] * p.scale,
-                  dk[d][2 * r + 1] * p.scale);
-            write(dv_out + (key_rows + key) * p.head_dim_v + col, col, p.head_dim_v, dv[d][2 * r], dv[d][2 * r + 1]);
+            write(dk_row + col, col, p.head_dim, dk[d][2 * r] * p.scale, dk[d][2 * r + 1] * p.scale);
+            write(dv_row + col, col, p.head_dim_v, dv[d][2 * r], dv[d][2 * r + 1]);
         }
     }
 }

@@ -291,12 +291,12 @@ def test_masks_with_strided_or_broadcast_keys(monkeypatch, tensor_core_kernel):
 def test_gradients_are_written_in_the_input_type_where_nothing_is_summed_after(monkeypatch, tensor_core_kernel, layout,
                                                                                hkv, d, dv, deterministic):
     """Without GQA each query head's dK, dV is its kv head's: both kernel families write them in
-    the input type, and a bhsd call gets back the very arrays they wrote (no conversion pass;
-    except rows of the wgmma kernel that are not a multiple of 16 bytes, which it pads), and so
-    does a bshd call of the wgmma kernel, whose TMA stores write the caller's layout. With GQA
-    they write float32: a group's heads add theirs to one per kv head, or in deterministic mode
-    each writes its own, summed over each group after; then converted. dQ: float32 summed by
-    atomics, or in the input type from the deterministic dQ kernel."""
+    the input type and in the caller's layout (through strides, or the TMA store's maps), and the
+    call gets back the very arrays they wrote (no conversion pass and no transposing copy; except
+    rows of the wgmma kernel that are not a multiple of 16 bytes, which it pads). With GQA they
+    write float32: a group's heads add theirs to one per kv head, or in deterministic mode (and
+    at D = 256) each writes its own, summed over each group after; then converted. dQ: float32 summed by atomics,
+    or in the input type and the caller's layout from the deterministic dQ kernel."""
     buffers = []  # (dq, dk or dv as the kernels wrote it, as returned)
     real = _kernel_backend._from_per_head
     monkeypatch.setattr(_kernel_backend, "_from_per_head", lambda p, x, dtype, **kw: buffers.append(
@@ -308,14 +308,13 @@ def test_gradients_are_written_in_the_input_type_where_nothing_is_summed_after(m
     check(rng, q, k, v, np.float16, deterministic, addressable=tensor_core_kernel == 90, layout=layout, causal=True)
     dq_buffers, dk_buffers, dv_buffers = buffers
     assert dq_buffers[0].dtype == (np.float16 if deterministic else np.float32)
-    assert np.shares_memory(*dq_buffers) == (deterministic and layout == "bhsd")
+    assert np.shares_memory(*dq_buffers) == deterministic
     wgmma = tensor_core_kernel == 90 and max(d, dv) <= 128  # D = 256: the mma.sync dK/dV
     for (written, returned), dims in ((dk_buffers, d), (dv_buffers, dv)):
         assert written.dtype == (np.float16 if hkv == 3 else np.float32)
-        assert written.shape[1] == (3 if deterministic else hkv)
-        unpadded = tensor_core_kernel == 80 or dims % 8 == 0
-        in_callers_layout = layout == "bhsd" or wgmma
-        assert np.shares_memory(written, returned) == (hkv == 3 and in_callers_layout and unpadded)
+        assert written.shape[1] == (hkv if max(d, dv) <= 128 and not deterministic else 3)  # D = 256: per head
+        unpadded = not wgmma or dims % 8 == 0
+        assert np.shares_memory(written, returned) == (hkv == 3 and unpadded)
 
 
 @pytest.mark.parametrize("schedule", ["forward", "reverse", "warps"])

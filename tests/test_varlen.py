@@ -116,6 +116,26 @@ def test_head_dims_and_groups(rng, d, dv, hkv):
                  grads=d <= 128)
 
 
+@pytest.mark.parametrize("hkv", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_kernels_write_gradients_in_the_packed_layout(rng, monkeypatch, hkv, deterministic):
+    """The tensor-core backward writes through strides: where nothing is summed or converted after,
+    dq (the deterministic dQ kernel's), dk and dv come back as the (total, H, D) arrays the
+    kernels wrote, with no transposing copy; a GQA group's dk, dv as float32 per kv head, added
+    to (converted after), or in deterministic mode per query head (summed after)."""
+    buffers = []  # (as the kernels wrote it, as returned): dq, dk, dv
+    real = _kernel_backend._from_per_head
+    monkeypatch.setattr(_kernel_backend, "_from_per_head", lambda p, x, dtype, **kw: buffers.append(
+        (x, real(p, x, dtype, **kw))) or buffers[-1][1])
+    check_varlen("emulator", rng, [70, 0, 9], [33, 5, 80], np.dtype(np.float16), h=4, hkv=hkv, d=40, dv=24,
+                 deterministic=deterministic, causal=True)
+    (dq, dq_returned), *dkdv = buffers
+    assert np.shares_memory(dq, dq_returned) == deterministic
+    for written, returned in dkdv:
+        assert written.shape[0] == (4 if deterministic else hkv)
+        assert np.shares_memory(written, returned) == (hkv == 4)
+
+
 def test_sequences_do_not_see_each_other(rng):
     """Changing one sequence's inputs (even to NaN) changes nothing in the others' results."""
     lens = [20, 5, 31]
