@@ -411,8 +411,8 @@ class TensorCoreBackwardTile:
     def adds_kv_heads(self) -> bool:
         """Whether a GQA group's query heads add their dK, dV to float32 per kv head outside
         deterministic mode (kernels/attention_bwd_tc.cu decides the same from kHeadDim): up to D =
-        128. At D = 256 choosing the kv head's rows made the build spill 12-28 bytes on sm_90
-        (NVRTC 13.5); there each query head's is written in float32 and each group summed after."""
+        128. In the D = 256 build choosing the kv head's rows spilled 12-28 bytes on sm_90 (NVRTC
+        13.5); above D = 128 each query head's is written in float32 and each group summed after."""
         return self.head_dim <= 128
 
     def name_expression(self, dtype) -> str:

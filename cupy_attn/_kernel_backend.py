@@ -537,7 +537,8 @@ def _copies_in_16_bytes(x) -> bool:
 def _per_head(problem: Problem, rows: int, dims: int, zeroed: bool = False, dtype=np.float32,
               callers_layout: bool = False, heads: int | None = None):
     """A buffer of one row per (query head, row): (B, H, rows, dims), or (H, total rows, dims) for
-    a packed batch (kernels/block_info.cuh, HeadView.stats and .key_stats); float32 unless told;
+    a packed batch (kernels/block_info.cuh, HeadView.stats and .key_stats, as the atomics' dQ and
+    the CUDA-core kernels address it); float32 unless told;
     `heads` of them (the query heads unless told). With callers_layout, a bshd call's buffer is a
     (B, H, rows, dims) view of (B, rows, H, dims) storage, and a packed batch's an (H, rows, dims)
     view of (rows, H, dims) storage, which _from_per_head hands back (or converts) without a
@@ -633,9 +634,9 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     # dK, dV: in the input type per query head where each is one kv head's (no GQA group to sum).
     # A GQA group's query heads add theirs to float32 per kv head (reductions into zeros), a buffer
     # and a pass the group's size smaller than one per query head and the sum over it; except in
-    # deterministic mode, where the adds' order must not vary, on the mma.sync kernel at D = 256
-    # (TensorCoreBackwardTile.adds_kv_heads) and on the CUDA-core kernel: there float32 per query
-    # head, each group summed at the end in a fixed order.
+    # deterministic mode, where the adds' order must not vary, on the mma.sync kernel above D =
+    # 128 (TensorCoreBackwardTile.adds_kv_heads) and on the CUDA-core kernel: there float32 per
+    # query head, each group summed at the end in a fixed order.
     rows_k = p.packing.total_k if p.packing is not None else sk
     dq_tile = None
     if deterministic:

@@ -212,7 +212,7 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
 
     // The head whose rows of dK and dV this block writes: its own, or its kv head's that a GQA
     // group adds to (DkdvOut; up to D = 128, as the launcher's TensorCoreBackwardTile.adds_kv_heads
-    // says: at D = 256 the choice made the build spill 12-28 bytes on sm_90, NVRTC 13.5). With 8
+    // says: in the D = 256 build the choice spilled 12-28 bytes on sm_90, NVRTC 13.5). With 8
     // warps, the rows from an entry and head the compiler cannot take from before the loop: with
     // 128 keys at D = 128 it held (bidb·H + bidh) across the loop for them, and spilled it (12
     // bytes on sm_80), and the kv head held made a packed 128-key D = 64 build with softcap, ALiBi

@@ -252,9 +252,6 @@ __device__ __forceinline__ void add_dq_fragments(const Params& p, const DqTile& 
     }
 }
 
-// A pair of adjacent elements (columns col, col + 1 of a row of `dims`, lo and hi) to dst as Out:
-// one 8-byte (float32) or 4-byte (16-bit) store where both columns exist and rows have an even
-// number of them (pair-aligned), else element by element within the row.
 // Where a tensor-core backward kernel writes rows of a gradient (dQ, dK or dV): element strides of
 // its batch entries, heads and rows, which the launcher takes from the array it made (in the
 // caller's layout, or per head). A packed batch passes its row stride as the batch stride,
@@ -273,6 +270,9 @@ struct GradientRows {
 #define ATTN_GRADIENT_ROWS_PARAMS(name) long long name##_batch, long long name##_head, long long name##_row
 #define ATTN_GRADIENT_ROWS(name) attn::GradientRows{name##_batch, name##_head, name##_row}
 
+// A pair of adjacent elements (columns col, col + 1 of a row of `dims`, lo and hi) to dst as Out:
+// one 8-byte (float32) or 4-byte (16-bit) store where both columns exist and rows have an even
+// number of them (pair-aligned), else element by element within the row.
 template <class Out>
 __device__ __forceinline__ void store_pair(Out* dst, int col, int dims, float lo, float hi) {
     if (col + 1 < dims && dims % 2 == 0) {

@@ -295,7 +295,7 @@ def test_gradients_are_written_in_the_input_type_where_nothing_is_summed_after(m
     call gets back the very arrays they wrote (no conversion pass and no transposing copy; except
     rows of the wgmma kernel that are not a multiple of 16 bytes, which it pads). With GQA they
     write float32: a group's heads add theirs to one per kv head, or in deterministic mode (and
-    at D = 256) each writes its own, summed over each group after; then converted. dQ: float32 summed by atomics,
+    above D = 128) each writes its own, summed over each group after; then converted. dQ: float32 summed by atomics,
     or in the input type and the caller's layout from the deterministic dQ kernel."""
     buffers = []  # (dq, dk or dv as the kernels wrote it, as returned)
     real = _kernel_backend._from_per_head
