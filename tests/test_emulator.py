@@ -261,6 +261,21 @@ def test_options_and_compile_errors():
         RawModule('extern "C" __global__ void k(int* o) { o[0] = nope; }').get_function("k")
 
 
+def test_a_global_set_through_its_address_is_what_the_kernel_reads():
+    import ctypes
+
+    mod = RawModule('extern "C" __attribute__((visibility("default"))) int chosen = -1;\n'
+                    'extern "C" __global__ void k(int* o) { o[threadIdx.x] = chosen + threadIdx.x; }')
+    out = np.zeros(4, np.int32)
+    mod.get_function("k")(1, 4, (out,))
+    np.testing.assert_array_equal(out, np.arange(4) - 1)
+    ctypes.c_int.from_address(mod.get_global("chosen")).value = 40
+    mod.get_function("k")(1, 4, (out,))
+    np.testing.assert_array_equal(out, np.arange(4) + 40)
+    with pytest.raises(EmulatorError, match="no global variable named 'unchosen'"):
+        mod.get_global("unchosen")
+
+
 def test_cache_covers_local_headers(tmp_path, monkeypatch):
     monkeypatch.setenv("CUPY_ATTN_EMULATOR_CACHE", str(tmp_path / "cache"))
     header = tmp_path / "value.cuh"

@@ -3,9 +3,12 @@ the fence.proxy.async that makes generic writes of shared memory visible to wgmm
 that orders a thread's register accesses before a wgmma, or the producer's setmaxnreg.dec that the
 consumers' setmaxnreg.inc waits for) from an attention kernel must make some emulated case fail in
 some schedule. Not listed: fence.mbarrier_init, which the kernels of one block keep only so that
-they stay correct in a cluster (ptx.cuh)."""
+they stay correct in a cluster (ptx.cuh). A file's mutants are all built into one module and
+chosen at run time (mutant_schema), not built one by one."""
 import collections
+import ctypes
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -137,50 +140,7 @@ def test_every_kernel_has_barriers():
     assert {f for f, _, _ in SITES} == set(KERNEL_FILES)
 
 
-def assert_breaks(monkeypatch, filename, mutated, what):
-    """The kernels of ``filename`` built from ``mutated`` give another result than the source's in
-    some schedule, or the emulator reports the misuse."""
-    if "wgmma" in filename:  # the emulator stands in for an sm_90 device
-        monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
-    want, kernels = unmutated_results(filename)
-    real_function = _compile.function
-    modules = {}
-
-    def function(target, name, name_expression, features=_config.PLAIN_FEATURES, packed=False, mods=None):
-        if name != filename:
-            return real_function(target, name, name_expression, features=features, packed=packed, mods=mods)
-        assert mods is None and name_expression in kernels[features, packed], (name_expression, features, packed)
-        if (features, packed) not in modules:
-            modules[features, packed] = RawModule(mutated, options=_compile.feature_options(features, packed),
-                                                  name_expressions=kernels[features, packed])
-        return modules[features, packed].get_function(name_expression)
-
-    monkeypatch.setattr(_compile, "function", function)
-    monkeypatch.setattr(_kernel_backend, "POISON_OUTPUTS", True)
-    def breaks(schedule):
-        monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", schedule)
-        try:
-            return any(not np.allclose(g, w, atol=1e-3) for g, w in zip(results(filename), want))
-        except EmulatorCompileError:  # a mutation that does not compile shows nothing
-            raise
-        except EmulatorError:  # the emulator caught the misuse itself (e.g. an mbarrier used before its init)
-            return True
-
-    # the first schedule that shows the mistake is enough
-    assert any(breaks(s) for s in ("forward", "reverse", "random", "warps", "warps_reverse")), \
-        f"{what} changed nothing in any schedule"
-
-
-@pytest.mark.parametrize("filename,at,barrier", SITES, ids=[f"{f}@{at}:{b[:-3]}" for f, at, b in SITES])
-def test_removing_a_barrier_breaks_a_kernel(monkeypatch, filename, at, barrier):
-    """The barrier becomes an empty statement, so that a condition guarding it guards nothing
-    rather than the statement after it."""
-    source = _compile.kernel_source(filename)
-    assert_breaks(monkeypatch, filename, source[:at] + ";" + source[at + len(barrier):],
-                  f"removing {barrier} at offset {at} of {filename}")
-
-
-FENCE = "ptx::fence_proxy_async();"
+MUTANT = "cupy_attn_mutant"
 
 
 def fences_for_syncthreads(filename, at):
@@ -193,7 +153,137 @@ def fences_for_syncthreads(filename, at):
     return source[source.index("\n", at):].lstrip().lstrip("}").lstrip().startswith("__syncthreads();")
 
 
+FENCE = "ptx::fence_proxy_async();"
 FENCE_SITES = [(f, at) for f, at, b in SITES if b == FENCE and not fences_for_syncthreads(f, at)]
+
+
+def mutants(filename):
+    """The mistakes made in ``filename``, numbered: each barrier removed (SITES), then each fence
+    moved after its barrier into one thread per warpgroup (FENCE_SITES)."""
+    return ([("remove", at, barrier) for f, at, barrier in SITES if f == filename]
+            + [("fence after", at, FENCE) for f, at in FENCE_SITES if f == filename])
+
+
+@functools.lru_cache(maxsize=None)
+def mutant_schema(filename):
+    """The source of ``filename`` with every mutant in it, each behind a test of the global MUTANT
+    (-1: none), so that one g++ build serves them all (a build per mutant took 5 of each test's
+    6.5 s). A removed barrier becomes an empty statement, so that a condition guarding it guards
+    nothing rather than the statement after it; a moved fence is skipped before its barrier and
+    issued after it, by one thread per warpgroup."""
+    source = _compile.kernel_source(filename)
+    edits = []  # (start, end, replacement), not overlapping
+    conditions = collections.defaultdict(list)  # the mutants that skip the statement at an offset
+    for number, (kind, at, barrier) in enumerate(mutants(filename)):
+        conditions[at, barrier].append(number)
+        if kind == "fence after":
+            line_end = source.index("\n", at)
+            fence_barrier = source.index("ptx::named_barrier_sync(", line_end)  # the fence's barrier, next
+            assert source[line_end:fence_barrier].strip() == ""
+            after = source.index(";", fence_barrier) + 1
+            edits.append((after, after, f" if ({MUTANT} == {number} && threadIdx.x % 128 == 0) {FENCE}"))
+    for (at, barrier), numbers in conditions.items():
+        kept = " && ".join(f"{MUTANT} != {n}" for n in numbers)
+        edits.append((at, at + len(barrier), f"{{ if ({kept}) {barrier} }}"))
+    edits.sort(reverse=True)
+    assert all(later[0] >= end for later, (_, end, _) in zip(edits, edits[1:])), "mutants overlap"
+    for start, end, replacement in edits:
+        source = source[:start] + replacement + source[end:]
+    return f'extern "C" __attribute__((visibility("default"))) int {MUTANT} = -1;\n' + source
+
+
+def schema_runner(monkeypatch, filename):
+    """What the source's kernels compute (results) and a function of (mutant, schedule) that
+    computes it with the kernels of ``filename`` built from its mutant schema, ``mutant`` chosen,
+    in ``schedule``, with outputs poisoned."""
+    if "wgmma" in filename:  # the emulator stands in for an sm_90 device
+        monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
+    want, kernels = unmutated_results(filename)
+    real_function = _compile.function
+    modules = {}
+
+    def function(target, name, name_expression, features=_config.PLAIN_FEATURES, packed=False, mods=None):
+        if name != filename:
+            return real_function(target, name, name_expression, features=features, packed=packed, mods=mods)
+        assert mods is None and name_expression in kernels[features, packed], (name_expression, features, packed)
+        if (features, packed) not in modules:
+            modules[features, packed] = RawModule(mutant_schema(filename), options=_compile.feature_options(features, packed),
+                                                  name_expressions=kernels[features, packed])
+        module = modules[features, packed]
+        ctypes.c_int.from_address(module.get_global(MUTANT)).value = chosen[0]
+        return module.get_function(name_expression)
+
+    chosen = [-1]
+    monkeypatch.setattr(_compile, "function", function)
+    monkeypatch.setattr(_kernel_backend, "POISON_OUTPUTS", True)
+
+    def run(mutant, schedule):
+        chosen[0] = mutant
+        monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", schedule)
+        try:
+            return results(filename)
+        finally:  # a module's library is loaded once, for all the file's tests
+            for module in modules.values():
+                ctypes.c_int.from_address(module.get_global(MUTANT)).value = -1
+
+    return want, run
+
+
+def assert_breaks(monkeypatch, filename, mutant, what):
+    """The kernels of ``filename`` with ``mutant`` give another result than the source's in some
+    schedule, or the emulator reports the misuse."""
+    want, run = schema_runner(monkeypatch, filename)
+
+    def breaks(schedule):
+        try:
+            got = run(mutant, schedule)
+        except EmulatorCompileError:  # the schema must compile
+            raise
+        except EmulatorError:  # the emulator caught the misuse itself (e.g. an mbarrier used before its init)
+            return True
+        return any(not np.allclose(g, w, atol=1e-3) for g, w in zip(got, want))
+
+    # the first schedule that shows the mistake is enough
+    assert any(breaks(s) for s in ("forward", "reverse", "random", "warps", "warps_reverse")), \
+        f"{what} changed nothing in any schedule"
+
+
+@pytest.mark.parametrize("filename", KERNEL_FILES)
+def test_each_mutant_guards_its_own_site(filename):
+    """Mutant n's test stands at its own site (the same occurrence of its barrier as in the
+    source), and without the tests the schema is the source."""
+    source, schema = _compile.kernel_source(filename), mutant_schema(filename)
+    guard = re.compile(rf"\{{ if \(((?:{MUTANT} != \d+(?: && )?)+)\) (.*?) \}}")
+    moved = re.compile(rf" if \({MUTANT} == (\d+) && threadIdx.x % 128 == 0\) {re.escape(FENCE)}")
+    guards = list(guard.finditer(schema))
+    for number, (kind, at, barrier) in enumerate(mutants(filename)):
+        [site] = [g for g in guards if str(number) in re.findall(r"\d+", g[1])]
+        assert site[2] == barrier
+        assert [g.start() for g in guards if g[2] == barrier].index(site.start()) \
+            == [a for f, a, b in SITES if f == filename and b == barrier].index(at)
+        if kind == "fence after":
+            [after] = [m for m in moved.finditer(schema) if int(m[1]) == number]
+            # right after the fence's barrier, the statement of the next line (guarded too if it is a site)
+            assert re.fullmatch(r"(\{ if \([^)]*\) )?ptx::named_barrier_sync\([^;]*\);( \})?",
+                                schema[site.end():after.start()].split("\n", 1)[1].strip())
+    unguarded = moved.sub("", guard.sub(lambda g: g[2], schema))
+    assert unguarded == f'extern "C" __attribute__((visibility("default"))) int {MUTANT} = -1;\n' + source
+
+
+@pytest.mark.parametrize("filename", KERNEL_FILES)
+def test_the_schema_without_a_mutant_computes_what_the_source_does(monkeypatch, filename):
+    want, run = schema_runner(monkeypatch, filename)
+    for schedule in ("forward", "warps_reverse"):
+        got = run(-1, schedule)
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, atol=1e-3)
+
+
+@pytest.mark.parametrize("filename,at,barrier", SITES, ids=[f"{f}@{at}:{b[:-3]}" for f, at, b in SITES])
+def test_removing_a_barrier_breaks_a_kernel(monkeypatch, filename, at, barrier):
+    assert_breaks(monkeypatch, filename, mutants(filename).index(("remove", at, barrier)),
+                  f"removing {barrier} at offset {at} of {filename}")
 
 
 @pytest.mark.parametrize("filename,at", FENCE_SITES, ids=[f"{f}@{at}" for f, at in FENCE_SITES])
@@ -201,11 +291,5 @@ def test_a_fence_by_one_thread_of_each_warpgroup_breaks_a_kernel(monkeypatch, fi
     """Every thread that stored what wgmma or a TMA store reads fences its own stores before the
     barrier, not one thread of the warpgroup after it: the emulator holds the kernels to that
     convention (the CUDA Programming Guide's and CUTLASS's; emu_async.cpp)."""
-    source = _compile.kernel_source(filename)
-    line_end = source.index("\n", at)
-    barrier = source.index("ptx::named_barrier_sync(", line_end)  # the fence's barrier, next
-    assert source[line_end:barrier].strip() == ""
-    barrier_end = source.index(";", barrier) + 1
-    mutated = source[:at] + source[barrier:barrier_end] + " if (threadIdx.x % 128 == 0) " + FENCE + source[barrier_end:]
-    assert_breaks(monkeypatch, filename, mutated, f"fencing after the barrier in one thread per warpgroup at offset {at} "
-                  f"of {filename}")
+    assert_breaks(monkeypatch, filename, mutants(filename).index(("fence after", at, FENCE)),
+                  f"fencing after the barrier in one thread per warpgroup at offset {at} of {filename}")

@@ -188,3 +188,16 @@ class RawModule:
             # Like CuPy, compile lazily; a name not seen before joins the name expressions.
             self._compile(tuple(dict.fromkeys(self.name_expressions + self._names + (name,))))
         return Function(self._lib, self._names.index(name), name)
+
+    def get_global(self, name: str) -> int:
+        """The address of the module's global variable ``name``, which the source declares
+        ``extern "C"`` with default visibility: the twin of ``cupy.RawModule.get_global``, whose
+        pointer is a device address where this one is a host address (for ctypes), so that a
+        value set there before a launch is what the kernels read."""
+        if self._lib is None:
+            self._compile(self.name_expressions)
+        try:
+            return ctypes.addressof(ctypes.c_char.in_dll(self._lib, name))
+        except ValueError:
+            raise EmulatorError(f"the module has no global variable named {name!r} (declare it extern \"C\" with "
+                                f"__attribute__((visibility(\"default\"))))") from None
