@@ -1,9 +1,10 @@
+import os
 import zlib
 
 import numpy as np
 import pytest
 
-from cupy_attn import _numpy_backend
+from cupy_attn import _numpy_backend, _nvrtc
 
 # Later GPU tests skipped, not failed, once a kernel fault has ended the CUDA context.
 from gpu_context import pytest_runtest_makereport, pytest_runtest_setup  # noqa: E402,F401
@@ -17,6 +18,16 @@ def small_key_tiles(monkeypatch):
     partial last tiles and skipped tiles. Tests that need the default request `default_tiles`."""
     monkeypatch.setattr(_numpy_backend, "BLOCK_N", 48)
     monkeypatch.setattr(_numpy_backend, "BLOCK_M", 40)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nvrtc_cache(tmp_path_factory):
+    """One cache of NVRTC results (_nvrtc.CACHE_ENVIRONMENT) per test run, shared by its xdist
+    workers and the scripts they start, unless one is set already."""
+    run = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the worker's directory, in the run's
+        run = run.parent
+    os.environ.setdefault(_nvrtc.CACHE_ENVIRONMENT, str(run / "nvrtc"))
 
 
 @pytest.fixture

@@ -394,6 +394,7 @@ def test_boundary_tiles_stay_within_their_budgets():
 def test_a_spilling_compile_is_retried_and_one_that_always_spills_is_reported(monkeypatch):
     """ptxas allocates differently under CPU load (_nvrtc.SPILL_ATTEMPTS): the report keeps a
     variant's best of its attempts, and a variant that spills on every one is still reported."""
+    monkeypatch.delenv(_nvrtc.CACHE_ENVIRONMENT, raising=False)  # each call compiles
     results = iter([(16, 72), (0, 95)])
 
     def compile_kernel(code, name, arch, options=()):
@@ -407,3 +408,27 @@ def test_a_spilling_compile_is_retried_and_one_that_always_spills_is_reported(mo
     results = iter([(8, 72)] * _nvrtc.SPILL_ATTEMPTS)
     c, attempts = _nvrtc.compile_kernel_least_spills("", "k", "sm_90")
     assert (c.spill_stores, attempts) == (8, _nvrtc.SPILL_ATTEMPTS)
+
+
+def test_a_result_without_spills_is_kept_in_the_cache_and_one_with_spills_is_not(monkeypatch, tmp_path):
+    monkeypatch.setenv(_nvrtc.CACHE_ENVIRONMENT, str(tmp_path / "cache"))
+    compiles = []
+
+    def compile_kernel(code, name, arch, options=()):
+        compiles.append((code, name, arch, options))
+        spills = 8 if name == "spills" else 0
+        return _nvrtc.Compiled(name=name, arch=arch, registers=len(compiles), spill_stores=spills, spill_loads=spills,
+                               stack_frame_bytes=0, static_shared_bytes=0, compile_seconds=0.0, ptx="", log="", cubin=b"")
+
+    monkeypatch.setattr(_nvrtc, "compile_kernel", compile_kernel)
+    first = _nvrtc.compile_kernel_least_spills("code", "k", "sm_90", ("-DA=1",))
+    assert _nvrtc.compile_kernel_least_spills("code", "k", "sm_90", ("-DA=1",)) == first == (first[0], 1)
+    assert len(compiles) == 1 and len(list((tmp_path / "cache").iterdir())) == 1
+    # another source, name, architecture or option is another build
+    for args in (("code ", "k", "sm_90", ("-DA=1",)), ("code", "k2", "sm_90", ("-DA=1",)),
+                 ("code", "k", "sm_80", ("-DA=1",)), ("code", "k", "sm_90", ("-DA=2",))):
+        assert _nvrtc.compile_kernel_least_spills(*args)[0].registers == len(compiles)
+    assert len(compiles) == 5
+    _nvrtc.compile_kernel_least_spills("code", "spills", "sm_90")
+    _nvrtc.compile_kernel_least_spills("code", "spills", "sm_90")
+    assert len(compiles) == 5 + 2 * _nvrtc.SPILL_ATTEMPTS and len(list((tmp_path / "cache").iterdir())) == 5
