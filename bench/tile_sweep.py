@@ -83,8 +83,8 @@ def dry_run() -> int:
     for pass_, d, tile in candidates():
         fits = tile.shared_bytes <= SHARED_LIMIT
         try:
-            c = _nvrtc.compile_kernel(_compile.kernel_source(tile.filename), tile.name_expression(np.float16), "sm_90",
-                                      _compile.gpu_build_options(tile.filename, _config.PLAIN_FEATURES))
+            c, _ = _nvrtc.compile_kernel_least_spills(_compile.kernel_source(tile.filename), tile.name_expression(np.float16),
+                                                      "sm_90", _compile.gpu_build_options(tile.filename, _config.PLAIN_FEATURES))
             built = f"{c.registers} registers, spills {c.spill_stores}/{c.spill_loads} bytes"
             ok = fits and not c.spill_stores
         except _nvrtc.NvrtcError as exc:

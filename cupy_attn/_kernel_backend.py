@@ -415,6 +415,20 @@ def _pointer(x) -> int:
     return x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
 
 
+PACKED_REFUSAL = "a packed (varlen) batch: a box would reach into the next sequence"
+
+
+def _mma_sync_backward(problem: Problem, why_not: str, shared_limit: int):
+    """The tile of the mma.sync backward, which reads and writes any strides, in place of the
+    wgmma one, whose TMA cannot address the call's operands (`why_not`, logged once) or has
+    nothing to launch (`why_not` empty)."""
+    p = problem
+    if why_not:
+        _say_once(f"the wgmma backward needs TMA, which cannot address this call's operands ({why_not}): "
+                  "the mma.sync backward runs instead")
+    return _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, 80, shared_limit)
+
+
 def tensor_maps(problem: Problem, tile, target: str, **operands):
     """The wgmma kernels' TMA maps of q, k, v, out and dout, and of the backward's dk and dv
     (`_per_head` buffers) (dims: head dims, rows, heads, batch; boxes of one 128-byte line of dims
@@ -422,7 +436,7 @@ def tensor_maps(problem: Problem, tile, target: str, **operands):
     reason TMA cannot address one of them."""
     p = problem
     if p.packing is not None:
-        return None, "a packed (varlen) batch: a box would reach into the next sequence"
+        return None, PACKED_REFUSAL
     shapes = {"q": (p.head_dim, p.seq_q, p.heads), "k": (p.head_dim, p.seq_k, p.kv_heads),
               "v": (p.head_dim_v, p.seq_k, p.kv_heads), "out": (p.head_dim_v, p.seq_q, p.heads),
               "dout": (p.head_dim_v, p.seq_q, p.heads)}
@@ -612,6 +626,8 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     b, h, sq, sk = p.batch, p.heads, p.seq_q, p.seq_k
     limit = shared_limit(target)
     tile = _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, compute_capability(target), limit)
+    if isinstance(tile, _config.HopperBackwardTile) and p.packing is not None:  # before its buffers are made
+        tile = _mma_sync_backward(p, PACKED_REFUSAL, limit)
     if _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, 80, limit).sectioned \
             and _blocks(sk, _KEY_TILE_KEYS) > _schedule.GRID_YZ_LIMIT:
         # _key_grid's limit, checked before any kernel runs (the wgmma tile may fall back to this one)
@@ -667,11 +683,8 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
                   for dims in (p.head_dim, p.head_dim_v))
         maps, why_not = (tensor_maps(p, tile, target, q=q, k=k, v=v, dout=dout, dk=dk, dv=dv)
                          if 0 not in (sq, sk, h, b) else (None, ""))
-        if maps is None:  # the cp.async kernels read any strides
-            if why_not:
-                _say_once(f"the wgmma backward needs TMA, which cannot address this call's operands ({why_not}): "
-                          "the mma.sync backward runs instead")
-            tile = _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, 80, limit)
+        if maps is None:
+            tile = _mma_sync_backward(p, why_not, limit)
     if not maps:
         # The mma.sync dK/dV writes through strides (GradientRows) too, so in the caller's layout
         # where nothing is summed after; the CUDA-core kernel per head.

@@ -110,6 +110,17 @@ def test_wgmma_kernels(rng, monkeypatch, dtype):
     check_varlen("emulator", rng, [65, 0, 3], [70, 5, 0], dtype, window=(9, 0), deterministic=True)
 
 
+def test_a_packed_backward_on_sm90_makes_the_mma_sync_kernels_buffers_alone(rng, monkeypatch):
+    """TMA cannot address a packed batch: the backward takes the mma.sync kernel before it makes
+    (and, for a GQA group's adds, zero-fills) dk and dv buffers for the wgmma one."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
+    made = []
+    real = _kernel_backend._per_head
+    monkeypatch.setattr(_kernel_backend, "_per_head", lambda *a, **kw: made.append(kw) or real(*a, **kw))
+    check_varlen("emulator", rng, [20, 9], [33, 5], np.dtype(np.float16), h=4, hkv=2, causal=True)
+    assert [(kw.get("zeroed"), kw.get("heads")) for kw in made] == [(True, None), (True, 2), (True, 2)]  # dq, dk, dv
+
+
 @pytest.mark.parametrize("d,dv,hkv", [(64, 64, 1), (128, 128, 8), (256, 256, 2), (40, 72, 4)])
 def test_head_dims_and_groups(rng, d, dv, hkv):
     check_varlen("emulator", rng, [33, 2], [40, 17], np.dtype(np.float16), h=8, hkv=hkv, d=d, dv=dv, causal=True,
