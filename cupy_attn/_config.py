@@ -407,14 +407,6 @@ class TensorCoreBackwardTile:
         arithmetic made the D = 256 build spill 36 bytes on sm_90 (NVRTC 13.5)."""
         return self.head_dim <= 128
 
-    @property
-    def adds_kv_heads(self) -> bool:
-        """Whether a GQA group's query heads add their dK, dV to float32 per kv head outside
-        deterministic mode (kernels/attention_bwd_tc.cu decides the same from kHeadDim): up to D =
-        128. In the D = 256 build choosing the kv head's rows spilled 12-28 bytes on sm_90 (NVRTC
-        13.5); above D = 128 each query head's is written in float32 and each group summed after."""
-        return self.head_dim <= 128
-
     def name_expression(self, dtype) -> str:
         return (f"attention_bwd_dkdv_tc<{CTYPES[np.dtype(dtype)]}, {self.head_dim}, {self.block_m}, {self.block_n}, "
                 f"{self.stages}>")

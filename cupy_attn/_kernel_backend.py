@@ -51,10 +51,10 @@ EMULATOR_SMS = 3
 _COMPILE_ONLY = contextvars.ContextVar("cupy_attn_compile_only", default=None)
 
 _CAUSAL = {None: 0, "bottom_right": 1, "top_left": 2}
-# How the tensor-core dK/dV kernels write dK and dV (attn::DkdvOut, kernels/tc_backward.cuh): in
-# the input type per query head (no GQA group), float32 per query head (each group summed after),
-# float32 per kv head that the group's heads add to (reductions: the wgmma kernel's TMA ones, the
-# mma.sync kernel's red.global.add).
+# How the dK/dV kernels write dK and dV (attn::DkdvOut, kernels/backward_stats.cuh): in the input
+# type per query head (no GQA group), float32 per query head (each group summed after), float32
+# per kv head that the group's heads add to (reductions: the wgmma kernel's TMA ones, the mma.sync
+# kernel's red.global.add, the CUDA-core kernel's atomicAdd).
 DKDV_INPUT_TYPE, DKDV_FLOAT, DKDV_FLOAT_ADDED = 0, 1, 2
 # The fewest query rows a tile of the tensor-core forwards or dQ kernel holds: the grid's y axis
 # counts their tiles (_query_grid).
@@ -650,9 +650,8 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     # dK, dV: in the input type per query head where each is one kv head's (no GQA group to sum).
     # A GQA group's query heads add theirs to float32 per kv head (reductions into zeros), a buffer
     # and a pass the group's size smaller than one per query head and the sum over it; except in
-    # deterministic mode, where the adds' order must not vary, on the mma.sync kernel above D =
-    # 128 (TensorCoreBackwardTile.adds_kv_heads) and on the CUDA-core kernel: there float32 per
-    # query head, each group summed at the end in a fixed order.
+    # deterministic mode, where the adds' order must not vary: there float32 per query head, each
+    # group summed at the end in a fixed order.
     rows_k = p.packing.total_k if p.packing is not None else sk
     dq_tile = None
     if deterministic:
@@ -662,9 +661,7 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     # that a bshd or packed call gets dq without a transposing copy.
     dq = _per_head(p, rows_q, p.head_dim, zeroed=not deterministic, dtype=dq_dtype,
                    callers_layout=isinstance(dq_tile, _config.TensorCoreTile))
-    adds = isinstance(tile, _config.HopperBackwardTile) or \
-        (isinstance(tile, _config.TensorCoreBackwardTile) and tile.adds_kv_heads)
-    dkdv_out = DKDV_INPUT_TYPE if p.groups == 1 else DKDV_FLOAT_ADDED if adds and not deterministic else DKDV_FLOAT
+    dkdv_out = DKDV_INPUT_TYPE if p.groups == 1 else DKDV_FLOAT if deterministic else DKDV_FLOAT_ADDED
     dkdv_dtype = p.dtype if dkdv_out == DKDV_INPUT_TYPE else np.dtype(np.float32)
     added = dkdv_out == DKDV_FLOAT_ADDED
     dkdv_heads = p.kv_heads if added else p.heads
@@ -698,7 +695,8 @@ def backward(problem: Problem, dout, q, k, v, out, lse, *, target: str, determin
     dkdv_grid = _key_grid(p, target, tile.block_n) if tile.sectioned else (_blocks(sk, tile.block_n), h, b)
     if isinstance(tile, _config.BackwardTile):  # fp32: CUDA cores
         _launch(target, "attention_bwd.cu", tile.dkdv_name(p.dtype), dkdv_grid,
-                (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), *common), tile.dkdv_shared_bytes,
+                (q, k, v, dout, lse, delta, dq, dk, dv, I32(not deterministic), I32(dkdv_out), *common),
+                tile.dkdv_shared_bytes,
                 **module)
     elif isinstance(tile, _config.HopperBackwardTile):  # wgmma and TMA: q, k, v, dout, dk, dv through their maps
         _launch(target, tile.filename, tile.name_expression(p.dtype, accumulate_dq=not deterministic), dkdv_grid,

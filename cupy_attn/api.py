@@ -118,10 +118,9 @@ attention_backward.__doc__ = """Gradients (dq, dk, dv) of attention, from the fo
 
     deterministic: on the CUDA kernels, dq is by default summed with float32 atomics (fast,
     but the summation order, and so the last bits, vary run to run), and so are dk and dv of a
-    GQA group on the float16/bfloat16 kernels up to D = 128. True computes dq in a separate
-    kernel without atomics and sums each group's dk, dv in a fixed order: bit-identical results
-    run to run, at the cost of recomputing the scores once more. The NumPy backend is always
-    deterministic.
+    GQA group. True computes dq in a separate kernel without atomics and sums each group's dk,
+    dv in a fixed order: bit-identical results run to run, at the cost of recomputing the scores
+    once more. The NumPy backend is always deterministic.
 """ + _SEMANTICS
 
 

@@ -8,8 +8,9 @@
 //                             atomics;
 //   attention_bwd_dq          the deterministic dQ: one block per query tile loops over key
 //                             tiles and accumulates dQ in registers, no atomics.
-// dK and dV are written per query head (float32, (B, H, Sk, D)); the host sums each GQA group
-// in a fixed order, so the deterministic mode stays bit-identical run to run.
+// dK and dV are written per query head (float32, (B, H, Sk, D)); a GQA group's query heads add
+// theirs to their kv head's (B, Hkv, Sk, D) by atomics, or in deterministic mode write them per
+// query head for the host to sum each group in a fixed order, bit-identical run to run (DkdvOut).
 #include "block_info.cuh"
 #include "dropout.cuh"
 #include "mask.cuh"
@@ -35,7 +36,8 @@ struct DkdvSmem {
 template <class T, int kHeadDim, int kBlockM, int kBlockN>
 __device__ __forceinline__ void dkdv_block(const Params& p, const T* q, const T* k, const T* v, const T* dout,
                                            const float* lse, const float* delta, float* dq_accum, float* dk_part,
-                                           float* dv_part, int accumulate_dq, const long long (&strides)[12]) {
+                                           float* dv_part, int accumulate_dq, int dkdv_out,
+                                           const long long (&strides)[12]) {
     using Smem = DkdvSmem<kHeadDim, kBlockM, kBlockN>;
     constexpr int kPerKey = kThreads / kBlockN;        // threads per key row of dK/dV
     constexpr int kKeyDims = kHeadDim / kPerKey;       // dK (and dV) dims per thread
@@ -102,13 +104,19 @@ __device__ __forceinline__ void dkdv_block(const Params& p, const T* q, const T*
         }
     }
 
-    // Every key row inside the sequence is written, those no query could see included (as 0).
+    // Every key row inside the sequence is written, those no query could see included (as 0), or
+    // added to its kv head's row.
     if (n0 + key < b.kv_rows(p)) {
-        const long long out_row = b.key_stats(p) + n0 + key;
+        const bool add = dkdv_out == kDkdvFloatAdded;
+        const long long out_row = (add ? b.kv_key_stats(p) : b.key_stats(p)) + n0 + key;
+        const auto put = [add](float* dst, float value) {
+            if (add) atomicAdd(dst, value);
+            else *dst = value;
+        };
         for (int e = 0; e < kKeyDims; ++e) {
             const int d = key_part + kPerKey * e;
-            if (d < p.head_dim) dk_part[out_row * p.head_dim + d] = dk[e] * p.scale;
-            if (d < p.head_dim_v) dv_part[out_row * p.head_dim_v + d] = dv[e];
+            if (d < p.head_dim) put(dk_part + out_row * p.head_dim + d, dk[e] * p.scale);
+            if (d < p.head_dim_v) put(dv_part + out_row * p.head_dim_v + d, dv[e]);
         }
     }
 }
@@ -240,10 +248,10 @@ attention_bwd_preprocess(const T* dout, const T* out, float* delta, int heads, i
 template <class T, int kHeadDim, int kBlockM, int kBlockN>
 __global__ void __launch_bounds__(attn::kThreads)
 attention_bwd_dkdv(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta,
-                   float* dq_accum, float* dk_part, float* dv_part, int accumulate_dq, ATTN_PARAMS) {
+                   float* dq_accum, float* dk_part, float* dv_part, int accumulate_dq, int dkdv_out, ATTN_PARAMS) {
     ATTN_UNPACK_PARAMS;
     attn::dkdv_block<T, kHeadDim, kBlockM, kBlockN>(p, q, k, v, dout, lse, delta, dq_accum, dk_part, dv_part,
-                                                    accumulate_dq, strides);
+                                                    accumulate_dq, dkdv_out, strides);
 }
 
 // grid (ceil(Sq / kBlockM), H, B), block 128, dynamic shared memory DqSmem::kFloats · 4.

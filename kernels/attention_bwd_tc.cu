@@ -211,16 +211,15 @@ __device__ __forceinline__ void dkdv_tc_block(const Params& p, const T* q, const
     }
 
     // The head whose rows of dK and dV this block writes: its own, or its kv head's that a GQA
-    // group adds to (DkdvOut; up to D = 128, as the launcher's TensorCoreBackwardTile.adds_kv_heads
-    // says: in the D = 256 build the choice spilled 12-28 bytes on sm_90, NVRTC 13.5). With 8
-    // warps, the rows from an entry and head the compiler cannot take from before the loop: with
-    // 128 keys at D = 128 it held (bidb·H + bidh) across the loop for them, and spilled it (12
-    // bytes on sm_80), and the kv head held made a packed 128-key D = 64 build with softcap, ALiBi
-    // and a mask spill 12 bytes. (Not with 4: the 64-key D = 128 build with softcap, ALiBi and a
-    // float mask then takes 9 instructions more per tile.)
-    const bool add = kHeadDim <= 128 && dkdv_out == kDkdvFloatAdded;
+    // group adds to (DkdvOut). With 8 warps, and above D = 128, the rows from an entry and head
+    // the compiler cannot take from before the loop: with 128 keys at D = 128 it held (bidb·H +
+    // bidh) across the loop for them, and spilled it (12 bytes on sm_80); the kv head held made a
+    // packed 128-key D = 64 build with softcap, ALiBi and a mask spill 12 bytes, and the D = 256
+    // build 12-28 bytes on sm_90 (NVRTC 13.5). (Not with 4 warps up to D = 128: the 64-key D = 128
+    // build with softcap, ALiBi and a float mask then takes 9 instructions more per tile.)
+    const bool add = dkdv_out == kDkdvFloatAdded;
     BlockInfo b_out = b;
-    if constexpr (Layout::kWarps > 4) {
+    if constexpr (Layout::kWarps > 4 || kHeadDim > 128) {
         b_out.bidh = static_cast<int>(ptx::opaque(static_cast<unsigned long long>(b.bidh)));
         b_out.bidb = static_cast<int>(ptx::opaque(static_cast<unsigned long long>(b.bidb)));
     }

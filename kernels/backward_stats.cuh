@@ -6,6 +6,15 @@
 
 namespace attn {
 
+// How a dK/dV kernel writes a block's dK and dV (the launcher's choice by dtype, GQA and
+// deterministic mode; the float32 CUDA-core kernel's T is float32: the first two are one).
+enum DkdvOut : int {
+    kDkdvInputType = 0,   // T, per query head: each is its kv head's (no GQA group to sum)
+    kDkdvFloat = 1,       // float32 per query head, each GQA group summed after, in a fixed order
+    kDkdvFloatAdded = 2,  // float32 per kv head, which every query head of its group adds to
+                          // (reductions into zeros: an order of the adds not fixed)
+};
+
 // Row r's statistics of a tile whose first row is `first` (an index into lse and delta) and which
 // has rows_left rows inside the sequence, as the backward uses them: lse in base 2 and delta;
 // lse2 = +inf for a row past the sequence (delta 0 there) or one that attended to nothing

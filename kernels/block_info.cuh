@@ -289,6 +289,13 @@ struct BlockInfo {
                        : (static_cast<long long>(bidb) * p.heads + bidh) * p.seq_k;
     }
 
+    // The same in a per-kv-head dK, dV, which a GQA group's query heads add to: (B, Hkv, Sk)
+    // padded, (Hkv, total_k) packed.
+    __device__ __forceinline__ long long kv_key_stats(const Params& p) const {
+        return kPacked ? static_cast<long long>(bidh_kv) * p.total_k + kv_origin(p)
+                       : (static_cast<long long>(bidb) * (p.heads / p.kv_group) + bidh_kv) * p.seq_k;
+    }
+
     // The keys row i attends: inside the lengths (none for a row past q_len), the causal diagonal
     // and the window, i + off - left <= j <= i + off + right.
     __device__ __forceinline__ Band key_band(const Params& p, int i) const {

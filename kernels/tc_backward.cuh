@@ -12,15 +12,6 @@
 
 namespace attn {
 
-// How a dK/dV kernel writes a block's dK and dV (the launcher's choice by dtype, GQA and
-// deterministic mode).
-enum DkdvOut : int {
-    kDkdvInputType = 0,   // T, per query head: each is its kv head's (no GQA group to sum)
-    kDkdvFloat = 1,       // float32 per query head, each GQA group summed after, in a fixed order
-    kDkdvFloatAdded = 2,  // float32 per kv head, which every query head of its group adds to
-                          // (reductions into zeros: an order of the adds not fixed)
-};
-
 // Calls element(j, e, prob, qk, i, key, row_delta, z) for each score of Sᵀ (st[j][e] = q·k of
 // query row i and key `key`) of query tile m0 and key tile n0, prob its probability (before
 // dropout) and z its dropout factor (1 / (1 − p) where kept, else 0; 1 without dropout).

@@ -294,8 +294,8 @@ def test_gradients_are_written_in_the_input_type_where_nothing_is_summed_after(m
     the input type and in the caller's layout (through strides, or the TMA store's maps), and the
     call gets back the very arrays they wrote (no conversion pass and no transposing copy; except
     rows of the wgmma kernel that are not a multiple of 16 bytes, which it pads). With GQA they
-    write float32: a group's heads add theirs to one per kv head, or in deterministic mode (and
-    above D = 128) each writes its own, summed over each group after; then converted. dQ: float32 summed by atomics,
+    write float32: a group's heads add theirs to one per kv head, or in deterministic mode each
+    writes its own, summed over each group after; then converted. dQ: float32 summed by atomics,
     or in the input type and the caller's layout from the deterministic dQ kernel."""
     buffers = []  # (dq, dk or dv as the kernels wrote it, as returned)
     real = _kernel_backend._from_per_head
@@ -312,9 +312,27 @@ def test_gradients_are_written_in_the_input_type_where_nothing_is_summed_after(m
     wgmma = tensor_core_kernel == 90 and max(d, dv) <= 128  # D = 256: the mma.sync dK/dV
     for (written, returned), dims in ((dk_buffers, d), (dv_buffers, dv)):
         assert written.dtype == (np.float16 if hkv == 3 else np.float32)
-        assert written.shape[1] == (hkv if max(d, dv) <= 128 and not deterministic else 3)  # D = 256: per head
+        assert written.shape[1] == (3 if deterministic else hkv)
         unpadded = not wgmma or dims % 8 == 0
         assert np.shares_memory(written, returned) == (hkv == 3 and unpadded)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_the_float32_kernel_adds_a_groups_dk_dv_per_kv_head(monkeypatch, layout, deterministic):
+    """The CUDA-core dK/dV (float32): a GQA group's query heads add theirs to a float32 buffer per
+    kv head (atomics into zeros; padding rows of the shorter entry included), or in deterministic
+    mode each writes its own, summed over each group after."""
+    buffers = []  # (dq, dk or dv as the kernel wrote it, as returned)
+    real = _kernel_backend._from_per_head
+    monkeypatch.setattr(_kernel_backend, "_from_per_head", lambda p, x, dtype, **kw: buffers.append(
+        (x, real(p, x, dtype, **kw))) or buffers[-1][1])
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_SCHEDULE", "random")
+    rng = np.random.default_rng(31)
+    q, k, v = random_qkv(rng, b=2, h=6, hkv=2, sq=77, sk=150, d=40, dv=24, dtype=np.float32, layout=layout)
+    check(rng, q, k, v, np.float32, deterministic, layout=layout, causal=True, kv_lengths=[150, 97])
+    _, (dk_written, _), (dv_written, _) = buffers
+    assert dk_written.shape[:2] == dv_written.shape[:2] == (2, 6 if deterministic else 2)
 
 
 @pytest.mark.parametrize("schedule", ["forward", "reverse", "warps"])
