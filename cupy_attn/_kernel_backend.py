@@ -418,15 +418,20 @@ def _pointer(x) -> int:
 PACKED_REFUSAL = "a packed (varlen) batch: a box would reach into the next sequence"
 
 
-def _mma_sync_backward(problem: Problem, why_not: str, shared_limit: int):
-    """The tile of the mma.sync backward, which reads and writes any strides, in place of the
-    wgmma one, whose TMA cannot address the call's operands (`why_not`, logged once) or has
-    nothing to launch (`why_not` empty)."""
-    p = problem
+def _say_tma_refused(pass_: str, why_not: str) -> None:
+    """The mma.sync kernels, which read and write any strides, run a pass (forward, backward) in
+    place of the wgmma ones, whose TMA cannot address the call's operands (`why_not`; empty where
+    there is nothing to launch, which needs no word)."""
     if why_not:
-        _say_once(f"the wgmma backward needs TMA, which cannot address this call's operands ({why_not}): "
-                  "the mma.sync backward runs instead")
-    return _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, 80, shared_limit)
+        _say_once(f"the wgmma {pass_} needs TMA, which cannot address this call's operands ({why_not}): "
+                  f"the mma.sync {pass_} runs instead")
+
+
+def _mma_sync_backward(problem: Problem, why_not: str, limit: int):
+    """The tile of the mma.sync backward in place of the wgmma one (_say_tma_refused)."""
+    p = problem
+    _say_tma_refused("backward", why_not)
+    return _config.backward_tile(p.head_dim, p.head_dim_v, p.dtype, 80, limit)
 
 
 def tensor_maps(problem: Problem, tile, target: str, **operands):
@@ -500,10 +505,8 @@ def forward(problem: Problem, q, k, v, *, target: str):
     if hopper and 0 not in (p.seq_q, p.heads, p.batch):  # else nothing is launched
         # No keys: TMA refuses an axis of no entries, and the mma.sync forward writes the dead rows.
         maps, why_not = tensor_maps(p, tile, target, q=q, k=k, v=v, out=out) if p.seq_k else (None, "")
-        if maps is None:  # the cp.async kernels read and write any strides
-            if why_not:
-                _say_once(f"the wgmma forward needs TMA, which cannot address this call's operands ({why_not}): "
-                          "the mma.sync forward runs instead")
+        if maps is None:
+            _say_tma_refused("forward", why_not)
             tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype, 80, module["features"],
                                         mods=module["mods"] is not None)
             out, maps = _output(p, False), ()
@@ -551,8 +554,8 @@ def _copies_in_16_bytes(x) -> bool:
 def _per_head(problem: Problem, rows: int, dims: int, zeroed: bool = False, dtype=np.float32,
               callers_layout: bool = False, heads: int | None = None):
     """A buffer of one row per (query head, row): (B, H, rows, dims), or (H, total rows, dims) for
-    a packed batch (kernels/block_info.cuh, HeadView.stats and .key_stats, as the atomics' dQ and
-    the CUDA-core kernels address it); float32 unless told;
+    a packed batch (kernels/block_info.cuh, HeadView.stats, .key_stats and, per kv head,
+    .kv_key_stats, as the atomics' dQ and the CUDA-core kernels address it); float32 unless told;
     `heads` of them (the query heads unless told). With callers_layout, a bshd call's buffer is a
     (B, H, rows, dims) view of (B, rows, H, dims) storage, and a packed batch's an (H, rows, dims)
     view of (rows, H, dims) storage, which _from_per_head hands back (or converts) without a

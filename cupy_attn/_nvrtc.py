@@ -13,6 +13,7 @@ import os
 import pickle
 import re
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -127,10 +128,12 @@ def compile_kernel(code: str, name_expression: str, arch: str, options=()) -> Co
 SPILL_ATTEMPTS = 3
 
 
-# Where compile_kernel_least_spills keeps the results without spills, if set: a directory, read
-# and written by concurrent processes (each result written whole, then renamed). The tests set
-# one per run, so that a build two checks share (the compile report's and the feature builds'
-# plain, all and dropout builds, for one) goes through NVRTC once.
+# Where compile_kernel_least_spills keeps the results without spills, if set: a private directory
+# (its files are unpickled), read and written by concurrent processes and threads (each result
+# written whole to a file of its own, then renamed). A result read there keeps its first build's
+# compile_seconds, log and attempts. The tests set one per run, so that a build two checks share
+# (the compile report's and the feature builds' plain, all and dropout builds, for one) goes
+# through NVRTC once.
 CACHE_ENVIRONMENT = "CUPY_ATTN_NVRTC_CACHE"
 
 
@@ -138,17 +141,20 @@ def _cached_result(code: str, name_expression: str, arch: str, options) -> Path 
     directory = os.environ.get(CACHE_ENVIRONMENT)
     if not directory:
         return None
-    key = hashlib.sha256("\0".join([version(), code, name_expression, arch, *options]).encode()).hexdigest()
-    return Path(directory) / f"{key[:32]}.pickle"
+    key = hashlib.sha256("\0".join([version(), str(include_dir()), code, name_expression, arch, *options]).encode())
+    return Path(directory) / f"{key.hexdigest()[:32]}.pickle"
 
 
 def compile_kernel_least_spills(code: str, name_expression: str, arch: str, options=()) -> tuple[Compiled, int]:
     """compile_kernel, repeated while the result spills (SPILL_ATTEMPTS in all); the result with
-    the fewest spilled bytes and the number of compiles it took (those of the first, where it comes
-    from CACHE_ENVIRONMENT's directory)."""
+    the fewest spilled bytes and the number of compiles it took (as first built, where it comes
+    from CACHE_ENVIRONMENT's directory; one that cannot be read there is built again)."""
     cached = _cached_result(code, name_expression, arch, options)
     if cached is not None and cached.is_file():
-        return pickle.loads(cached.read_bytes())
+        try:
+            return pickle.loads(cached.read_bytes())
+        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, TypeError):
+            pass
     best, attempts = None, 0
     while attempts < SPILL_ATTEMPTS and (best is None or best.spill_stores + best.spill_loads):
         attempts += 1
@@ -157,7 +163,8 @@ def compile_kernel_least_spills(code: str, name_expression: str, arch: str, opti
             best = c
     if cached is not None and not best.spill_stores + best.spill_loads:  # one that spills is compiled again
         cached.parent.mkdir(parents=True, exist_ok=True)
-        partial = cached.with_name(f"{cached.stem}.{os.getpid()}.partial")
-        partial.write_bytes(pickle.dumps((best, attempts)))
+        handle, partial = tempfile.mkstemp(dir=cached.parent, suffix=".partial")
+        with os.fdopen(handle, "wb") as f:
+            f.write(pickle.dumps((best, attempts)))
         os.replace(partial, cached)
     return best, attempts

@@ -8,9 +8,10 @@
 //                             atomics;
 //   attention_bwd_dq          the deterministic dQ: one block per query tile loops over key
 //                             tiles and accumulates dQ in registers, no atomics.
-// dK and dV are written per query head (float32, (B, H, Sk, D)); a GQA group's query heads add
-// theirs to their kv head's (B, Hkv, Sk, D) by atomics, or in deterministic mode write them per
-// query head for the host to sum each group in a fixed order, bit-identical run to run (DkdvOut).
+// Without GQA, dK and dV are written per head (float32, (B, H, Sk, D)); a GQA group's query
+// heads add theirs to their kv head's (B, Hkv, Sk, D) by atomics, or in deterministic mode write
+// them per query head for the host to sum each group in a fixed order, bit-identical run to run
+// (DkdvOut).
 #include "block_info.cuh"
 #include "dropout.cuh"
 #include "mask.cuh"

@@ -424,11 +424,17 @@ def test_a_result_without_spills_is_kept_in_the_cache_and_one_with_spills_is_not
     first = _nvrtc.compile_kernel_least_spills("code", "k", "sm_90", ("-DA=1",))
     assert _nvrtc.compile_kernel_least_spills("code", "k", "sm_90", ("-DA=1",)) == first == (first[0], 1)
     assert len(compiles) == 1 and len(list((tmp_path / "cache").iterdir())) == 1
+    # one that cannot be read (cut short, written by another version) is built again, and replaced
+    [entry] = (tmp_path / "cache").iterdir()
+    entry.write_bytes(entry.read_bytes()[:40])
+    assert _nvrtc.compile_kernel_least_spills("code", "k", "sm_90", ("-DA=1",))[0].registers == 2
+    assert _nvrtc.compile_kernel_least_spills("code", "k", "sm_90", ("-DA=1",))[0].registers == 2
+    assert len(compiles) == 2 and len(list((tmp_path / "cache").iterdir())) == 1
     # another source, name, architecture or option is another build
     for args in (("code ", "k", "sm_90", ("-DA=1",)), ("code", "k2", "sm_90", ("-DA=1",)),
                  ("code", "k", "sm_80", ("-DA=1",)), ("code", "k", "sm_90", ("-DA=2",))):
         assert _nvrtc.compile_kernel_least_spills(*args)[0].registers == len(compiles)
-    assert len(compiles) == 5
+    assert len(compiles) == 6
     _nvrtc.compile_kernel_least_spills("code", "spills", "sm_90")
     _nvrtc.compile_kernel_least_spills("code", "spills", "sm_90")
-    assert len(compiles) == 5 + 2 * _nvrtc.SPILL_ATTEMPTS and len(list((tmp_path / "cache").iterdir())) == 5
+    assert len(compiles) == 6 + 2 * _nvrtc.SPILL_ATTEMPTS and len(list((tmp_path / "cache").iterdir())) == 5

@@ -141,6 +141,8 @@ def test_every_kernel_has_barriers():
 
 
 MUTANT = "cupy_attn_mutant"
+MUTANT_DECLARATION = f'extern "C" __attribute__((visibility("default"))) int {MUTANT} = -1;\n'
+SCHEDULES = ("forward", "reverse", "random", "warps", "warps_reverse")
 
 
 def fences_for_syncthreads(filename, at):
@@ -189,7 +191,11 @@ def mutant_schema(filename):
     assert all(later[0] >= end for later, (_, end, _) in zip(edits, edits[1:])), "mutants overlap"
     for start, end, replacement in edits:
         source = source[:start] + replacement + source[end:]
-    return f'extern "C" __attribute__((visibility("default"))) int {MUTANT} = -1;\n' + source
+    return MUTANT_DECLARATION + source
+
+
+def choose(module, mutant):
+    ctypes.c_int.from_address(module.get_global(MUTANT)).value = mutant
 
 
 def schema_runner(monkeypatch, filename):
@@ -210,7 +216,7 @@ def schema_runner(monkeypatch, filename):
             modules[features, packed] = RawModule(mutant_schema(filename), options=_compile.feature_options(features, packed),
                                                   name_expressions=kernels[features, packed])
         module = modules[features, packed]
-        ctypes.c_int.from_address(module.get_global(MUTANT)).value = chosen[0]
+        choose(module, chosen[0])
         return module.get_function(name_expression)
 
     chosen = [-1]
@@ -224,7 +230,7 @@ def schema_runner(monkeypatch, filename):
             return results(filename)
         finally:  # a module's library is loaded once, for all the file's tests
             for module in modules.values():
-                ctypes.c_int.from_address(module.get_global(MUTANT)).value = -1
+                choose(module, -1)
 
     return want, run
 
@@ -244,7 +250,7 @@ def assert_breaks(monkeypatch, filename, mutant, what):
         return any(not np.allclose(g, w, atol=1e-3) for g, w in zip(got, want))
 
     # the first schedule that shows the mistake is enough
-    assert any(breaks(s) for s in ("forward", "reverse", "random", "warps", "warps_reverse")), \
+    assert any(breaks(s) for s in SCHEDULES), \
         f"{what} changed nothing in any schedule"
 
 
@@ -267,12 +273,14 @@ def test_each_mutant_guards_its_own_site(filename):
             assert re.fullmatch(r"(\{ if \([^)]*\) )?ptx::named_barrier_sync\([^;]*\);( \})?",
                                 schema[site.end():after.start()].split("\n", 1)[1].strip())
     unguarded = moved.sub("", guard.sub(lambda g: g[2], schema))
-    assert unguarded == f'extern "C" __attribute__((visibility("default"))) int {MUTANT} = -1;\n' + source
+    assert unguarded == MUTANT_DECLARATION + source
 
 
 @pytest.mark.parametrize("filename", KERNEL_FILES)
 def test_the_schema_without_a_mutant_computes_what_the_source_does(monkeypatch, filename):
     want, run = schema_runner(monkeypatch, filename)
+    # two of the schedules a mutant's test tries: with its tests taken out the schema is the source
+    # (test_each_mutant_guards_its_own_site), which the kernels' own tests run in every schedule
     for schedule in ("forward", "warps_reverse"):
         got = run(-1, schedule)
         assert len(got) == len(want)

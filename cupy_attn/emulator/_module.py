@@ -190,10 +190,10 @@ class RawModule:
         return Function(self._lib, self._names.index(name), name)
 
     def get_global(self, name: str) -> int:
-        """The address of the module's global variable ``name``, which the source declares
-        ``extern "C"`` with default visibility: the twin of ``cupy.RawModule.get_global``, whose
-        pointer is a device address where this one is a host address (for ctypes), so that a
-        value set there before a launch is what the kernels read."""
+        """The host address (for ctypes) of the module's global variable ``name``, which the
+        source declares ``extern "C"`` with default visibility: what ``cupy.RawModule.get_global``
+        gives as a device pointer. A value set there before a launch is what the kernels read,
+        as long as the module is not built again for a name expression it has not seen."""
         if self._lib is None:
             self._compile(self.name_expressions)
         try:
