@@ -499,7 +499,7 @@ def forward(problem: Problem, q, k, v, *, target: str):
                                 mods=module["mods"] is not None, diagonal=p.causal is not None or p.window is not None)
     q, k, v = (_kernel_addressable(xp, x) for x in (q, k, v))
     hopper = isinstance(tile, _config.HopperTile)
-    out = _output(p, hopper)
+    out = _output(p, hopper and p.packing is None)  # a packed batch: no TMA (tensor_maps)
     lse = _empty(xp, p.lse_shape, np.float32)
     maps = ()
     if hopper and 0 not in (p.seq_q, p.heads, p.batch):  # else nothing is launched
@@ -509,7 +509,9 @@ def forward(problem: Problem, q, k, v, *, target: str):
             _say_tma_refused("forward", why_not)
             tile = _config.forward_tile(p.head_dim, p.head_dim_v, p.dtype, 80, module["features"],
                                         mods=module["mods"] is not None)
-            out, maps = _output(p, False), ()
+            maps = ()
+            if not out.flags.c_contiguous:  # rows padded for the TMA store: the mma.sync kernel's are not
+                out = _output(p, False)
     # The tensor-core forwards start their blocks in the order _query_grid shapes; the CUDA-core
     # one keeps the grid (query tiles, heads, batch entries) (kernels/block_info.cuh).
     grid = _query_grid(p, target, tile.block_m) if tile.sectioned else (_blocks(p.seq_q, tile.block_m), p.heads, p.batch)

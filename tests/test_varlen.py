@@ -121,6 +121,17 @@ def test_a_packed_backward_on_sm90_makes_the_mma_sync_kernels_buffers_alone(rng,
     assert [(kw.get("zeroed"), kw.get("heads")) for kw in made] == [(True, None), (True, 2), (True, 2)]  # dq, dk, dv
 
 
+def test_a_packed_forward_on_sm90_makes_the_mma_sync_kernels_output_alone(rng, monkeypatch):
+    """Nor does the forward make an output for the wgmma kernel's TMA store (rows padded to 8
+    elements where Dv is not a multiple of 8) before it takes the mma.sync kernel."""
+    monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", 90)
+    made = []
+    real = _kernel_backend._output
+    monkeypatch.setattr(_kernel_backend, "_output", lambda p, tma: made.append(tma) or real(p, tma))
+    check_varlen("emulator", rng, [20, 9], [33, 5], np.dtype(np.float16), h=4, hkv=2, d=64, dv=24, grads=False)
+    assert made == [False]
+
+
 @pytest.mark.parametrize("d,dv,hkv", [(64, 64, 1), (128, 128, 8), (256, 256, 2), (40, 72, 4)])
 def test_head_dims_and_groups(rng, d, dv, hkv):
     check_varlen("emulator", rng, [33, 2], [40, 17], np.dtype(np.float16), h=8, hkv=hkv, d=d, dv=dv, causal=True,
