@@ -73,6 +73,12 @@ def check_supported(problem: Problem, target: str) -> None:
     if problem.heads > _schedule.GRID_YZ_LIMIT or problem.batch > _schedule.GRID_YZ_LIMIT:
         raise ValueError(f"at most {_schedule.GRID_YZ_LIMIT} heads and batch entries per call, got H = {problem.heads}, "
                          f"B = {problem.batch}")
+    rows = {"seq_q + seq_k": problem.seq_q + problem.seq_k}  # a window's sides are clamped to the sum (_problem._window)
+    if problem.packing is not None:
+        rows.update(total_q=problem.packing.total_q, total_k=problem.packing.total_k)
+    for name, n in rows.items():
+        if n >= 2**31:  # checked before an append to a KV cache writes anything
+            raise ValueError(f"the kernels index rows with 32-bit integers: {name} must be below 2^31, got {n}")
     if problem.heads * problem.batch >= 2**31:  # the sectioned grids' pair index (kernels/block_info.cuh)
         raise ValueError(f"fewer than 2^31 (batch entry, head) pairs per call, got H = {problem.heads}, B = {problem.batch}")
     if problem.dtype in _config.TENSOR_CORE_DTYPES and _blocks(problem.seq_q, _QUERY_TILE_ROWS) > _schedule.GRID_YZ_LIMIT:

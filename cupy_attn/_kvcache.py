@@ -51,7 +51,10 @@ def _int32_array(name: str, x, xp, shape_words: str):
 def _cache_seqlens(cache_seqlens, xp, batch: int) -> np.ndarray:
     """(B,) int64 on the host, checked non-negative."""
     if is_integer(cache_seqlens):
-        seqlens = np.full(batch, int(cache_seqlens), dtype=np.int64)
+        value = int(cache_seqlens)
+        if not -2**31 <= value < 2**31:  # the array form's int32; np.full would raise OverflowError past int64
+            raise ValueError(f"cache_seqlens must be a non-negative int32, got {value}")
+        seqlens = np.full(batch, value, dtype=np.int64)
     else:
         seqlens = host_ints(xp, _int32_array("cache_seqlens", cache_seqlens, xp, f"({batch},) or an int"))
         if seqlens.shape != (batch,):

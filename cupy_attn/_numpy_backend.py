@@ -258,8 +258,9 @@ def forward(problem: Problem, q, k, v):
             acc += s @ t.v[:, :, j0:j1]
             row_max = new_max
         # Fully masked rows have row_sum 0 and acc 0 (all their exps were 0): dividing by 1
-        # instead keeps their output 0 rather than 0/0 = NaN, and their lse is -inf.
-        seen = row_sum > 0
+        # instead keeps their output 0 rather than 0/0 = NaN, and their lse is -inf. A NaN sum
+        # (NaN or inf in the row's inputs) stays NaN, lse too (kernels/softmax.cuh, lse).
+        seen = row_sum != 0
         safe_sum = np.where(seen, row_sum, 1)
         acc /= safe_sum
         shape5 = (p.batch, p.kv_heads, p.groups, i1 - i0)
@@ -316,5 +317,8 @@ def sink_gradient(xp, sinks, lse, delta):
     """dL/dsinks (H,) from the forward's lse and delta = rowsum(dO ∘ O), both (B, H, Sq): a sink
     takes the share P_sink = exp(sink − lse) of its row and carries no value, so
     dL/dsink_h = −Σ_{b,i} P_sink · delta (as for any score: dS = P·(dP − delta), with dP = 0).
-    Both backends use it; lse is finite wherever a sink is (lse >= sink)."""
-    return -(xp.exp(sinks[None, :, None] - lse) * delta).sum(axis=(0, 2))
+    Both backends use it; lse is finite wherever a sink is (lse >= sink). The kernels' lse, taken
+    in base 2, may lie an ulp below the sink, which near the sinks' bound (1.7e38) is a distance
+    of 1e31: exp of that would be inf, and inf · delta (0 in a dead row) NaN, so P_sink is taken
+    at most 1, as the exact lse makes it."""
+    return -(xp.exp(xp.minimum(sinks[None, :, None] - lse, 0)) * delta).sum(axis=(0, 2))

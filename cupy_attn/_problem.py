@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._arrays import (
+    BFLOAT16,
     compute_dtype,
     count_argument,
     describe,
@@ -220,7 +221,7 @@ def _per_head(name: str, values, xp, heads: int, dtype: np.dtype, *, batch: int 
             raise TypeError(f"{name} must be a float array of shape {shapes}, got a {type(values).__name__} "
                             f"that is not a rectangular list of numbers: {values!r:.80}") from None
     require_array(name, values, xp)
-    if values.dtype.kind not in kinds:
+    if values.dtype.kind not in kinds and values.dtype != BFLOAT16:  # ml_dtypes' bfloat16 is of kind "V"
         raise TypeError(f"{name} must hold {kind_name}, got dtype {values.dtype}")
     if batch is not None and values.shape == (heads,):
         values = xp.broadcast_to(values[None, :], (batch, heads))
@@ -375,6 +376,8 @@ def _max_seqlen(name: str, value, lengths, cu_name: str) -> int:
     longest = int(lengths.max()) if lengths.size else 0
     if value < longest:
         raise ValueError(f"{name} = {value} is less than the longest sequence in {cu_name} ({longest})")
+    if value >= 2**31:  # no sequence is longer than cu_seqlens' int32 offsets reach
+        raise ValueError(f"{name} must be below 2^31 (as {cu_name}'s int32 offsets are), got {value}")
     return int(value)
 
 

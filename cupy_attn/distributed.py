@@ -223,8 +223,9 @@ def ring_attention(q, k, v, comm, *, causal=False, layout="bhsd", load_balance="
     float32, float64 for float64) when return_lse. A row that sees no key gives 0, lse −inf.
 
     Each of the P steps attends the local queries to one K/V block (skipping blocks causal
-    masking hides entirely) while the next block is sent on; the partial results are merged
-    exactly in float32 (float64), so out is rounded to q's dtype once.
+    masking hides entirely) while the next block is sent on; the partial results, each in q's
+    dtype (attention's out), are merged exactly in float32 (float64) and the result rounded to
+    q's dtype.
     """
     check_flag("return_lse", return_lse)
     problem, ring, target = _context(q, k, v, comm, causal=causal, layout=layout, load_balance=load_balance,

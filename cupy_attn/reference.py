@@ -86,14 +86,19 @@ def _probabilities(p, q64, k64):
     sink = None if p.sinks is None else np.asarray(p.sinks, np.float64)[None, :, None, None]
     if sink is not None:  # a sink joins the denominator only: exp(sink) with no value
         row_max = np.maximum(row_max, sink)
-    alive = np.isfinite(row_max)
-    e = np.where(alive, np.exp(s - np.where(alive, row_max, 0)), 0.0)
-    total = e.sum(axis=-1, keepdims=True)
-    if sink is not None:
-        total = total + np.exp(sink - row_max)
-    prob = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+    # A row that attends nothing has max -inf: probabilities 0, lse -inf. A NaN or +inf score (NaN
+    # or inf in the inputs) makes its row's sum NaN: probabilities and lse NaN, never a row taken
+    # for empty (kernels/softmax.cuh, lse).
+    alive = row_max != -np.inf
+    with np.errstate(invalid="ignore"):
+        e = np.where(alive, np.exp(s - np.where(alive, row_max, 0)), 0.0)
+        total = e.sum(axis=-1, keepdims=True)
+        if sink is not None:
+            total = total + np.exp(sink - row_max)
+    seen = total != 0
+    prob = np.divide(e, total, out=np.zeros_like(e), where=seen)
     with np.errstate(divide="ignore"):
-        lse = np.where(total[..., 0] > 0, row_max[..., 0] + np.log(np.where(total > 0, total, 1)[..., 0]), -np.inf)
+        lse = np.where(seen[..., 0], row_max[..., 0] + np.log(np.where(seen, total, 1)[..., 0]), -np.inf)
     return prob, lse, slope
 
 

@@ -111,12 +111,16 @@ struct OnlineSoftmax {
         return rescale;
     }
 
-    // After gather_sum: 1 / row_sum, or 0 for a row that attended nothing (its output is 0, never 0/0 = NaN).
-    __device__ __forceinline__ float inverse_sum() const { return row_sum > 0.f ? 1.f / row_sum : 0.f; }
+    // After gather_sum: 1 / row_sum, or 0 for a row that attended nothing (its output is 0, never
+    // 0/0 = NaN). A live row's sum is at least 1 (its max's own term), so only such a row's is 0;
+    // a NaN sum (NaN or inf in the row's inputs) is no empty row: it stays NaN, as below.
+    __device__ __forceinline__ float inverse_sum() const { return row_sum == 0.f ? 0.f : 1.f / row_sum; }
 
-    // After gather_sum: the natural-log logsumexp of the row's scores; -inf for a row that attended nothing.
+    // After gather_sum: the natural-log logsumexp of the row's scores; -inf for a row that
+    // attended nothing, NaN for a NaN sum: -inf would mark the row empty, and a merge of split
+    // rows (the combine kernel, merge_attention) would drop it, NaN and all.
     __device__ __forceinline__ float lse() const {
-        return row_sum > 0.f ? (row_max + log2f(row_sum)) * kLn2 : -infinity();
+        return row_sum == 0.f ? -infinity() : (row_max + log2f(row_sum)) * kLn2;
     }
 };
 

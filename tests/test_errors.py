@@ -382,3 +382,23 @@ def test_return_lse_must_be_a_bool(qkv):
         for flag in ("yes", 1, None):
             with pytest.raises(TypeError, match=f"return_lse must be a bool, got {type(flag).__name__}"):
                 call(flag)
+
+
+def test_rows_past_32_bit_indices_are_refused_before_a_cache_is_written():
+    """The kernels index rows with int32: a packed batch's longest sequence, or a paged cache's
+    capacity, of 2^31 rows or more is a ValueError naming the sizes (not an OverflowError from
+    the launch), raised before attention_with_kvcache appends anything."""
+    f32 = np.float32
+    q, k, v = np.ones((10, 2, 16), f32), np.ones((12, 1, 16), f32), np.ones((12, 1, 16), f32)
+    cu_q, cu_k = np.array([0, 3, 3, 10], np.int32), np.array([0, 5, 12, 12], np.int32)
+    with pytest.raises(ValueError, match=r"32-bit integers: seq_q \+ seq_k must be below 2\^31, got 2147483654"):
+        cupy_attn.attention_varlen(q, k, v, cu_q, cu_k, 7, 2**31 - 1, backend="emulator")
+    with pytest.raises(ValueError, match=r"max_seqlen_k must be below 2\^31 \(as cu_seqlens_k's int32 offsets are\), "
+                                         r"got 2147483648"):
+        cupy_attn.attention_varlen(q, k, v, cu_q, cu_k, 7, 2**31)
+    caches = np.zeros((2, 1, 8192, 1, 16), f32)
+    new = np.ones((2, 1, 1, 1, 16), f32)
+    with pytest.raises(ValueError, match=r"seq_q \+ seq_k must be below 2\^31, got 4294967297"):
+        cupy_attn.attention_with_kvcache(np.ones((1, 1, 1, 16), f32), *caches, *new, cache_seqlens=5,
+                                         block_table=np.zeros((1, 2**19), np.int32), backend="emulator")
+    assert not caches.any()

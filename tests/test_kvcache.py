@@ -205,6 +205,25 @@ def test_splits_agree_with_one_split(rng, monkeypatch):
         np.testing.assert_allclose(lse, results[1][1], atol=2e-6, rtol=2e-6, err_msg=f"num_splits={n}")
 
 
+@pytest.mark.parametrize("backend", ["numpy", "emulator"])
+def test_a_nan_key_is_nan_in_every_split(rng, backend):
+    """One NaN key among 200 gives out and lse NaN with one split and with four: the split that
+    holds it has lse NaN, not -inf, which would mark it empty and have the combine drop it (a
+    finite result over the other splits' keys alone)."""
+    cache = make_cache(rng, [200, 40], hkv=1, dtype=np.float32)
+    page, row = cache.slot(0, 10)
+    cache.k[page, row, 0, 3] = np.nan
+    q = rng.standard_normal((2, 1, 2, 32)).astype(np.float32)
+    for splits in (1, 4):
+        out, lse = attention_with_kvcache(q, cache.k, cache.v, cache_seqlens=np.array([200, 40], np.int32),
+                                          num_splits=splits, return_lse=True, backend=backend, **cache.arguments())
+        assert np.isnan(lse[0]).all() and np.isnan(out[0]).all(), splits
+        want_out, want_lse = reference_kvcache(q[1:], Cache(*(x[:] for x in (cache.k, cache.v)), cache.table[1:],
+                                                              cache.page_size, cache.paged), [40])
+        assert_close(out[1:], want_out, np.float32, what=f"out, {splits} splits")
+        assert_close(lse[1:], want_lse, np.float32, what=f"lse, {splits} splits")
+
+
 def test_split_heuristic():
     """_config.decode_splits: ~2 blocks per SM, at least 4 key tiles per split, at most 128."""
     assert _config.decode_splits(blocks=8, key_tiles=1024, sm_count=132) == 33  # 2 · 132 / 8
@@ -334,6 +353,8 @@ ERRORS = [
     (lambda c: dict(cache_seqlens=np.array([3, 10], np.int64)), TypeError, "cache_seqlens must have dtype int32"),
     (lambda c: dict(cache_seqlens=np.array([3, 10, 1], np.int32)), ValueError, r"cache_seqlens must have shape \(2,\)"),
     (lambda c: dict(cache_seqlens=[3, 10]), TypeError, "cache_seqlens must be an int32 array"),
+    (lambda c: dict(cache_seqlens=2**70), ValueError, "cache_seqlens must be a non-negative int32, got 1180591620717411303424"),
+    (lambda c: dict(cache_seqlens=-2**70), ValueError, "cache_seqlens must be a non-negative int32, got -1180591620717411303424"),
     (lambda c: dict(cache_seqlens=np.array([3, 15], np.int32)), ValueError,
      r"must not exceed the capacity, max_blocks_per_seq · page_size = 2 · 8 = 16; entry 1 has 15 \+ 2 = 17"),
     (lambda c: dict(block_table=table_with(c, (1, 1), -1)), ValueError,

@@ -107,3 +107,34 @@ def test_skipped_tiles_leave_no_trace(rng):
     out = cupy_attn.attention(q, k, v, window=(10, 0))
     want = cupy_attn.attention(q, k[:, :, 229:], v[:, :, 229:])
     assert_close(out, want, np.float32)
+
+
+@pytest.mark.parametrize("dtype,backend", [(np.float16, "reference"), (np.float16, "numpy"), (np.float32, "emulator-80"),
+                                           (np.float16, "emulator-80"), (np.float16, "emulator-90")])
+def test_a_nan_input_makes_the_rows_that_see_it_nan_not_empty(rng, monkeypatch, dtype, backend):
+    """NaN in one query element (entry 0, head 0, row 3) and one key element (entry 1, head 1,
+    key 5, causal): out and lse are NaN in the rows that see it, finite elsewhere (a masked NaN
+    score is no score). Its lse must not be -inf, which marks a row that saw no keys: a merge of
+    split rows (the decoding kernel's splits, merge_attention, ring attention) drops such a part,
+    and the NaN with it."""
+    from cupy_attn import _kernel_backend, reference
+
+    q, k, v = random_qkv(rng, b=2, h=2, sq=7, sk=9, d=16, dtype=dtype)
+    q[0, 0, 3, 2] = np.nan
+    k[1, 1, 5, 0] = np.nan
+    if backend == "reference":
+        out, lse = reference.attention(q, k, v, causal=True)
+    else:
+        if backend.startswith("emulator"):
+            monkeypatch.setattr(_kernel_backend, "POISON_OUTPUTS", True)
+            monkeypatch.setattr(_kernel_backend, "EMULATOR_COMPUTE_CAPABILITY", int(backend[-2:]))
+        out, lse = cupy_attn.attention(q, k, v, causal=True, return_lse=True, backend=backend.split("-")[0])
+    nan_rows = np.zeros(lse.shape, bool)
+    nan_rows[0, 0, 3] = True
+    nan_rows[1, 1, 3:] = True  # causal, bottom-right (Sq = 7, Sk = 9): row i sees keys up to i + 2
+    assert (np.isnan(lse) == nan_rows).all(), np.argwhere(np.isnan(lse) != nan_rows)
+    assert (np.isnan(out.astype(np.float32)).all(axis=-1) == nan_rows).all()
+    if backend != "reference":
+        want_out, want_lse = reference.attention(np.nan_to_num(q), np.nan_to_num(k), v, causal=True)
+        assert_close(np.where(nan_rows[..., None], 0, out), np.where(nan_rows[..., None], 0, want_out), dtype)
+        assert_close(np.where(nan_rows, 0, lse), np.where(nan_rows, 0, want_lse), dtype)

@@ -99,3 +99,28 @@ def test_errors(rng, sinks, error, message):
     q, k, v = random_qkv(rng, b=2, h=4, hkv=2, sq=5, sk=6, d=8)
     with pytest.raises(error, match=message):
         cupy_attn.attention(q, k, v, sinks=sinks)
+
+
+def test_sinks_and_slopes_may_be_bfloat16(rng):
+    """A bf16 model's sink logits and slopes come as bfloat16 (ml_dtypes' type, of kind "V", not
+    "f"): taken as the float32 values they hold."""
+    q, k, v = random_qkv(rng, b=1, h=2, sq=5, sk=6, d=8, dtype=BF16)
+    sinks, slopes = np.array([0.5, -1.25], BF16), np.array([0.25, 0.125], BF16)
+    got = cupy_attn.attention(q, k, v, sinks=sinks, alibi_slopes=slopes)
+    want = cupy_attn.attention(q, k, v, sinks=sinks.astype(np.float32), alibi_slopes=slopes.astype(np.float32))
+    np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "emulator"])
+def test_a_sink_at_its_bound_has_a_finite_gradient(rng, backend):
+    """A sink of 1.7e38 (the bound for float32 scores) dominates its rows: their lse is the sink
+    (the kernels' base-2 lse an ulp below it, 1e31 less) and its gradient is -Σ delta, never
+    exp(1e31) · delta = NaN."""
+    q, k, v = random_qkv(rng, b=1, h=2, sq=4, sk=6, d=16)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    sinks = np.array([1.7e38, 0.5], np.float32)
+    out, lse = cupy_attn.attention(q, k, v, sinks=sinks, return_lse=True, backend=backend)
+    dsinks = cupy_attn.attention_backward(dout, q, k, v, out, lse, sinks=sinks, backend=backend)[3]
+    want = reference.attention_gradients(dout, q, k, v, sinks=sinks)[3]
+    assert np.isfinite(dsinks).all() and dsinks[0] == 0  # its rows' out is 0, so delta = 0
+    np.testing.assert_allclose(dsinks, want, rtol=1e-4, atol=1e-5)
