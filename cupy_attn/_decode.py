@@ -31,6 +31,12 @@ def splits(kv: KVCache, tile: _config.DecodeTile, row_tiles: int, target: str) -
     return _config.decode_splits(row_tiles * p.kv_heads * p.batch, key_tiles, sm_count(target))
 
 
+def check_supported(kv: KVCache) -> None:
+    """Refuse head dims past the decoding kernel's tiles before attention_with_kvcache appends
+    anything to the caches. (Its tiles' shared memory, 84 KB at most, fits every GPU it runs on.)"""
+    _config.decode_tile(kv.attention.head_dim, kv.attention.head_dim_v)
+
+
 def forward(kv: KVCache, q, k_cache, v_cache, *, target: str):
     """(out, lse) of attention over the caches (the new keys already appended)."""
     p, xp = kv.attention, kv.xp

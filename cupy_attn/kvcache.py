@@ -77,6 +77,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                                    window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
                                    layout=layout, num_splits=num_splits, backend=backend)
         name = _backends.select(kv.attention)  # may still refuse: before anything is written
+        if name != "numpy":
+            _decode.check_supported(kv)
         _kvcache.append(kv, k_cache, v_cache, k, v)
         if name == "numpy":
             out, lse = _kvcache.numpy_forward(kv, q, k_cache, v_cache)

@@ -224,6 +224,19 @@ def test_a_nan_key_is_nan_in_every_split(rng, backend):
         assert_close(lse[1:], want_lse, np.float32, what=f"lse, {splits} splits")
 
 
+def test_a_head_dim_past_the_decoding_tiles_is_refused_before_the_append():
+    """D = 300 runs on the NumPy backend alone: the kernels' refusal comes before the append would
+    write the caches (it came after). No other refusal can come later: every decoding tile's
+    shared memory fits the least a GPU the kernels run on offers."""
+    q, new = np.ones((1, 1, 1, 300), np.float32), np.ones((2, 1, 1, 1, 300), np.float32)
+    caches = np.zeros((2, 1, 16, 1, 300), np.float32)
+    with pytest.raises(ValueError, match="head dims up to 256 are supported by these CUDA kernels, got D = 300"):
+        attention_with_kvcache(q, *caches, *new, cache_seqlens=3, backend="emulator")
+    assert not caches.any()
+    assert max(t.shared_bytes(dtype) for t in _config.DECODE_TILES for dtype in KERNEL_DTYPES) \
+        <= _config.LEAST_SHARED_LIMIT
+
+
 def test_split_heuristic():
     """_config.decode_splits: ~2 blocks per SM, at least 4 key tiles per split, at most 128."""
     assert _config.decode_splits(blocks=8, key_tiles=1024, sm_count=132) == 33  # 2 · 132 / 8
