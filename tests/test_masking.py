@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import cupy_attn
-from cupy_attn import masks
+from cupy_attn import _kernel_backend, masks, reference
 from helpers import DTYPES, assert_close, random_qkv
 
 
@@ -117,8 +117,6 @@ def test_a_nan_input_makes_the_rows_that_see_it_nan_not_empty(rng, monkeypatch, 
     score is no score). Its lse must not be -inf, which marks a row that saw no keys: a merge of
     split rows (the decoding kernel's splits, merge_attention, ring attention) drops such a part,
     and the NaN with it."""
-    from cupy_attn import _kernel_backend, reference
-
     q, k, v = random_qkv(rng, b=2, h=2, sq=7, sk=9, d=16, dtype=dtype)
     q[0, 0, 3, 2] = np.nan
     k[1, 1, 5, 0] = np.nan
