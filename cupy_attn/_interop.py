@@ -83,6 +83,17 @@ def _is_bfloat16(x) -> bool:
     return str(x.dtype).endswith("bfloat16")
 
 
+def needs_autograd(framework: str | None, *arrays) -> bool:
+    """Whether torch's autograd would record an operation on ``arrays`` (``framework``'s): one
+    requires grad and grad mode is on (it is off in a torch.autograd.Function's forward and
+    backward, and so in cupy_attn.torch's operators, which do their own autograd)."""
+    if framework != "torch":
+        return False
+    import torch
+
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in arrays)
+
+
 def to_backend(x, name: str = "an array", *, written: bool = False):
     """A framework array as a NumPy (CPU) or CuPy (CUDA) array sharing its memory; anything
     else unchanged. ``name``: the argument, for errors; ``written``: it is to be written in place
@@ -107,6 +118,13 @@ def to_backend(x, name: str = "an array", *, written: bool = False):
         if written and x.requires_grad:
             raise TypeError(f"{name} requires grad: torch refuses in-place writes to it, and so does cupy_attn (pass "
                             f"{name}.detach(), which shares its memory)")
+        if needs_autograd(framework, x):
+            # as torch's own Tensor.numpy() refuses it: a result computed outside autograd would
+            # silently cut the graph (a residual branch's gradient lost without an error)
+            raise TypeError(f"{name} requires grad, and cupy_attn's plain functions compute outside torch's autograd, "
+                            "so its gradient would be silently lost: use cupy_attn.torch.attention or "
+                            "attention_varlen (differentiable), or call under torch.no_grad() (or pass "
+                            f"{name}.detach())")
         x = x.detach()
         if x.is_neg() or x.is_conj():
             # DLPack hands over the memory, not the lazy negation or conjugation of a view.
@@ -143,6 +161,13 @@ def backend_arrays(framework: str | None, written=(), **named) -> list:
     outs[i] and lses[i]) come from the caller's library, ``framework`` (None: NumPy or CuPy): a
     torch tensor beside NumPy arrays would otherwise be taken on the CPU and the result handed
     back as whichever came first. Everything else passes as it is."""
+    check_libraries(framework, **named)
+    return [to_backend(x, name, written=name in written) for name, x in named.items()]
+
+
+def check_libraries(framework: str | None, **named) -> None:
+    """Refuse a TENSORS array among ``named`` (or a merge_attention part) from a library other
+    than ``framework``'s (see `backend_arrays`)."""
     lead_name = next((n for n, x in named.items() if framework_of(x) == framework), None)
     for name, x in named.items():
         kind = framework_of(x)
@@ -151,7 +176,6 @@ def backend_arrays(framework: str | None, written=(), **named) -> list:
             theirs = f"a {framework} array" if framework else "a NumPy or CuPy array"
             raise TypeError(f"{name} is a {kind or module_of(x).__name__} array, but {lead_name} is {theirs}: pass all "
                             "arrays from one library")
-    return [to_backend(x, name, written=name in written) for name, x in named.items()]
 
 
 def to_framework(framework: str | None, x):

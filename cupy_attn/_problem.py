@@ -336,14 +336,32 @@ def _check_heads_and_dims(rows_name: str, q_shape, k_shape, v_shape, names=("k",
 def _features(problem_fields: dict, xp, batch: int, heads: int, dtype, head_dim: int, *, causal, window, scale,
               softcap, alibi_slopes) -> dict:
     """The keywords every attention function shares, validated."""
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_real("scale", scale, dtype)
+    softcap = None if softcap is None else _positive_real("softcap", softcap, dtype)
+    if softcap is not None:
+        _check_tanh_factor(scale, softcap, dtype)
     return dict(
         problem_fields,
         causal=_causal(causal),
         window=_window(window, problem_fields["seq_q"] + problem_fields["seq_k"]),
-        scale=1.0 / math.sqrt(head_dim) if scale is None else _positive_real("scale", scale, dtype),
-        softcap=None if softcap is None else _positive_real("softcap", softcap, dtype),
+        scale=scale,
+        softcap=softcap,
         alibi_slopes=_alibi(alibi_slopes, xp, batch, heads, dtype),
     )
+
+
+def _check_tanh_factor(scale: float, softcap: float, dtype) -> None:
+    """The softcap's tanh takes q·k times 2·log2 e·scale / softcap, worked out as the kernels do in
+    the compute dtype: past its range the factor is inf, and a q·k of 0 would give 0·inf = NaN
+    (each of scale and softcap may be in range while their ratio is not)."""
+    scores = compute_dtype(dtype).type
+    with np.errstate(over="ignore"):
+        factor = scores(2 * math.log2(math.e)) * scores(scale) / scores(softcap)
+    if not np.isfinite(factor):
+        bound = float(np.finfo(scores).max) / (2 * math.log2(math.e))
+        raise ValueError(f"with softcap, scale and scale / softcap must each be below {bound:.4g} for {dtype} inputs "
+                         f"(the softcap's tanh takes q·k·2·log2 e·scale / softcap, in {np.dtype(scores)}), got scale = "
+                         f"{scale!r} and softcap = {softcap!r}")
 
 
 def _packed(name: str, x, heads_name: str) -> tuple[int, int, int]:

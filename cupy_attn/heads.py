@@ -7,15 +7,23 @@ from ._problem import LAYOUTS, check_choice
 from .api import attention
 
 
+# The head helpers reshape in the array's own library (NumPy, CuPy, PyTorch or JAX: each has
+# reshape and swapaxes), so a torch tensor's result stays in autograd's graph and a JAX array's
+# traces under jax.jit, where a round trip through DLPack would detach the one and refuse the other.
+def _heads_input(x):
+    if _interop.framework_of(x) is None:
+        require_array("x", x)
+    return x
+
+
 @_interop.outside_torch_compile
 def split_heads(x, num_heads, layout="bhsd"):
-    """(B, S, H·D) -> (B, H, S, D) for "bhsd" or (B, S, H, D) for "bshd"; a view, no copy."""
-    framework, _ = _interop.lead(x)
-    return _interop.to_framework(framework, _split_heads(_interop.to_backend(x, "x"), num_heads, layout))
+    """(B, S, H·D) -> (B, H, S, D) for "bhsd" or (B, S, H, D) for "bshd"; a view, no copy (of a
+    torch tensor that requires grad, a view autograd follows)."""
+    return _split_heads(_heads_input(x), num_heads, layout)
 
 
 def _split_heads(x, num_heads, layout):
-    require_array("x", x)
     layout = check_choice("layout", layout, LAYOUTS)
     num_heads = count_argument("num_heads", num_heads, 1)
     if x.ndim != 3:
@@ -24,29 +32,28 @@ def _split_heads(x, num_heads, layout):
     if width % num_heads:
         raise ValueError(f"x's last dimension {width} is not divisible by num_heads = {num_heads}")
     x = x.reshape(b, s, num_heads, width // num_heads)
-    return x if layout == "bshd" else x.transpose(0, 2, 1, 3)
+    return x if layout == "bshd" else x.swapaxes(1, 2)
 
 
 @_interop.outside_torch_compile
 def merge_heads(x, layout="bhsd"):
     """The inverse of `split_heads`: (B, H, S, D) or (B, S, H, D) -> (B, S, H·D)."""
-    framework, _ = _interop.lead(x)
-    return _interop.to_framework(framework, _merge_heads(_interop.to_backend(x, "x"), layout))
+    return _merge_heads(_heads_input(x), layout)
 
 
 def _merge_heads(x, layout):
-    require_array("x", x)
     layout = check_choice("layout", layout, LAYOUTS)
     if x.ndim != 4:
         raise ValueError(f"x must be 4-D, got shape {tuple(x.shape)}")
     if layout == "bhsd":
-        x = x.transpose(0, 2, 1, 3)
+        x = x.swapaxes(1, 2)
     b, s, h, d = x.shape
     return x.reshape(b, s, h * d)
 
 
 def _projection(name: str, w, rows: int, heads: int, xp, dtype):
-    require_array(name, w, xp)
+    if xp is not None:  # None: torch tensors, whose library the caller checked
+        require_array(name, w, xp)
     if w.ndim != 2 or w.shape[0] != rows or w.shape[1] % heads:
         raise ValueError(
             f"{name} must be 2-D ({rows}, heads·head_dim) with a width divisible by {heads}, "
@@ -70,22 +77,34 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o, num_heads, *, num_kv_heads=None,
     `cupy_attn.attention` passes through; "layout" picks the internal head layout.
     """
     framework, lead = _interop.lead(x)
+    tensors = dict(x=x, w_q=w_q, w_k=w_k, w_v=w_v, w_o=w_o, context=context)
+    if _interop.needs_autograd(framework, *tensors.values(), *attention_keywords.values()):
+        # The whole layer in torch, its attention through cupy_attn.torch's autograd node: a
+        # gradient reaches x, the weights and context (through DLPack it would be lost).
+        from . import torch as differentiable
+
+        _interop.check_libraries(framework, **tensors)
+        return _multi_head_attention(*tensors.values(), num_heads, num_kv_heads, attention_keywords, None,
+                                     differentiable.attention)
     with _interop.caller_stream(framework, lead):
-        converted = _interop.backend_arrays(framework, x=x, w_q=w_q, w_k=w_k, w_v=w_v, w_o=w_o, context=context,
-                                            **attention_keywords)
+        converted = _interop.backend_arrays(framework, **tensors, **attention_keywords)
         arrays, keywords = converted[:6], dict(zip(attention_keywords, converted[6:]))
-        result = _multi_head_attention(*arrays, num_heads, num_kv_heads, keywords)
+        result = _multi_head_attention(*arrays, num_heads, num_kv_heads, keywords, require_array("x", arrays[0]),
+                                       attention)
         if isinstance(result, tuple):
             return tuple(_interop.to_framework(framework, r) for r in result)
         return _interop.to_framework(framework, result)
 
 
-def _multi_head_attention(x, w_q, w_k, w_v, w_o, context, num_heads, num_kv_heads, attention_keywords):
-    xp = require_array("x", x)
+def _multi_head_attention(x, w_q, w_k, w_v, w_o, context, num_heads, num_kv_heads, attention_keywords, xp,
+                          attention_function):
+    """The layer on NumPy or CuPy arrays (``xp``, with `attention`) or on torch tensors (``xp``
+    None, with cupy_attn.torch's differentiable attention)."""
     num_heads = count_argument("num_heads", num_heads, 1)
     num_kv_heads = num_heads if num_kv_heads is None else count_argument("num_kv_heads", num_kv_heads, 1)
     context = x if context is None else context
-    require_array("context", context, xp)
+    if xp is not None:
+        require_array("context", context, xp)
     for name, a in (("x", x), ("context", context)):
         if a.ndim != 3:
             raise ValueError(f"{name} must be 3-D (B, S, E), got shape {tuple(a.shape)}")
@@ -101,7 +120,8 @@ def _multi_head_attention(x, w_q, w_k, w_v, w_o, context, num_heads, num_kv_head
             f"w_q gives head dim {w_q.shape[1] // num_heads} but w_k gives {w_k.shape[1] // num_kv_heads}"
         )
     dv_width = w_v.shape[1] // num_kv_heads * num_heads
-    require_array("w_o", w_o, xp)
+    if xp is not None:
+        require_array("w_o", w_o, xp)
     if w_o.ndim != 2 or w_o.shape[0] != dv_width:
         raise ValueError(f"w_o must be 2-D ({dv_width}, E_out) = (H·Dv, E_out), got shape {tuple(w_o.shape)}")
     if w_o.dtype != x.dtype:
@@ -110,7 +130,7 @@ def _multi_head_attention(x, w_q, w_k, w_v, w_o, context, num_heads, num_kv_head
     q = _split_heads(x @ w_q, num_heads, layout)
     k = _split_heads(context @ w_k, num_kv_heads, layout)
     v = _split_heads(context @ w_v, num_kv_heads, layout)
-    result = attention(q, k, v, **attention_keywords)
+    result = attention_function(q, k, v, **attention_keywords)
     out, lse = result if attention_keywords.get("return_lse") else (result, None)
     y = _merge_heads(out, layout) @ w_o
     return (y, lse) if lse is not None else y

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import api
-from ._arrays import describe, is_integer
+from ._arrays import check_flag, describe, is_integer
+from ._problem import _bhsd, _packed
 
 _ARRAY_KEYWORDS = ("mask", "q_lengths", "kv_lengths", "alibi_slopes", "sinks", "cu_seqlens_q", "cu_seqlens_k",
                    "dropout_seed")
@@ -46,14 +47,18 @@ def _traced(*arrays) -> bool:
 
 
 def _result_shapes(q, v, layout: str):
-    """out and lse of `attention` (layout "bhsd"/"bshd") or `attention_varlen` (None)."""
+    """out and lse of `attention` (layout "bhsd"/"bshd") or `attention_varlen` (None), with the
+    API's error for an array of the wrong rank (reading the shapes comes before the API's checks)."""
     lse_dtype = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
-    out = jax.ShapeDtypeStruct(q.shape[:-1] + (v.shape[-1],), q.dtype)
     if layout is None:  # packed: q (total_q, H, D), lse (H, total_q)
-        return out, jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), lse_dtype)
-    b, x, y, _ = q.shape
-    heads, sq = (x, y) if layout == "bhsd" else (y, x)
-    return out, jax.ShapeDtypeStruct((b, heads, sq), lse_dtype)
+        total_q, heads, _ = _packed("q", q, "H")
+        _packed("v", v, "Hkv")
+        lse = jax.ShapeDtypeStruct((heads, total_q), lse_dtype)
+    else:
+        b, heads, sq, _ = _bhsd("q", q, layout)
+        _bhsd("v", v, layout)
+        lse = jax.ShapeDtypeStruct((b, heads, sq), lse_dtype)
+    return jax.ShapeDtypeStruct(q.shape[:-1] + (v.shape[-1],), q.dtype), lse
 
 
 # The function pairs an adapter wraps: forward and backward.
@@ -119,6 +124,7 @@ def _build(function: str, names: tuple, static: tuple, deterministic: bool):
 
 
 def _call(function: str, q, k, v, deterministic, keywords):
+    check_flag("deterministic", deterministic)
     if "return_lse" in keywords:
         raise TypeError(f"cupy_attn.jax.{function} does not take return_lse; use cupy_attn.{function} for lse")
     key = keywords.pop("dropout_key", None)
@@ -140,8 +146,27 @@ def _call(function: str, q, k, v, deterministic, keywords):
     extras = [jnp.asarray(keywords.pop(n)) for n in names]
     for n in _ARRAY_KEYWORDS:
         keywords.pop(n, None)
-    static = tuple(sorted((n, tuple(v) if isinstance(v, list) else v) for n, v in keywords.items()))
+    static = tuple(sorted((n, _static(n, v)) for n, v in keywords.items()))
     return _build(function, names, static, bool(deterministic))(q, k, v, *extras)
+
+
+def _static(name: str, value):
+    """A keyword that is not an array of _ARRAY_KEYWORDS (scale, causal, window, ...) as the
+    hashable value the custom_vjp is built for: a list as a tuple, a concrete 0-d array (scale=
+    1 / jnp.sqrt(d)) as its number. A traced one cannot be: the kernels are built for its value."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"{name} is a traced JAX value: cupy_attn.jax takes it as a static Python value (under "
+                        f"jax.jit, pass it as a static argument or compute it outside the traced function)")
+    if isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0:
+        return value.item()
+    if isinstance(value, list):
+        return tuple(value)
+    try:
+        hash(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a Python value (a number, string, bool, tuple or None), got "
+                        f"{describe(value)}") from None
+    return value
 
 
 def attention(q, k, v, *, deterministic=False, **keywords):

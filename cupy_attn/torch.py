@@ -40,16 +40,28 @@ class _Attention(torch.autograd.Function):
         if sinks is not None:  # an input of the node, so that it gets a gradient
             keywords = dict(keywords, sinks=sinks)
         out, lse = api_forward(q, k, v, *args, return_lse=True, **keywords)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args, ctx.keywords, ctx.deterministic = args, keywords, deterministic
+        # Every tensor the backward reads goes through save_for_backward, masks, lengths and
+        # cu_seqlens included, so that torch refuses a backward after one was changed in place
+        # (as it does for the operators' inputs) instead of differentiating with its new values.
+        tensor_args = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        tensor_keywords = [name for name, value in keywords.items() if isinstance(value, torch.Tensor)]
+        ctx.save_for_backward(q, k, v, out, lse, *(args[i] for i in tensor_args),
+                              *(keywords[name] for name in tensor_keywords))
+        ctx.args = tuple(None if i in tensor_args else a for i, a in enumerate(args))
+        ctx.keywords = {name: None if name in tensor_keywords else value for name, value in keywords.items()}
+        ctx.tensor_args, ctx.tensor_keywords, ctx.deterministic = tensor_args, tensor_keywords, deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         _torch_ops.refuse_create_graph()
-        q, k, v, out, lse = ctx.saved_tensors
-        grads = ctx.api_backward(dout, q, k, v, out, lse, *ctx.args, deterministic=ctx.deterministic, **ctx.keywords)
+        q, k, v, out, lse, *saved = ctx.saved_tensors
+        args, keywords = list(ctx.args), dict(ctx.keywords)
+        for i, tensor in zip(ctx.tensor_args, saved):
+            args[i] = tensor
+        keywords.update(zip(ctx.tensor_keywords, saved[len(ctx.tensor_args):]))
+        grads = ctx.api_backward(dout, q, k, v, out, lse, *args, deterministic=ctx.deterministic, **keywords)
         # sinks may also be a list or a NumPy array, which takes no gradient
         dsinks = grads[3] if len(grads) == 4 and ctx.needs_input_grad[3] else None
         return grads[0], grads[1], grads[2], dsinks, None, None, None, None
@@ -91,7 +103,10 @@ def attention(q, k, v, *, return_lse=False, deterministic=False, generator=None,
     default CPU generator when None) unless dropout_seed is given; each call gets a fresh mask.
     Returns out, or (out, lse) with return_lse=True (lse is not differentiable).
     """
+    check_flag("return_lse", return_lse)
     check_flag("deterministic", deterministic)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__qualname__}")
     seed = _drawn_seed(keywords, generator)
     if _torch_ops.fits_the_schema((q, k, v), keywords, "attention"):
         out, lse = _torch_ops.attention_op(q, k, v, **_torch_ops.operator_arguments(keywords, seed),
@@ -112,6 +127,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
     Returns out, or (out, lse) with return_lse=True (lse is not differentiable).
     """
+    check_flag("return_lse", return_lse)
     check_flag("deterministic", deterministic)
     lengths_fit = all(_torch_ops.fits_a_length(n) for n in (max_seqlen_q, max_seqlen_k))
     if lengths_fit and _torch_ops.fits_the_schema((q, k, v, cu_seqlens_q, cu_seqlens_k), keywords,

@@ -79,6 +79,12 @@ BAD_FORWARD = [
     ("scale past base 2", lambda q, k, v: dict(scale=3e38), ValueError, "scale must lie in [1.175e-38, 1.701e+38]"),
     ("scale below float32", lambda q, k, v: dict(scale=1e-300), ValueError, "scale must lie in [1.175e-38"),
     ("softcap past float32", lambda q, k, v: dict(softcap=1e39), ValueError, "softcap must lie in [1.175e-38, 1.701e+38]"),
+    # each in range, but the softcap's tanh factor 2·log2 e·scale / softcap inf in float32 (a q·k
+    # of 0 gave NaN on the kernels)
+    ("scale over softcap past float32", lambda q, k, v: dict(scale=100.0, softcap=1e-37), ValueError,
+     "with softcap, scale and scale / softcap must each be below 1.179e+38 for float32 inputs"),
+    ("scale with softcap past float32", lambda q, k, v: dict(scale=1.5e38, softcap=1e10), ValueError,
+     "scale and scale / softcap must each be below 1.179e+38"),
     ("mask past float32", lambda q, k, v: dict(mask=np.full((7, 9), 1e39)), ValueError,
      "a float mask may hold -inf and finite values up to 1.701e+38"),
     ("mask past base 2", lambda q, k, v: dict(mask=np.full((7, 9), 3e38, F32)), ValueError, "values up to 1.701e+38"),

@@ -64,8 +64,24 @@ def test_plain_attention_refuses_tracers_clearly():
     (_, (jq, jk, jv)) = arrays()
     with pytest.raises(TypeError, match="q is a traced JAX value .*use cupy_attn.jax.attention"):
         jax.jit(lambda q: cupy_attn.attention(q, jk, jv))(jq)
-    with pytest.raises(TypeError, match="x is a traced JAX value"):  # named, not called cupy_attn.attention
-        jax.jit(lambda x: cupy_attn.split_heads(x, 2))(jq[0])
+    # the head helpers reshape in JAX itself, so they trace
+    np.testing.assert_array_equal(jax.jit(lambda x: cupy_attn.split_heads(x, 2))(jq[0]),
+                                  cupy_attn.split_heads(jq[0], 2))
+
+
+def test_arguments_are_checked_as_the_api_checks_them():
+    (_, (jq, jk, jv)) = arrays()
+    for run in (cupy_attn.jax.attention, jax.jit(cupy_attn.jax.attention)):  # before any shape is read
+        with pytest.raises(ValueError, match=r"q must be 4-D \(B, H, S, D\) for layout 'bhsd', got shape"):
+            run(jq[0], jk, jv)
+    np.testing.assert_array_equal(cupy_attn.jax.attention(jq, jk, jv, scale=1 / jnp.sqrt(4.0)),
+                                  cupy_attn.jax.attention(jq, jk, jv, scale=0.5))  # a concrete 0-d array
+    with pytest.raises(TypeError, match="scale is a traced JAX value"):
+        jax.jit(lambda q, s: cupy_attn.jax.attention(q, jk, jv, scale=s))(jq, 0.5)
+    with pytest.raises(TypeError, match="window must be a Python value"):
+        cupy_attn.jax.attention(jq, jk, jv, window=np.array([2, 2]))
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        cupy_attn.jax.attention(jq, jk, jv, deterministic="no")
 
 
 def test_return_lse_is_refused():

@@ -113,6 +113,65 @@ def test_head_helpers_take_tensors():
     np.testing.assert_allclose(y.numpy(), want, rtol=1e-6)
 
 
+def test_head_helpers_and_the_layer_keep_autograd():
+    """split_heads and merge_heads reshape in torch (views autograd follows), and
+    multi_head_attention on tensors that require grad runs cupy_attn.torch's attention: in a
+    residual block their gradients equal those of torch's own composition with SDPA, where a trip
+    through DLPack had silently dropped the attention branch's."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 5, 12, generator=g, dtype=torch.float64, requires_grad=True)
+    w = [torch.randn(12, 12, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+    split = lambda t: t.view(2, 5, 3, 4).transpose(1, 2)  # noqa: E731
+    merge = lambda o: o.transpose(1, 2).reshape(2, 5, 12)  # noqa: E731
+    sdpa = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    ours = x + cupy_attn.merge_heads(cupy_attn.torch.attention(*[cupy_attn.split_heads(x, 3)] * 3, causal=True))
+    theirs = x + merge(sdpa(*[split(x)] * 3))
+    for got, want in zip(torch.autograd.grad(ours.square().sum(), x), torch.autograd.grad(theirs.square().sum(), x)):
+        torch.testing.assert_close(got, want)
+    ours = x + cupy_attn.multi_head_attention(x, *w, 3, causal=True)
+    theirs = x + merge(sdpa(*(split(x @ m) for m in w[:3]))) @ w[3]
+    torch.testing.assert_close(ours, theirs)
+    for got, want in zip(torch.autograd.grad(ours.square().sum(), [x, *w]),
+                         torch.autograd.grad(theirs.square().sum(), [x, *w])):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(RuntimeError, match="in-place"):  # torch's own refusal, for a view of a leaf
+        cupy_attn.split_heads(x, 3).mul_(0)
+    with torch.no_grad():  # without autograd, the layer goes through DLPack as before
+        torch.testing.assert_close(cupy_attn.multi_head_attention(x, *w, 3, causal=True), ours.detach() - x.detach())
+
+
+def test_plain_functions_refuse_tensors_that_need_autograd():
+    """As torch's Tensor.numpy() does: the plain API's result would not carry a gradient."""
+    q, k, v = tensors(requires_grad=True)
+    with pytest.raises(TypeError, match="q requires grad.*cupy_attn.torch.attention.*torch.no_grad"):
+        cupy_attn.attention(q, k, v)
+    with pytest.raises(TypeError, match="v requires grad"):
+        cupy_attn.attention(q.detach(), k.detach(), v)
+    with torch.no_grad():
+        out = cupy_attn.attention(q, k, v)
+    torch.testing.assert_close(out, cupy_attn.attention(q.detach(), k.detach(), v.detach()))
+
+
+def test_the_eager_node_sees_its_tensors_changed_in_place():
+    """A list among the arguments takes the autograd node: its mask and sinks, saved for the
+    backward, are version-checked as the operators' inputs are."""
+    q, k, v = (t[:1, :2, :4, :3].detach().clone().double().requires_grad_() for t in tensors())
+    for path in (dict(), dict(kv_lengths=[4])):  # the operator, then the node
+        mask, sinks = torch.zeros(1, 1, 4, 4, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+        out = cupy_attn.torch.attention(q, k, v, mask=mask, sinks=sinks, **path)
+        mask[..., 0] = -5.0
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(out.sum(), q)
+
+
+def test_adapter_flags_are_checked():
+    q, k, v = tensors()
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        cupy_attn.torch.attention(q, k, v, return_lse="yes")
+    with pytest.raises(TypeError, match="generator must be a torch.Generator or None, got int"):
+        cupy_attn.torch.attention(q, k, v, dropout_p=0.1, generator=3)
+
+
 def test_traced_values_are_refused_clearly():
     q, k, v = tensors()
     out = cupy_attn.attention(q, k, v, backend="numpy")
@@ -134,9 +193,10 @@ def test_varlen_gradcheck_and_emulator_agree():
     out = cupy_attn.torch.attention_varlen(q16, k16, v16, cu_q, cu_k, 5, 5, backend="emulator", **kw)
     dout = torch.randn(out.shape, generator=g).half()
     out.backward(dout)
-    _, lse = cupy_attn.attention_varlen(q16, k16, v16, cu_q, cu_k, 5, 5, return_lse=True, backend="emulator", **kw)
-    want = cupy_attn.attention_varlen_backward(dout, q16, k16, v16, out.detach(), lse, cu_q, cu_k, 5, 5,
-                                               backend="emulator", **kw)
+    with torch.no_grad():  # the plain API refuses tensors that require grad under autograd
+        _, lse = cupy_attn.attention_varlen(q16, k16, v16, cu_q, cu_k, 5, 5, return_lse=True, backend="emulator", **kw)
+        want = cupy_attn.attention_varlen_backward(dout, q16, k16, v16, out, lse, cu_q, cu_k, 5, 5,
+                                                   backend="emulator", **kw)
     for x, w in zip((q16, k16, v16), want):
         assert torch.equal(x.grad, w)
 
