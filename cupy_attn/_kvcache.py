@@ -227,7 +227,7 @@ def make_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, cache_ba
     xp = require_array("q", q)
     dtype = require_float_dtype("q", q)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
-        if x is not None:
+        if x is not None or name.endswith("_cache"):  # the caches are required, the new k, v not
             require_array(name, x, xp)
             if np.dtype(x.dtype) != dtype:
                 raise TypeError(f"{name} has dtype {x.dtype} but q has {dtype}; q, the caches and the new k, v must "

@@ -390,13 +390,17 @@ def _cu_seqlens(name: str, cu, xp, total: int, total_name: str):
 
 
 def _max_seqlen(name: str, value, lengths, cu_name: str) -> int:
+    """The longest sequence, after checking that ``value`` bounds it: the grids are sized by the
+    longest, which cu_seqlens (read on the host to be checked) give, so a generous max_seqlen (a
+    constant, as FlashAttention's callers often pass) launches no blocks that find nothing and
+    meets no grid limit that the sequences themselves do not."""
     value = count_argument(name, value)
     longest = int(lengths.max()) if lengths.size else 0
     if value < longest:
         raise ValueError(f"{name} = {value} is less than the longest sequence in {cu_name} ({longest})")
     if value >= 2**31:  # no sequence is longer than cu_seqlens' int32 offsets reach
         raise ValueError(f"{name} must be below 2^31 (as {cu_name}'s int32 offsets are), got {value}")
-    return int(value)
+    return longest
 
 
 def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,

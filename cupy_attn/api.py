@@ -166,7 +166,8 @@ _VARLEN_SEMANTICS = """
         cu_seqlens_q, cu_seqlens_k: int32 (B + 1,), starting at 0, non-decreasing, ending at
             total_q and total_k: sequence b owns q rows [cu_seqlens_q[b], cu_seqlens_q[b + 1])
             and k, v rows [cu_seqlens_k[b], cu_seqlens_k[b + 1]). Empty sequences are allowed.
-        max_seqlen_q, max_seqlen_k: ints at least the longest sequence (they size the grid).
+        max_seqlen_q, max_seqlen_k: ints at least the longest sequence and below 2^31 (checked; the
+            grids are sized by the longest sequence, so a generous bound costs nothing).
         out (total_q, H, Dv) in q's dtype; lse (H, total_q), natural log, float32 (float64 for
             float64 inputs).
 

@@ -264,8 +264,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal=False, layo
     (float32, float64 for float64) travels with it and, after P steps, arrives back at the
     block's owner. dq stays local.
     """
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    check_flag("deterministic", deterministic)
     problem, ring, target = _context(q, k, v, comm, causal=causal, layout=layout, load_balance=load_balance,
                                      scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, window=window,
                                      backend=backend, saved=(dout, out, lse))

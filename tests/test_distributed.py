@@ -168,6 +168,8 @@ def test_ring_attention_argument_errors(rng):
         ring_attention(q, k, v, NcclCommunicator())
     with pytest.raises(TypeError, match="deterministic must be a bool"):
         ring_attention_backward(q, q, k, v, q, q[..., 0], None, deterministic=1)
+    with pytest.raises(TypeError, match="comm must be"):  # a NumPy bool is a flag, as in attention_backward
+        ring_attention_backward(q, q, k, v, q, q[..., 0], None, deterministic=np.True_)
     with pytest.raises(TypeError, match="return_lse must be a bool, got str"):
         ring_attention(q, k, v, None, return_lse="yes")
     with pytest.raises(ValueError, match="dout must have the forward output's shape"):
