@@ -118,13 +118,6 @@ def to_backend(x, name: str = "an array", *, written: bool = False):
         if written and x.requires_grad:
             raise TypeError(f"{name} requires grad: torch refuses in-place writes to it, and so does cupy_attn (pass "
                             f"{name}.detach(), which shares its memory)")
-        if needs_autograd(framework, x):
-            # as torch's own Tensor.numpy() refuses it: a result computed outside autograd would
-            # silently cut the graph (a residual branch's gradient lost without an error)
-            raise TypeError(f"{name} requires grad, and cupy_attn's plain functions compute outside torch's autograd, "
-                            "so its gradient would be silently lost: use cupy_attn.torch.attention or "
-                            "attention_varlen (differentiable), or call under torch.no_grad() (or pass "
-                            f"{name}.detach())")
         x = x.detach()
         if x.is_neg() or x.is_conj():
             # DLPack hands over the memory, not the lazy negation or conjugation of a view.
@@ -155,13 +148,28 @@ TENSORS = frozenset(("q", "k", "v", "dout", "out", "lse", "k_cache", "v_cache", 
                      "context"))
 
 
-def backend_arrays(framework: str | None, written=(), **named) -> list:
+# The differentiable twin of a plain function, for the error that refuses its grad-requiring tensors.
+_DIFFERENTIABLE = {"attention": "cupy_attn.torch.attention", "attention_varlen": "cupy_attn.torch.attention_varlen"}
+
+
+def backend_arrays(framework: str | None, written=(), *, function: str | None = None, **named) -> list:
     """The named arguments as backend arrays (`to_backend`; those named in ``written`` are to be
     written in place), after checking that the TENSORS among them (and merge_attention's parts,
     outs[i] and lses[i]) come from the caller's library, ``framework`` (None: NumPy or CuPy): a
     torch tensor beside NumPy arrays would otherwise be taken on the CPU and the result handed
-    back as whichever came first. Everything else passes as it is."""
+    back as whichever came first. Everything else passes as it is. ``function``: the cupy_attn
+    function whose results come from them, which refuses a torch tensor that autograd would
+    follow, as torch's own Tensor.numpy() does: a result computed outside autograd would silently
+    cut the graph (a residual branch's gradient lost without an error)."""
     check_libraries(framework, **named)
+    if function is not None:
+        for name, x in named.items():
+            if name not in written and needs_autograd(framework, x):  # (a cache to write: refused below)
+                twin = _DIFFERENTIABLE.get(function)
+                instead = f"use {twin}, which is differentiable, or call it" if twin else "call it"
+                raise TypeError(f"{name} requires grad, and cupy_attn.{function} computes outside torch's autograd, "
+                                f"so its gradient would be silently lost: {instead} under torch.no_grad() (or pass "
+                                f"{name}.detach())")
     return [to_backend(x, name, written=name in written) for name, x in named.items()]
 
 
@@ -208,8 +216,8 @@ def lead(*arrays):
 def caller_stream(framework: str | None, x):
     """Run CuPy work on PyTorch's current CUDA stream, so no synchronisation is needed and the
     caller's later work on that stream sees the results. ``x`` is the lead array of `lead`."""
-    if framework != "torch" or int(x.__dlpack_device__()[0]) != _CUDA:
-        yield
+    if framework != "torch" or x.is_meta or int(x.__dlpack_device__()[0]) != _CUDA:
+        yield  # (a meta tensor has no DLPack device: to_backend refuses it, naming it)
         return
     import cupy
     import torch

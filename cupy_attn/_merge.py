@@ -99,7 +99,7 @@ def merge_attention(outs, lses, *, layout="bhsd", backend="auto"):
     framework, lead = _interop.lead(*out_items, *lse_items)
     with _interop.caller_stream(framework, lead):
         named = {f"{what}[{i}]": x for what, items in (("outs", out_items), ("lses", lse_items)) for i, x in enumerate(items)}
-        converted = _interop.backend_arrays(framework, **named)
+        converted = _interop.backend_arrays(framework, function="merge_attention", **named)
         out_items, lse_items = converted[:len(out_items)], converted[len(out_items):]
         outs, lses = _stacked("outs", outs, out_items), _stacked("lses", lses, lse_items)
         xp = require_array("outs", outs)

@@ -351,17 +351,19 @@ def _features(problem_fields: dict, xp, batch: int, heads: int, dtype, head_dim:
 
 
 def _check_tanh_factor(scale: float, softcap: float, dtype) -> None:
-    """The softcap's tanh takes q·k times 2·log2 e·scale / softcap, worked out as the kernels do in
-    the compute dtype: past its range the factor is inf, and a q·k of 0 would give 0·inf = NaN
-    (each of scale and softcap may be in range while their ratio is not)."""
+    """The softcap's tanh takes q·k times 2·log2 e·scale / softcap, and its result is scaled by
+    2·log2 e·softcap, each worked out as the kernels do in the compute dtype: past its range a
+    factor is inf, and a q·k of 0 would give 0·inf = NaN (each of scale and softcap may be in
+    range while their ratio, or twice the cap in base 2, is not)."""
     scores = compute_dtype(dtype).type
+    twice_log2e = scores(2 * math.log2(math.e))
     with np.errstate(over="ignore"):
-        factor = scores(2 * math.log2(math.e)) * scores(scale) / scores(softcap)
-    if not np.isfinite(factor):
+        factors = (twice_log2e * scores(scale) / scores(softcap), twice_log2e * scores(softcap))
+    if not all(np.isfinite(f) for f in factors):
         bound = float(np.finfo(scores).max) / (2 * math.log2(math.e))
-        raise ValueError(f"with softcap, scale and scale / softcap must each be below {bound:.4g} for {dtype} inputs "
-                         f"(the softcap's tanh takes q·k·2·log2 e·scale / softcap, in {np.dtype(scores)}), got scale = "
-                         f"{scale!r} and softcap = {softcap!r}")
+        raise ValueError(f"with softcap, scale, softcap and scale / softcap must each be below {bound:.4g} for {dtype} "
+                         f"inputs (the softcap's tanh takes q·k·2·log2 e·scale / softcap and gives a score of up to "
+                         f"2·log2 e·softcap, in {np.dtype(scores)}), got scale = {scale!r} and softcap = {softcap!r}")
 
 
 def _packed(name: str, x, heads_name: str) -> tuple[int, int, int]:

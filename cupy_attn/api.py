@@ -70,7 +70,7 @@ def attention(q, k, v, *, mask=None, causal=False, window=None, q_lengths=None, 
     framework, lead = _interop.lead(q, k, v)
     with _interop.caller_stream(framework, lead):
         q, k, v, mask, q_lengths, kv_lengths, alibi_slopes, sinks = _interop.backend_arrays(
-            framework, q=q, k=k, v=v, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths,
+            framework, function="attention", q=q, k=k, v=v, mask=mask, q_lengths=q_lengths, kv_lengths=kv_lengths,
             alibi_slopes=alibi_slopes, sinks=sinks)
         problem = make_problem(q, k, v, mask=mask, causal=causal, window=window, q_lengths=q_lengths,
                                kv_lengths=kv_lengths, scale=scale, softcap=softcap,
@@ -92,8 +92,8 @@ def attention_backward(dout, q, k, v, out, lse, *, mask=None, causal=False, wind
     framework, lead = _interop.lead(q, k, v)
     with _interop.caller_stream(framework, lead):
         dout, q, k, v, out, lse, mask, q_lengths, kv_lengths, alibi_slopes, sinks = _interop.backend_arrays(
-            framework, dout=dout, q=q, k=k, v=v, out=out, lse=lse, mask=mask, q_lengths=q_lengths,
-            kv_lengths=kv_lengths, alibi_slopes=alibi_slopes, sinks=sinks)
+            framework, function="attention_backward", dout=dout, q=q, k=k, v=v, out=out, lse=lse, mask=mask,
+            q_lengths=q_lengths, kv_lengths=kv_lengths, alibi_slopes=alibi_slopes, sinks=sinks)
         problem = make_problem(q, k, v, mask=mask, causal=causal, window=window, q_lengths=q_lengths,
                                kv_lengths=kv_lengths, scale=scale, softcap=softcap,
                                alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
@@ -131,7 +131,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     framework, lead = _interop.lead(q, k, v)
     with _interop.caller_stream(framework, lead):
         q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes = _interop.backend_arrays(
-            framework, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
+            framework, function="attention_varlen", q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
         problem = make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       causal=causal, window=window, scale=scale, softcap=softcap,
                                       alibi_slopes=alibi_slopes, backend=backend)
@@ -148,8 +149,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     framework, lead = _interop.lead(q, k, v)
     with _interop.caller_stream(framework, lead):
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = _interop.backend_arrays(
-            framework, dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
+            framework, function="attention_varlen_backward", dout=dout, q=q, k=k, v=v, out=out, lse=lse,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
         problem = make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       causal=causal, window=window, scale=scale, softcap=softcap,
                                       alibi_slopes=alibi_slopes, backend=backend)

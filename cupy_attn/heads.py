@@ -1,6 +1,8 @@
 """Multi-head reshaping and a complete multi-head attention layer."""
 from __future__ import annotations
 
+import inspect
+
 from . import _interop
 from ._arrays import count_argument, require_array
 from ._problem import LAYOUTS, check_choice
@@ -16,7 +18,6 @@ def _heads_input(x):
     return x
 
 
-@_interop.outside_torch_compile
 def split_heads(x, num_heads, layout="bhsd"):
     """(B, S, H·D) -> (B, H, S, D) for "bhsd" or (B, S, H, D) for "bshd"; a view, no copy (of a
     torch tensor that requires grad, a view autograd follows)."""
@@ -35,7 +36,6 @@ def _split_heads(x, num_heads, layout):
     return x if layout == "bshd" else x.swapaxes(1, 2)
 
 
-@_interop.outside_torch_compile
 def merge_heads(x, layout="bhsd"):
     """The inverse of `split_heads`: (B, H, S, D) or (B, S, H, D) -> (B, S, H·D)."""
     return _merge_heads(_heads_input(x), layout)
@@ -84,6 +84,13 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o, num_heads, *, num_kv_heads=None,
         from . import torch as differentiable
 
         _interop.check_libraries(framework, **tensors)
+        taken = inspect.signature(attention).parameters
+        for name in attention_keywords:  # the adapter's own (generator, deterministic) are not attention's
+            if name not in taken:
+                raise TypeError(f"multi_head_attention() got an unexpected keyword argument {name!r}")
+        if attention_keywords.get("dropout_p") and "dropout_seed" not in attention_keywords:
+            # attention's default seed, not a drawn one: the same elements drop with grad on and off
+            attention_keywords = dict(attention_keywords, dropout_seed=0)
         return _multi_head_attention(*tensors.values(), num_heads, num_kv_heads, attention_keywords, None,
                                      differentiable.attention)
     with _interop.caller_stream(framework, lead):

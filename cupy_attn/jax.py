@@ -159,8 +159,8 @@ def _static(name: str, value):
                         f"jax.jit, pass it as a static argument or compute it outside the traced function)")
     if isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0:
         return value.item()
-    if isinstance(value, list):
-        return tuple(value)
+    if isinstance(value, (list, tuple)):  # window=(jnp.int32(4), None)
+        return tuple(_static(name, v) for v in value)
     try:
         hash(value)
     except TypeError:

@@ -69,9 +69,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                         "caches yourself (e.g. with .at[].set()), or use PyTorch, CuPy or NumPy caches")
     with _interop.caller_stream(framework, lead):
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes = _interop.backend_arrays(
-            framework, ("k_cache", "v_cache") if k is not None else (), q=q, k_cache=k_cache, v_cache=v_cache, k=k,
-            v=v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, block_table=block_table,
-            alibi_slopes=alibi_slopes)
+            framework, ("k_cache", "v_cache") if k is not None else (), function="attention_with_kvcache", q=q,
+            k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+            block_table=block_table, alibi_slopes=alibi_slopes)
         kv = _kvcache.make_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                                    cache_batch_idx=cache_batch_idx, block_table=block_table, causal=causal,
                                    window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,

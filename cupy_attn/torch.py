@@ -43,8 +43,10 @@ class _Attention(torch.autograd.Function):
         # Every tensor the backward reads goes through save_for_backward, masks, lengths and
         # cu_seqlens included, so that torch refuses a backward after one was changed in place
         # (as it does for the operators' inputs) instead of differentiating with its new values.
-        tensor_args = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        tensor_keywords = [name for name, value in keywords.items() if isinstance(value, torch.Tensor)]
+        # (Inference tensors cannot be saved, nor changed in place outside inference mode: kept as they are.)
+        saved = lambda x: isinstance(x, torch.Tensor) and not x.is_inference()  # noqa: E731
+        tensor_args = [i for i, a in enumerate(args) if saved(a)]
+        tensor_keywords = [name for name, value in keywords.items() if saved(value)]
         ctx.save_for_backward(q, k, v, out, lse, *(args[i] for i in tensor_args),
                               *(keywords[name] for name in tensor_keywords))
         ctx.args = tuple(None if i in tensor_args else a for i, a in enumerate(args))

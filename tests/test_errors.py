@@ -82,9 +82,11 @@ BAD_FORWARD = [
     # each in range, but the softcap's tanh factor 2·log2 e·scale / softcap inf in float32 (a q·k
     # of 0 gave NaN on the kernels)
     ("scale over softcap past float32", lambda q, k, v: dict(scale=100.0, softcap=1e-37), ValueError,
-     "with softcap, scale and scale / softcap must each be below 1.179e+38 for float32 inputs"),
+     "with softcap, scale, softcap and scale / softcap must each be below 1.179e+38 for float32 inputs"),
     ("scale with softcap past float32", lambda q, k, v: dict(scale=1.5e38, softcap=1e10), ValueError,
-     "scale and scale / softcap must each be below 1.179e+38"),
+     "scale, softcap and scale / softcap must each be below 1.179e+38"),
+    ("softcap past twice base 2", lambda q, k, v: dict(softcap=1.5e38), ValueError,  # out 0, lse -inf on the kernels
+     "scale, softcap and scale / softcap must each be below 1.179e+38"),
     ("mask past float32", lambda q, k, v: dict(mask=np.full((7, 9), 1e39)), ValueError,
      "a float mask may hold -inf and finite values up to 1.701e+38"),
     ("mask past base 2", lambda q, k, v: dict(mask=np.full((7, 9), 3e38, F32)), ValueError, "values up to 1.701e+38"),
@@ -391,14 +393,13 @@ def test_return_lse_must_be_a_bool(qkv):
 
 
 def test_rows_past_32_bit_indices_are_refused_before_a_cache_is_written():
-    """The kernels index rows with int32: a packed batch's longest sequence, or a paged cache's
-    capacity, of 2^31 rows or more is a ValueError naming the sizes (not an OverflowError from
-    the launch), raised before attention_with_kvcache appends anything."""
+    """The kernels index rows with int32: a paged cache's capacity of 2^31 rows or more is a
+    ValueError naming the sizes (not an OverflowError from the launch), raised before
+    attention_with_kvcache appends anything; a packed batch's max_seqlen must be below 2^31 (its
+    grids are sized by the longest sequence: test_varlen.py::test_longer_max_seqlen_is_allowed)."""
     f32 = np.float32
     q, k, v = np.ones((10, 2, 16), f32), np.ones((12, 1, 16), f32), np.ones((12, 1, 16), f32)
     cu_q, cu_k = np.array([0, 3, 3, 10], np.int32), np.array([0, 5, 12, 12], np.int32)
-    with pytest.raises(ValueError, match=r"32-bit integers: seq_q \+ seq_k must be below 2\^31, got 2147483654"):
-        cupy_attn.attention_varlen(q, k, v, cu_q, cu_k, 7, 2**31 - 1, backend="emulator")
     with pytest.raises(ValueError, match=r"max_seqlen_k must be below 2\^31 \(as cu_seqlens_k's int32 offsets are\), "
                                          r"got 2147483648"):
         cupy_attn.attention_varlen(q, k, v, cu_q, cu_k, 7, 2**31)

@@ -76,6 +76,8 @@ def test_arguments_are_checked_as_the_api_checks_them():
             run(jq[0], jk, jv)
     np.testing.assert_array_equal(cupy_attn.jax.attention(jq, jk, jv, scale=1 / jnp.sqrt(4.0)),
                                   cupy_attn.jax.attention(jq, jk, jv, scale=0.5))  # a concrete 0-d array
+    np.testing.assert_array_equal(cupy_attn.jax.attention(jq, jk, jv, window=(jnp.int32(2), None)),
+                                  cupy_attn.jax.attention(jq, jk, jv, window=(2, None)))
     with pytest.raises(TypeError, match="scale is a traced JAX value"):
         jax.jit(lambda q, s: cupy_attn.jax.attention(q, jk, jv, scale=s))(jq, 0.5)
     with pytest.raises(TypeError, match="window must be a Python value"):

@@ -138,18 +138,56 @@ def test_head_helpers_and_the_layer_keep_autograd():
         cupy_attn.split_heads(x, 3).mul_(0)
     with torch.no_grad():  # without autograd, the layer goes through DLPack as before
         torch.testing.assert_close(cupy_attn.multi_head_attention(x, *w, 3, causal=True), ours.detach() - x.detach())
+    # attention's keywords alone, its dropout seed included (0 unless given), with grad on and off
+    with pytest.raises(TypeError, match="unexpected keyword argument 'deterministic'"):
+        cupy_attn.multi_head_attention(x, *w, 3, deterministic=True)
+    dropped = cupy_attn.multi_head_attention(x, *w, 3, dropout_p=0.5)
+    with torch.no_grad():
+        torch.testing.assert_close(dropped.detach(), cupy_attn.multi_head_attention(x, *w, 3, dropout_p=0.5))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_head_helpers_trace_into_a_compiled_graph(dynamic):
+    """split_heads and merge_heads are torch reshapes: torch.compile traces them with the
+    attention operator into one graph (fullgraph=True), and torch.export records them."""
+    x = torch.randn(2, 5, 12, dtype=torch.float64, requires_grad=True)
+
+    def block(x):
+        heads = cupy_attn.split_heads(x, 3)
+        return cupy_attn.merge_heads(cupy_attn.torch.attention(heads, heads, heads, causal=True)) + x
+
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    torch.testing.assert_close(compiled(x), block(x), rtol=0, atol=0)
+    torch.testing.assert_close(torch.autograd.grad(compiled(x).sum(), x), torch.autograd.grad(block(x).sum(), x))
+
+    class Block(torch.nn.Module):
+        def forward(self, x):
+            return block(x)
+
+    targets = [n.target for n in torch.export.export(Block(), (x.detach(),)).graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.swapaxes.default in targets and torch.ops.cupy_attn.attention.default in targets
 
 
 def test_plain_functions_refuse_tensors_that_need_autograd():
     """As torch's Tensor.numpy() does: the plain API's result would not carry a gradient."""
     q, k, v = tensors(requires_grad=True)
-    with pytest.raises(TypeError, match="q requires grad.*cupy_attn.torch.attention.*torch.no_grad"):
+    with pytest.raises(TypeError, match="q requires grad.*cupy_attn.torch.attention, which is differentiable.*no_grad"):
         cupy_attn.attention(q, k, v)
     with pytest.raises(TypeError, match="v requires grad"):
         cupy_attn.attention(q.detach(), k.detach(), v)
+    with pytest.raises(TypeError, match=r"outs\[0\] requires grad, and cupy_attn.merge_attention .*: call it under"):
+        cupy_attn.merge_attention([q, q], [q[..., 0].detach()] * 2)
     with torch.no_grad():
         out = cupy_attn.attention(q, k, v)
     torch.testing.assert_close(out, cupy_attn.attention(q.detach(), k.detach(), v.detach()))
+    assert cupy_attn.precompile(q, k, v, backend="numpy") == []  # shapes and dtypes alone: nothing is lost
+
+
+def test_meta_tensors_are_refused_naming_the_argument():
+    """A meta tensor has no DLPack device either (the refusal came from the stream's setup)."""
+    q, k, v = (t.to("meta") for t in tensors())
+    with pytest.raises(TypeError, match="q is a Tensor without data .*cupy_attn.torch.attention"):
+        cupy_attn.attention(q, k, v)
 
 
 def test_the_eager_node_sees_its_tensors_changed_in_place():
@@ -162,6 +200,11 @@ def test_the_eager_node_sees_its_tensors_changed_in_place():
         mask[..., 0] = -5.0
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             torch.autograd.grad(out.sum(), q)
+    with torch.inference_mode():  # cannot be saved, nor changed in place outside inference mode
+        mask = torch.zeros(1, 1, 4, 4, dtype=torch.float64)
+    out = cupy_attn.torch.attention(q, k, v, mask=mask, kv_lengths=[4])
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), q)[0],
+                               torch.autograd.grad(cupy_attn.torch.attention(q, k, v).sum(), q)[0])
 
 
 def test_adapter_flags_are_checked():
