@@ -30,6 +30,29 @@ class BlockMask:
     def __init__(self, mask_mod: MaskMod, shape: tuple, xp):
         self.mask_mod, self.shape, self.xp = mask_mod, shape, xp
         self._tiles, self._tables = {}, {}
+        # The values the tables are the mask's at: the mask_mod's tensors (their bytes in index
+        # order, so NaN compares equal to itself) and scalars. A tensor written in place since
+        # (the README's way to feed a step's document ids without a new build) makes it stale.
+        self._built_from = {name: _contents(xp, x) for name, x in mask_mod.tensors.items()}, dict(mask_mod.scalars)
+
+    def changed(self) -> str | None:
+        """The name of a tensor or scalar of the mask_mod whose value differs from the one the
+        block mask was built from, or None (a comparison on the device for CuPy tensors)."""
+        tensors, scalars = self._built_from
+        for name, x in self.mask_mod.tensors.items():
+            now, then = _contents(self.xp, x), tensors[name]
+            if now.shape != then.shape or not bool((now == then).all()):
+                return name
+        return next((name for name, value in self.mask_mod.scalars.items() if scalars[name] != value), None)
+
+    def require_unchanged(self) -> None:
+        """Refuse a block mask whose mask_mod has changed since it was built (`changed`): its
+        tables would skip, and take as full, tiles of the old mask (and tables evaluated now would
+        not be those of the values it was built from)."""
+        changed = self.changed()
+        if changed is not None:
+            raise ValueError(f"block_mask was built when the mask_mod's {changed!r} held other values: its tiles are "
+                             "those of the old mask. Call cupy_attn.block_mask again, which rebuilds it after a change")
 
     def __repr__(self) -> str:
         return f"BlockMask({self.mask_mod!r}, shape={self.shape})"
@@ -39,6 +62,7 @@ class BlockMask:
         tiles whose pairs inside (Sq, Sk) are all allowed (computed once per tile configuration)."""
         key = (block_m, block_n)
         if key not in self._tiles:
+            self.require_unchanged()
             self._tiles[key] = self._evaluate(block_m, block_n)
         return self._tiles[key]
 
@@ -71,6 +95,11 @@ class BlockMask:
         return self._tables[key]
 
 
+def _contents(xp, x):
+    """A copy of ``x``'s bytes in index order: (*x.shape, itemsize) uint8."""
+    return xp.ascontiguousarray(x).view(np.uint8).reshape(*x.shape, x.itemsize).copy()
+
+
 def _next_nonempty(xp, tiles):
     """For each entry along the last axis, the index of the first True entry at or after it (the
     axis's length where none is left), int32, flattened. Through a cumulative count and a scatter,
@@ -94,7 +123,8 @@ def block_mask(mask_mod, B, H, Sq, Sk, *, like=None) -> BlockMask:
     ``block_mask=`` with the same mask_mod: the kernels then visit, for each query tile, only its
     non-empty key tiles (and, in the backward, for each key tile only its non-empty query tiles).
     Reused across calls: block_mask returns the same object for the same mask_mod (by identity),
-    shape and array library."""
+    shape and array library, as long as the mask_mod's tensors and scalars hold the values it was
+    built from; after one changes (a tensor written in place) it builds the tables again."""
     if not isinstance(mask_mod, MaskMod):
         raise TypeError(f"mask_mod must be a cupy_attn.MaskMod, got {type(mask_mod).__name__}")
     shape = tuple(count_argument(name, n, 1) for name, n in (("B", B), ("H", H), ("Sq", Sq), ("Sk", Sk)))
@@ -107,6 +137,6 @@ def block_mask(mask_mod, B, H, Sq, Sk, *, like=None) -> BlockMask:
                             f"with {xp.__name__}")
     per_mod = _CACHE.setdefault(mask_mod, {})
     key = (shape, xp.__name__)
-    if key not in per_mod:
+    if key not in per_mod or per_mod[key].changed() is not None:
         per_mod[key] = BlockMask(mask_mod, shape, xp)
     return per_mod[key]

@@ -277,6 +277,7 @@ def _block_mask(block_mask, mask_mod, xp, shape: tuple):
     if block_mask.xp is not xp:
         raise TypeError(f"block_mask was evaluated with {block_mask.xp.__name__}, but q is a {xp.__name__} array; "
                         "build it with like=q")
+    block_mask.require_unchanged()
     return block_mask, block_mask.mask_mod
 
 

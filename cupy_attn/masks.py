@@ -67,6 +67,7 @@ def padding_mask(lengths, max_len, *, xp=None, like=None):
     """Bool (B, 1, 1, max_len) from key lengths (B,): key j of entry b may be attended iff
     j < lengths[b]. Broadcasts against (B, H, Sq, Sk) scores."""
     max_len = count_argument("max_len", max_len)
+    target = _module(xp, like)  # checked whether or not lengths is an array
     if module_of(lengths) is None:
         try:
             lengths = np.asarray(lengths)
@@ -74,8 +75,11 @@ def padding_mask(lengths, max_len, *, xp=None, like=None):
             raise ValueError(f"lengths must be a 1-D integer array, got {lengths!r:.80}") from None
         if not lengths.size:  # [] is B = 0, not float64
             lengths = lengths.astype(np.int64)
-        lengths = _module(xp, like).asarray(lengths)
+        lengths = target.asarray(lengths)
     module = require_array("lengths", lengths)
+    if (xp is not None or like is not None) and module is not target:
+        raise TypeError(f"lengths is a {module.__name__} array, but {'like' if like is not None else 'xp'} asks for "
+                        f"{target.__name__}; pass lengths from that library (or drop {'like' if like is not None else 'xp'})")
     if lengths.ndim != 1 or lengths.dtype.kind not in "iu":
         raise ValueError(f"lengths must be a 1-D integer array, got shape {tuple(lengths.shape)} dtype {lengths.dtype}")
     if lengths.size and (int(lengths.min()) < 0 or int(lengths.max()) > max_len):

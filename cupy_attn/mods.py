@@ -35,13 +35,14 @@ TENSOR_TYPES = {
     np.dtype(np.bool_): ("unsigned char", "({} != 0)"),
 }
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-# C++ keywords and the type names the generated code spells: a tensor or scalar becomes a macro of
-# its name, so none of these may be one.
+# C++ keywords, the operator words and the preprocessor's `defined`, and the type names the
+# generated code spells: a tensor or scalar becomes a macro of its name, so none of these may be one.
 _CPP_WORDS = frozenset("""alignas alignof and asm auto bool break case catch char class const constexpr const_cast
     continue decltype default delete do double dynamic_cast else enum explicit extern false float for friend goto if
     inline int long mutable namespace new noexcept not nullptr operator or private protected public register
     reinterpret_cast return short signed sizeof static static_assert static_cast struct switch template this throw
-    true try typedef typeid typename union unsigned using virtual void volatile while xor to_float""".split())
+    true try typedef typeid typename union unsigned using virtual void volatile while xor to_float
+    bitand bitor compl and_eq or_eq xor_eq not_eq defined""".split())
 
 
 def _check_name(kind: str, name) -> str:

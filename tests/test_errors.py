@@ -223,6 +223,11 @@ def test_bad_mask_builder_input():
         masks.causal_mask(2, 2, like=[1])
     with pytest.raises(TypeError, match="xp must be the numpy or cupy module, got 'numpy'"):
         masks.causal_mask(2, 2, xp="numpy")
+    # padding_mask checks them with array lengths too (it did with a list only)
+    with pytest.raises(TypeError, match="xp must be the numpy or cupy module, got 'numpy'"):
+        masks.padding_mask(np.array([1, 2]), 3, xp="numpy")
+    with pytest.raises(TypeError, match="like must be a NumPy or CuPy array"):
+        masks.padding_mask(np.array([1, 2]), 3, like=[1])
     with pytest.raises(ValueError, match=r"masks\[1\] of shape \(4,\) does not broadcast .* \(2, 3\)"):
         masks.combine(np.ones((2, 3), bool), np.ones(4, bool))
     with pytest.raises(ValueError, match="lengths must be a 1-D integer array, got shape"):

@@ -125,6 +125,9 @@ def test_a_snippet_that_does_not_compile_shows_the_message_and_the_snippet(rng):
     (lambda: cupy_attn.MaskMod("true", abs, tensors={"q_idx": np.zeros(2)}), ValueError, "tensor name 'q_idx' is taken"),
     (lambda: cupy_attn.MaskMod("true", abs, tensors={"2x": np.zeros(2)}), ValueError, "tensor names must be identifiers"),
     (lambda: cupy_attn.MaskMod("true", abs, scalars={"float": 1.0}), ValueError, "neither Python nor C\\+\\+ keywords"),
+    # an operator word or `defined` as a macro name failed only when a kernel compiled
+    (lambda: cupy_attn.MaskMod("true", abs, scalars={"bitand": 1.0}), ValueError, "neither Python nor C\\+\\+ keywords"),
+    (lambda: cupy_attn.MaskMod("true", abs, tensors={"defined": np.zeros(2)}), ValueError, "tensor names must be"),
     (lambda: cupy_attn.MaskMod("true", abs, tensors={"t": [1, 2]}), TypeError, "tensor 't' must be a NumPy or CuPy array"),
     (lambda: cupy_attn.MaskMod("true", abs, tensors={"t": np.zeros(2, np.int64)}), TypeError, "tensor 't' must have one of"),
     (lambda: cupy_attn.MaskMod("true", abs, scalars={"s": "x"}), TypeError, "scalar 's' must be a bool, int or float"),
@@ -434,6 +437,30 @@ def test_bad_block_masks(rng):
         cupy_attn.block_mask(mod, 1, 2, 8, 0)
     with pytest.raises(TypeError, match="mask_mod must be a cupy_attn.MaskMod"):
         cupy_attn.block_mask("kv_idx <= q_idx", 1, 2, 8, 8)
+
+
+def test_a_block_mask_follows_its_mask_mods_values(rng):
+    """A step's document ids written into the mask_mod's tensor in place (the compiled modules
+    stay): block_mask builds the tables again, and the old block mask, whose tables would skip
+    and take as full the old mask's tiles (the kernels attended forbidden pairs), is refused."""
+    q, k, v = random_qkv(rng, b=1, h=1, sq=128, sk=128, d=16)
+    doc, weights = np.zeros((1, 128), np.int32), np.array([np.nan, 1.0], np.float32)
+    mod = cupy_attn.MaskMod("doc(b, q_idx) == doc(b, kv_idx) && limit >= 0",
+                            lambda b, h, q_idx, kv_idx, doc, weights, limit: (doc[b, q_idx] == doc[b, kv_idx]) & (limit >= 0),
+                            tensors={"doc": doc, "weights": weights}, scalars={"limit": 0})
+    first = cupy_attn.block_mask(mod, 1, 1, 128, 128)
+    assert cupy_attn.block_mask(mod, 1, 1, 128, 128) is first  # unchanged (a NaN equals itself)
+    assert first.tiles(64, 64)[0].all()
+    doc[0] = np.repeat(np.arange(4), 32)
+    second = cupy_attn.block_mask(mod, 1, 1, 128, 128)
+    assert second is not first and second.tiles(64, 64)[0].tolist() == [[[[True, False], [False, True]]]]
+    want, _ = reference.attention(q, k, v, mask=doc[:, None, :, None] == doc[:, None, None, :])
+    assert_close(cupy_attn.attention(q, k, v, block_mask=second), want, np.float32)
+    with pytest.raises(ValueError, match="block_mask was built when the mask_mod's 'doc' held other values"):
+        cupy_attn.attention(q, k, v, block_mask=first)
+    mod.scalars["limit"] = 1
+    with pytest.raises(ValueError, match="the mask_mod's 'limit' held other values"):
+        cupy_attn.attention(q, k, v, block_mask=second)
 
 
 def test_full_tiles_skip_the_mask_mod(rng):
