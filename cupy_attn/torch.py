@@ -44,25 +44,22 @@ class _Attention(torch.autograd.Function):
         # cu_seqlens included, so that torch refuses a backward after one was changed in place
         # (as it does for the operators' inputs) instead of differentiating with its new values.
         # (Inference tensors cannot be saved, nor changed in place outside inference mode: kept as they are.)
-        saved = lambda x: isinstance(x, torch.Tensor) and not x.is_inference()  # noqa: E731
-        tensor_args = [i for i, a in enumerate(args) if saved(a)]
-        tensor_keywords = [name for name, value in keywords.items() if saved(value)]
-        ctx.save_for_backward(q, k, v, out, lse, *(args[i] for i in tensor_args),
-                              *(keywords[name] for name in tensor_keywords))
-        ctx.args = tuple(None if i in tensor_args else a for i, a in enumerate(args))
-        ctx.keywords = {name: None if name in tensor_keywords else value for name, value in keywords.items()}
-        ctx.tensor_args, ctx.tensor_keywords, ctx.deterministic = tensor_args, tensor_keywords, deterministic
+        values = [*args, *keywords.values()]
+        ctx.saved_at = [i for i, x in enumerate(values) if isinstance(x, torch.Tensor) and not x.is_inference()]
+        ctx.save_for_backward(q, k, v, out, lse, *(values[i] for i in ctx.saved_at))
+        ctx.values = [None if i in ctx.saved_at else x for i, x in enumerate(values)]
+        ctx.arg_count, ctx.names, ctx.deterministic = len(args), list(keywords), deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         _torch_ops.refuse_create_graph()
-        q, k, v, out, lse, *saved = ctx.saved_tensors
-        args, keywords = list(ctx.args), dict(ctx.keywords)
-        for i, tensor in zip(ctx.tensor_args, saved):
-            args[i] = tensor
-        keywords.update(zip(ctx.tensor_keywords, saved[len(ctx.tensor_args):]))
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        values = list(ctx.values)
+        for i, tensor in zip(ctx.saved_at, tensors):
+            values[i] = tensor
+        args, keywords = values[:ctx.arg_count], dict(zip(ctx.names, values[ctx.arg_count:]))
         grads = ctx.api_backward(dout, q, k, v, out, lse, *args, deterministic=ctx.deterministic, **keywords)
         # sinks may also be a list or a NumPy array, which takes no gradient
         dsinks = grads[3] if len(grads) == 4 and ctx.needs_input_grad[3] else None
