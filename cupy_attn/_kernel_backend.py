@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 
 import numpy as np
 
@@ -411,14 +412,31 @@ _SAID = set()
 
 
 def _say_once(message: str) -> None:
-    """A fallback the caller did not ask for, logged as a warning the first time it happens."""
-    if message not in _SAID:
-        _SAID.add(message)
+    """A fallback the caller did not ask for, logged as a warning the first time it happens: the
+    first time for each reason, whatever address a refusal names (a training loop's arrays come
+    at ever new ones)."""
+    reason = re.sub(r"0x[0-9a-f]+", "0x…", message)
+    if reason not in _SAID:
+        _SAID.add(reason)
         log.warning(message)
 
 
 def _pointer(x) -> int:
     return x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
+
+
+def _allocation_offset(x) -> int:
+    """Where x starts as TMA's alignment rules see it: a device array's address (allocations are
+    at least 256-byte aligned, so only a view's offset shows); for the emulator, a NumPy array's
+    offset into the array that holds its memory, which stands in for such an allocation (NumPy's
+    own are only 16-byte aligned, and a kernel must not choose differently on the emulator than
+    it would on a GPU for the same view)."""
+    if not isinstance(x, np.ndarray):
+        return _pointer(x)
+    owner = x  # through the bases that are arrays (an as_strided view's is an interface object)
+    while getattr(owner, "base", None) is not None and hasattr(owner.base, "__array_interface__"):
+        owner = owner.base
+    return _pointer(x) - owner.__array_interface__["data"][0]
 
 
 PACKED_REFUSAL = "a packed (varlen) batch: a box would reach into the next sequence"
@@ -465,6 +483,11 @@ def tensor_maps(problem: Problem, tile, target: str, **operands):
         for stride, n in ((row, rows), (head, heads), (batch, p.batch)):
             strides.append(stride if n > 1 else extent)
             extent = strides[-1] * n
+        # The CUDA C++ Programming Guide's table of swizzle modes: a swizzled map's global memory
+        # 128-byte aligned (the driver's encoding checks 16 bytes alone).
+        if _allocation_offset(x) % _config.TMA_LINE_BYTES:
+            return None, (f"{name}: a swizzled TMA map needs its array 128-byte aligned, and it starts "
+                          f"{_allocation_offset(x) % _config.TMA_LINE_BYTES} bytes past a multiple of 128")
         try:
             spec = _tensor_map.checked(x.dtype, _pointer(x), (head_dim, rows, heads, p.batch), tuple(strides),
                                        (_config.TMA_LINE_BYTES // x.itemsize, tile.tma_rows(name), 1, 1),

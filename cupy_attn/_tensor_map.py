@@ -68,8 +68,8 @@ class TensorMapSpec:
         if self.address % 16:
             raise TensorMapError(f"address must be 16-byte aligned, got {self.address:#x}")
         for i, d in enumerate(self.dims):
-            if not 1 <= d <= 2**32:
-                raise TensorMapError(f"dims[{i}] must lie in [1, 2^32], got {d}")
+            if not 1 <= d <= 2**31:  # CUDA 13.5's cuda.h (13.0's said 2^32)
+                raise TensorMapError(f"dims[{i}] must lie in [1, 2^31], got {d}")
         for i, s in enumerate(self.strides):
             if s % 16 or not 0 < s < 2**40:
                 raise TensorMapError(f"strides[{i}] (bytes, of dims[{i + 1}]) must be a positive multiple of 16 "

@@ -581,7 +581,9 @@ __device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, u32 parit
 // memory. It is encoded on the host (cupy_attn/_tensor_map.py) and must reach the kernel as a
 // `const __grid_constant__ ptx::TensorMap` parameter, the address space TMA reads it from.
 // Coordinates are element indices per dimension, innermost first; box elements outside the
-// tensor load as zero and are not stored.
+// tensor load as zero and are not stored. A box's first element must be 16-byte aligned in global
+// memory (the PTX ISA's bounding box), so the innermost coordinate times the element size is a
+// multiple of 16 (the map's address and strides are; the emulator checks each copy).
 struct alignas(64) TensorMap {
     unsigned long long opaque[16];
 };

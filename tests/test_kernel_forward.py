@@ -561,6 +561,7 @@ def test_compute_capability_selects_the_forward(monkeypatch):
     ("padded_rows", "attention_fwd_wgmma<__half, 64, 128>"),       # rows 144 bytes apart: TMA reads them
     ("unaligned_rows", "attention_fwd_tc<__half, 64, 128, 64, 64, 1>"),  # 136 bytes: not a multiple of 16
     ("unaligned_q", "attention_fwd_tc<__half, 64, 128, 64, 64, 1>"),  # q's rows 136 bytes apart
+    ("offset_q", "attention_fwd_tc<__half, 64, 128, 64, 64, 1>"),  # rows 160 bytes apart, from byte 16
     ("odd_value_dims", "attention_fwd_wgmma<__half, 64, 128>"),    # Dv = 36: out in rows of 40 (a copy returned)
     ("packed", "attention_fwd_tc<__half, 64, 128, 64, 64, 1>"),     # a box would reach into the next sequence
 ])
@@ -589,16 +590,36 @@ def test_wgmma_forward_runs_where_tma_can_address_its_operands(monkeypatch, capl
         assert out.flags.c_contiguous and out.shape == (2, 2, 70, 36)
     else:
         q, k, v = random_qkv(rng, b=2, h=2, sq=70, sk=150, d=64, dtype=np.float16)
-        width = 72 if case == "padded_rows" else 68
-        x = q if case == "unaligned_q" else k
+        width, first = {"padded_rows": (72, 0), "offset_q": (80, 8)}.get(case, (68, 0))
+        x = q if case.endswith("_q") else k
         wide = np.zeros(x.shape[:-1] + (width,), np.float16)
-        wide[..., :64] = x
-        if case == "unaligned_q":
-            check(wide[..., :64], k, v, np.float16, causal=True)
+        wide[..., first:first + 64] = x
+        if case.endswith("_q"):
+            check(wide[..., first:first + 64], k, v, np.float16, causal=True)
         else:
             check(q, wide[..., :64], v, np.float16, causal=True)
     assert launched == [kernel]
     assert ("the mma.sync forward runs instead" in caplog.text) == ("wgmma" not in kernel), caplog.text
+
+
+def test_tma_alignment_is_judged_from_the_arrays_allocation():
+    """A swizzled TMA map needs its array 128-byte aligned: a NumPy array stands in for a device
+    allocation (256-byte aligned) from the start of the array holding its memory, through views
+    of every kind, so the emulator chooses a kernel as a GPU would for the same view."""
+    storage = np.zeros((4, 80), np.float16)
+    as_strided = np.lib.stride_tricks.as_strided
+    for view, offset in ((storage, 0), (storage[:, 8:72], 16), (storage[1:], 160), (storage.T, 0),
+                         (as_strided(storage[:, 8:], (4, 64), storage.strides), 16),
+                         (as_strided(storage, (2, 64), (320, 2))[:, 4:], 8)):
+        assert _kernel_backend._allocation_offset(view) == offset
+
+
+def test_a_tma_refusal_is_said_once_whatever_address_it_names(monkeypatch, caplog):
+    monkeypatch.setattr(_kernel_backend, "_SAID", set())
+    caplog.set_level(logging.WARNING, logger="cupy_attn")
+    for address in (0x7F0000001008, 0x7F0000002008):
+        _kernel_backend._say_tma_refused("forward", f"q: address must be 16-byte aligned, got {address:#x}")
+    assert caplog.text.count("address must be 16-byte aligned") == 1, caplog.text
 
 
 def test_environment_chooses_the_compute_capability(monkeypatch):

@@ -356,6 +356,16 @@ static TmaCopy tma_copy(const void* map, const int* coords, void* smem, const ch
     TmaCopy c{m, {}, shared_offset(smem, what), 0, tl_fiber->bulk_groups_committed, false, false};
     for (unsigned d = 0; d < m.rank; ++d) c.coords[d] = coords[d];
     if (c.smem % 128) fail(format("%s: the shared address %u is not 128-byte aligned", what, c.smem));
+    // PTX ISA, "Tensor" / "Bounding Box": the box's address in global memory must be 16-byte
+    // aligned, as its size must be a multiple of 16 bytes (the map's checks, _tensor_map.py, hold
+    // the address and strides to that; the innermost coordinate is the copy's own). The first H200
+    // run's illegal instruction came from a box starting at byte 180 of its line.
+    long long first = static_cast<long long>(m.address) + static_cast<long long>(c.coords[0]) * m.element_bytes;
+    for (unsigned d = 1; d < m.rank; ++d) first += static_cast<long long>(c.coords[d]) * static_cast<long long>(m.strides[d - 1]);
+    if (first % 16)
+        fail(format("%s: the box's first element (coordinate %d of the innermost dimension, %lld bytes into its "
+                    "line) is not 16-byte aligned in global memory",
+                    what, c.coords[0], static_cast<long long>(c.coords[0]) * m.element_bytes));
     if (m.swizzle && c.smem % (8 * m.swizzle))
         fail(format("%s: a %u-byte swizzled box must start at a multiple of %u bytes, not at %u", what, m.swizzle,
                     8 * m.swizzle, c.smem));
