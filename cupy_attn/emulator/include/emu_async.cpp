@@ -367,7 +367,8 @@ static TmaCopy tma_copy(const void* map, const int* coords, void* smem, const ch
                     "line) is not 16-byte aligned in global memory",
                     what, c.coords[0], static_cast<long long>(c.coords[0]) * m.element_bytes));
     if (m.swizzle && c.smem % (8 * m.swizzle))
-        fail(format("%s: a %u-byte swizzled box must start at a multiple of %u bytes, not at %u", what, m.swizzle,
+        fail(format("%s: a %u-byte swizzled box must start at a multiple of %u bytes, not at %u (the kernels' "
+                    "rule, not the hardware's: their wgmma descriptors take base offset 0)", what, m.swizzle,
                     8 * m.swizzle, c.smem));
     if (c.smem + box_bytes(m) > tl_block->launch->shared_bytes)
         fail(format("%s: the box's %u bytes at shared offset %u exceed the block's %zu", what, box_bytes(m), c.smem,
