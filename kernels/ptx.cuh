@@ -471,6 +471,8 @@ __device__ __forceinline__ void fence_operands(R (&registers)[N]) {
         if constexpr (is_same<R, float>::value) asm volatile("" : "+f"(registers[i])::"memory");
         else asm volatile("" : "+r"(registers[i])::"memory");
     }
+#else
+    ::emu::pin_registers(registers, sizeof registers);  // a wgmma's registers: checked at its issue
 #endif
 }
 
@@ -827,6 +829,7 @@ __device__ __forceinline__ void wgmma_m64k16_ss(float (&d)[N / 2], unsigned long
                                  static_cast<int>(::emu::tl_fiber->linear / 32 % 4), d};
     emulated::take_issue_snapshot(*op, N / 2);
     ::emu::require_wgmma_fence("wgmma.mma_async (SS)");
+    ::emu::require_registers_as_fenced(d, sizeof d, "accumulator", "wgmma.mma_async (SS)");
     ::emu::defer_warp_op(emulated::wgmma_fn<T, N>, op, "wgmma.mma_async (SS)");
 #endif
 }
@@ -864,6 +867,8 @@ __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const u32 (&a
                                  static_cast<int>(::emu::tl_fiber->linear / 32 % 4), d};
     emulated::take_issue_snapshot(*op, N / 2);
     ::emu::require_wgmma_fence("wgmma.mma_async (RS)");
+    ::emu::require_registers_as_fenced(d, sizeof d, "accumulator", "wgmma.mma_async (RS)");
+    ::emu::require_registers_as_fenced(a, sizeof a, "A fragment", "wgmma.mma_async (RS)");
     ::emu::defer_warp_op(emulated::wgmma_fn<T, N>, op, "wgmma.mma_async (RS)");
 #endif
 }

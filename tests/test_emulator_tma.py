@@ -259,6 +259,16 @@ def test_wgmma_without_its_fence_fails():
         run_wgmma(module("-DNO_WGMMA_FENCE"), True)
 
 
+@pytest.mark.parametrize("register_a,operand", [(True, "A fragment"), (False, "accumulator")])
+def test_wgmma_register_written_after_its_fence_fails(register_a, operand):
+    """PTX ISA, wgmma.fence: a fence must come between a thread's access to a wgmma's registers
+    and the wgmma; a register of a pinned array (fence_operands) that changed since the fence is
+    reported at the wgmma's issue."""
+    with pytest.raises(EmulatorError, match=rf"wgmma.mma_async \({'RS' if register_a else 'SS'}\): its {operand} "
+                                            "registers were written after the thread's last wgmma.fence"):
+        run_wide_wgmma(module("-DWRITE_AFTER_FENCE"), register_a)
+
+
 @pytest.mark.parametrize("a_mn_major", [False, True], ids=["a_k_major", "a_mn_major"])
 def test_wgmma_operand_starting_past_its_atoms_first_line_fails(a_mn_major):
     # The hardware takes the swizzle's phase from the descriptor's base offset (0), not from the

@@ -8,7 +8,8 @@
 // through TMA without the proxy fence, -DNO_STORE_WAIT exits before the store read shared memory,
 // -DWRONG_SWIZZLE gives wgmma a 64-byte swizzle for 128-byte swizzled boxes, -DWRONG_MAJOR_A the
 // wrong major-ness of A, -DWRONG_LBO a wrong leading byte offset to an MN-major B of two boxes,
-// -DNO_WGMMA_FENCE issues wgmma without the wgmma.fence before it.
+// -DNO_WGMMA_FENCE issues wgmma without the wgmma.fence before it, -DWRITE_AFTER_FENCE writes a
+// register of the wide wgmma's (A's fragment or an accumulator) between its fence and it.
 
 #ifdef MISALIGNED
 constexpr int kBoxAt = 1024 + 128;
@@ -166,8 +167,16 @@ __global__ void tma_wgmma_wide(const __grid_constant__ ptx::TensorMap a_map, con
     const unsigned long long a_desc = ptx::wgmma_descriptor(sA, 16, 1024, ptx::Swizzle::B128);
     const unsigned long long b_desc = ptx::wgmma_descriptor(sB, kBLbo, 1024, ptx::Swizzle::B128);
     float d[N / 2];
+#ifdef WRITE_AFTER_FENCE
+    for (float& x : d) x = 0.f;
+    ptx::fence_operands(d);
+#endif
     ptx::fence_operands(a_flat);
     ptx::wgmma_fence();
+#ifdef WRITE_AFTER_FENCE
+    if constexpr (kRegisterA) a[1][0] ^= 1u;  // the second k-step's A fragment
+    else d[0] = 1.f;                          // an accumulator
+#endif
     for (int kk = 0; kk < 4; ++kk) {
         const unsigned long long b_step = ptx::descriptor_plus(b_desc, 2048 * kk);
         if constexpr (kRegisterA)

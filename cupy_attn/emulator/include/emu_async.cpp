@@ -76,6 +76,33 @@ void require_wgmma_fence(const char* what) {
                     "fence orders the thread's accesses to the instruction's registers before it", what));
 }
 
+void wgmma_fence() {
+    Fiber* f = tl_fiber;
+    f->wgmma_fenced = true;
+    for (RegisterPin& pin : f->register_pins) {
+        pin.at_fence.assign(pin.at, pin.at + pin.bytes);
+        pin.fenced = true;
+    }
+}
+
+void pin_registers(const void* at, unsigned bytes) {
+    const unsigned char* p = static_cast<const unsigned char*>(at);
+    for (const RegisterPin& pin : tl_fiber->register_pins)
+        if (pin.at == p && pin.bytes == bytes) return;
+    tl_fiber->register_pins.push_back(RegisterPin{p, bytes, false, {}});
+}
+
+void require_registers_as_fenced(const void* at, unsigned bytes, const char* operand, const char* what) {
+    const unsigned char* p = static_cast<const unsigned char*>(at);
+    for (const RegisterPin& pin : tl_fiber->register_pins) {
+        if (!pin.fenced || p < pin.at || p + bytes > pin.at + pin.bytes) continue;
+        if (std::memcmp(p, pin.at_fence.data() + (p - pin.at), bytes))
+            fail(format("%s: its %s registers were written after the thread's last wgmma.fence, which must come "
+                        "between a thread's access to a wgmma's registers and the wgmma (PTX ISA, wgmma.fence)",
+                        what, operand));
+    }
+}
+
 // `bytes` of shared memory at `offset` as the async proxy reads them.
 const unsigned char* async_shared_pointer(size_t offset, size_t bytes, const char* what) {
     Block* b = tl_block;

@@ -23,9 +23,18 @@ const unsigned char* async_shared_pointer(size_t offset, size_t bytes, const cha
 // access to registers a wgmma reads or writes (its accumulators, A's fragment) and that wgmma. The
 // emulator takes a thread's wgmma.wait_group as such an access (the thread reads the results
 // next), so each batch of wgmma issued after a wait needs a fence of its own.
-inline void wgmma_fence() { tl_fiber->wgmma_fenced = true; }
-inline void wgmma_waited() { tl_fiber->wgmma_fenced = false; }
+// A register written between the fence and the wgmma that reads or writes it is not ordered (PTX
+// ISA, wgmma.fence): the emulator sees the register arrays the kernels pin (fence_operands) since
+// the thread's last wgmma.wait_group, and fails a wgmma whose registers within such an array
+// changed since the thread's latest fence.
+void wgmma_fence();
+inline void wgmma_waited() {
+    tl_fiber->wgmma_fenced = false;
+    tl_fiber->register_pins.clear();  // a fence must follow before the next wgmma, and pin anew
+}
 void require_wgmma_fence(const char* what);
+void pin_registers(const void* at, unsigned bytes);
+void require_registers_as_fenced(const void* at, unsigned bytes, const char* operand, const char* what);
 
 // The calling warp's next warpgroup-wide instruction of `kind` (WarpgroupInstruction): the
 // warpgroup's record of it, which is `mine` if this warp got there first. The caller compares.

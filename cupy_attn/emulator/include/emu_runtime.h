@@ -81,6 +81,16 @@ struct TmaCopy {
     bool add;   // a store that adds to global memory (cp.reduce.async.bulk.tensor .add)
 };
 
+// A register array a wgmma reads or writes (accumulators, A's fragment) as the thread pinned it
+// (fence_operands, kernels/ptx.cuh), with what it held at the thread's latest wgmma.fence once
+// one came after the pin.
+struct RegisterPin {
+    const unsigned char* at;
+    unsigned bytes;
+    bool fenced;                           // a wgmma.fence since the pin: at_fence holds its bytes then
+    std::vector<unsigned char> at_fence;
+};
+
 struct Fiber {
     Context ctx;
     uint3 tid;
@@ -102,6 +112,7 @@ struct Fiber {
     std::vector<TmaCopy> bulk_stores;  // TMA stores not yet waited for, by bulk group
     unsigned bulk_groups_committed = 0;
     bool wgmma_fenced = false;  // a wgmma.fence since the thread's start or its last wgmma.wait_group
+    std::vector<RegisterPin> register_pins;
     // (shared offset, bytes) of this thread's named plain stores since its last fence.proxy.async
     // (emu_async.h, generic_store), kept once the block uses the async proxy.
     std::vector<std::pair<unsigned, unsigned>> unfenced_stores;
