@@ -71,7 +71,7 @@ class BlockMask:
         m_tiles, n_tiles = -(-sq // block_m), -(-sk // block_n)
         nonempty = xp.zeros((b, h, m_tiles, n_tiles), dtype=bool)
         full = xp.zeros((b, h, m_tiles, n_tiles), dtype=bool)
-        bi, hi = xp.arange(b)[:, None, None, None], xp.arange(h)[:, None, None]
+        bi, hi = xp.arange(b)[:, None, None, None], xp.arange(h)[None, :, None, None]  # as the twins always see them
         kv = xp.arange(sk)
         for m in range(m_tiles):
             rows = xp.arange(m * block_m, min((m + 1) * block_m, sq))[:, None]

@@ -83,13 +83,15 @@ class _Tiles:
         # A float mask's or a score_mod's scores below this are -inf, as in the kernels' base 2.
         self.masking_floor = minus_infinity_below(p.dtype) if (
             p.score_mod is not None or (self.mask is not None and not self.mask_is_bool)) else None
-        # (b, query head h) of each (B, Hkv, G) row block, for score_mod and mask_mod.
-        self.b5 = np.arange(b)[:, None, None, None, None]
-        self.h5 = (np.arange(hkv)[:, None] * g + np.arange(g)[None, :])[None, :, :, None, None]
+        # b and the query head h for score_mod and mask_mod, whose twins see a tile as (B, H, m, n),
+        # as the reference shows them the whole (B, H, Sq, Sk): query head h = kv head · G + g, the
+        # order of (B, Hkv, G, m, n), so the two shapes are reshapes of each other.
+        self.b4 = np.arange(b)[:, None, None, None]
+        self.h4 = np.arange(p.heads)[None, :, None, None]
 
     def mod_indices(self, i0: int, i1: int, j0: int, j1: int):
-        """b, h, q_idx, kv_idx as arrays broadcasting to a tile's (B, Hkv, G, m, n)."""
-        return self.b5, self.h5, np.arange(i0, i1)[:, None], np.arange(j0, j1)
+        """b, h, q_idx, kv_idx as arrays broadcasting to a tile's (B, H, m, n)."""
+        return self.b4, self.h4, np.arange(i0, i1)[:, None], np.arange(j0, j1)
 
     def rows(self, x5, i0: int, i1: int):
         """(B, Hkv, G, Sq, X) -> the query tile's rows (B, Hkv, G·m, X)."""
@@ -122,8 +124,9 @@ class _Tiles:
         if self.mask_is_bool:
             keep = both(keep, self.mask[:, :, :, i0:i1, j0:j1])
         if p.mask_mod is not None:
-            shape = (p.batch, p.kv_heads, p.groups, i1 - i0, j1 - j0)
-            keep = both(keep, mods.twin(p.mask_mod, *self.mod_indices(i0, i1, j0, j1), shape=shape))
+            shape = (p.batch, p.heads, i1 - i0, j1 - j0)
+            allowed = mods.twin(p.mask_mod, *self.mod_indices(i0, i1, j0, j1), shape=shape)
+            keep = both(keep, allowed.reshape(p.batch, p.kv_heads, p.groups, i1 - i0, j1 - j0))
         return keep
 
     def scores(self, q_rows, i0: int, i1: int, j0: int, j1: int):
@@ -146,10 +149,12 @@ class _Tiles:
             s5 -= self.slopes * distance[:, None, None]
         if p.score_mod is not None:
             indices = self.mod_indices(i0, i1, j0, j1)
+            s4 = s.reshape(p.batch, p.heads, i1 - i0, j1 - j0)  # a view of s, as the twin sees the tile
             if self.backward and p.score_mod.grad != "additive":
-                slope = mods.derivative(p.score_mod, s5.astype(np.float64), *indices)
+                slope = mods.derivative(p.score_mod, s4.astype(np.float64), *indices).reshape(s5.shape)
                 chain = slope if chain is None else chain * slope
-            s5[...] = mods.twin(p.score_mod, s5, *indices, shape=s5.shape, scores_dtype=s5.dtype, where=keep)
+            where = None if keep is None else np.broadcast_to(keep, s5.shape).reshape(s4.shape)
+            s4[...] = mods.twin(p.score_mod, s4, *indices, shape=s4.shape, scores_dtype=s4.dtype, where=where)
         if chain is not None:
             chain = np.broadcast_to(chain, s5.shape).astype(s.dtype).reshape(s.shape)
         if self.mask is not None and not self.mask_is_bool:

@@ -64,7 +64,7 @@ def _allowed_and_biases(p):
 
 def _indices(p):
     """b, h, q_idx, kv_idx broadcasting to (B, H, Sq, Sk)."""
-    return (np.arange(p.batch)[:, None, None, None], np.arange(p.heads)[:, None, None],
+    return (np.arange(p.batch)[:, None, None, None], np.arange(p.heads)[None, :, None, None],
             np.arange(p.seq_q)[:, None], np.arange(p.seq_k))
 
 

@@ -221,6 +221,25 @@ def test_twins_may_return_scalars_and_minus_infinity(rng):
     np.testing.assert_allclose(biased, cupy_attn.reference.attention(q, k, v, score_mod=read)[0], rtol=1e-5, atol=1e-6)
 
 
+def test_a_twin_sees_a_tile_as_the_reference_sees_the_problem(rng):
+    """The NumPy backend calls a twin per tile with score (B, H, m, n) and index arrays that
+    broadcast to it, as the reference calls it with the whole (B, H, Sq, Sk): a twin written for
+    one runs in the other (GQA: query heads h, not kv heads), forward and backward."""
+    q, k, v = random_qkv(rng, b=B, h=H, hkv=HKV, sq=SQ, sk=SK, d=8)
+    seen = []
+
+    def shapes(*arrays):
+        seen.append(np.broadcast_shapes(*(a.shape for a in arrays)))
+
+    score_mod = SCORE("score * (1.0f + 0.1f * h)", lambda s, b, h, q_idx, kv_idx: shapes(s, b, h, q_idx, kv_idx)
+                      or s * (1 + 0.1 * h), grad="1.0f + 0.1f * h")
+    mask_mod = MASK("kv_idx <= q_idx + 5 * h", lambda b, h, q_idx, kv_idx: shapes(b, h, q_idx, kv_idx)
+                    or kv_idx <= q_idx + 5 * h)
+    kw = dict(score_mod=score_mod, mask_mod=mask_mod)
+    check_forward_and_backward("numpy", rng, q, k, v, kw, np.dtype(np.float32))
+    assert seen and all(len(s) == 4 and s[:2] == (B, H) for s in seen), set(seen)
+
+
 def test_mods_compile_under_nvrtc_for_the_gpu_without_spills(rng):
     """What a GPU build compiles (NVRTC, CuPy's options): every kind of tensor and scalar a snippet
     can read, in the tensor-core forward and dK/dV kernels, with a block mask and without (its
