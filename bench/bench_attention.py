@@ -10,14 +10,21 @@ jax.nn.dot_product_attention, in FlashAttention's configurations (B·S = 16k, H�
 padding-mask case and a decode case. Without a GPU: the NumPy backend against naive NumPy and
 PyTorch SDPA on the CPU, at CPU-sized shapes.
 
-Timing: warm-up calls first (compilation is never timed), then the median of many repetitions
-(CUDA events on the GPU), cycling through several input sets whose total size exceeds the L2
-cache. FLOPs follow FlashAttention's convention: 4·B·H·Sq·Sk·D forward (halved when causal),
+Timing: warm-up calls first (compilation is never timed), then, as FlashAttention's benchmarks
+time (torch.utils.benchmark, triton's do_bench), the time per call of calls queued back to back
+(`ms`, from which `tflops` comes: the GPU sets the pace where the host keeps ahead, the host
+where it does not), cycling through several input sets whose total size exceeds the L2 cache;
+beside it the median of single calls, each between two CUDA events (`ms_single_call`, which adds
+the host's work before the first launch), and the host's time to return (`host_ms`). JAX's
+calls, whose work is not on CuPy's stream, are timed by the host's clock to the last result.
+FLOPs follow FlashAttention's convention: 4·B·H·Sq·Sk·D forward (halved when causal, Sq = Sk),
 2.5× that backward. Peak memory is what the call allocates beyond its inputs.
 
-Each cupy_attn implementation's first result of a case and pass is checked against attention in
-float32 (bench/reference_check.py: PyTorch's SDPA math backend); each record holds its errors,
-and a result off by more than 5 % of an output's largest magnitude is reported as wrong.
+Each cupy_attn implementation's first result of a case and pass, computed into outputs filled
+with NaN first (so that what a kernel leaves unwritten shows), is checked against attention in
+float32 (bench/reference_check.py: PyTorch's SDPA math backend); each record holds its errors and
+the kernels the call launched, and a result off by more than 5 % of an output's largest
+magnitude, or 25 % of a row's, is marked wrong and left out of the comparisons and plots.
 
 Writes results.json (a list of records) and one PNG per pass into --out, and prints a table of
 cupy_attn's speed relative to the best other implementation last, then the result checks.
@@ -27,6 +34,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import time
@@ -44,6 +52,8 @@ from cupy_attn import _backends  # noqa: E402
 import reference_check  # noqa: E402  (bench/)
 
 L2_BYTES = 64 * 2**20  # a little above an H100/H200's L2
+# JAX would otherwise take 75 % of the GPU's memory at its first use, from CuPy and PyTorch.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,12 @@ class Case:
     dtype: str
     causal: bool
     padding: bool = False  # a bool (B, 1, 1, Sk) key-padding mask
+
+    def __post_init__(self):
+        # SDPA's and JAX's causal masks are top-left aligned, cupy_attn's bottom-right: the same
+        # pairs, and half of them, only where Sq = Sk.
+        if self.causal and self.Sq != self.Sk:
+            raise ValueError(f"causal cases need Sq = Sk, got {self.Sq} and {self.Sk}")
 
     def flops(self, pass_: str) -> float:
         f = 4.0 * self.B * self.H * self.Sq * self.Sk * self.D / (2 if self.causal else 1)
@@ -116,6 +132,9 @@ def input_sets(case: Case) -> int:
 class Impl:
     name: str
     device: str  # "gpu" or "cpu"
+    # For calls whose GPU work is not ordered on CuPy's current stream (JAX's): waits for a call's
+    # result, and the timing uses the host's clock. None: CUDA events on that stream.
+    wait = None
 
     def available(self) -> str | None:
         """None if usable, else why not."""
@@ -245,17 +264,27 @@ class JaxDotProductAttention(Impl):
             return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=case.causal, implementation=impl)
 
         fwd = jax.jit(attn)
-        bwd = jax.jit(lambda q, k, v, mask, d: jax.vjp(lambda q, k, v: attn(q, k, v, mask), q, k, v)[1](d))
+        # The backward alone: the vjp's function (a pytree holding the forward's residuals) is made
+        # once per input set, outside the timing; jitting the vjp call with the forward would time
+        # both, which XLA cannot separate.
+        bwd = jax.jit(lambda vjp, d: vjp(d))
         calls = []
         for q, k, v, dout, mask in sets:
             # JAX's layout is (B, S, H, D)
             jq, jk, jv, jd = (jnp.asarray(np.swapaxes(x, 1, 2)) for x in (q, k, v, dout))
             jm = None if mask is None else jnp.asarray(mask)
             if pass_ == "fwd":
-                calls.append(lambda jq=jq, jk=jk, jv=jv, jm=jm: fwd(jq, jk, jv, jm).block_until_ready())
+                calls.append(lambda jq=jq, jk=jk, jv=jv, jm=jm: fwd(jq, jk, jv, jm))
             else:
-                calls.append(lambda jq=jq, jk=jk, jv=jv, jm=jm, jd=jd: jax.block_until_ready(bwd(jq, jk, jv, jm, jd)))
+                _, vjp = jax.vjp(lambda q, k, v, jm=jm: attn(q, k, v, jm), jq, jk, jv)
+                calls.append(lambda vjp=vjp, jd=jd: bwd(vjp, jd))
         return calls
+
+    @staticmethod
+    def wait(result):
+        import jax
+
+        jax.block_until_ready(result)
 
 
 class NumpyBackend(CupyAttnCuda):
@@ -321,40 +350,55 @@ IMPLS = [CupyAttnCuda(), CupyAttnWgmma(), *(TorchSdpa(b) for b in ("flash", "cud
 
 # ---- timing -------------------------------------------------------------------------------------
 
-def time_gpu(calls, reps: int, detail: dict | None = None) -> tuple[float, int]:
-    """(median ms of one call, from an event before it to one after, peak bytes). With `detail`,
-    also host_ms: the median time the call takes to return (its launches queued, not waited for;
-    JAX's calls wait for their result, so theirs is the whole call), and back_to_back_ms: the time
-    per call of `reps` calls queued between one pair of events, where the GPU sets the pace if the
-    host keeps ahead (it doubles the timed calls of a case). On the 2026-12-04 H200 run single
-    calls took about 0.6 ms longer than Nsight Compute's kernel times at S = 4k, in both kernel
-    families."""
+def time_gpu(calls, reps: int, detail: dict | None = None, wait=None) -> tuple[float, int]:
+    """(ms per call of `reps` calls queued back to back, peak bytes): between one pair of CUDA
+    events, or with `wait` (Impl.wait) by the host's clock from the first call's start to the last
+    result. The GPU sets that pace where the host keeps ahead, the host where it does not, as in
+    FlashAttention's benchmarks. With `detail`, also ms_single_call: the median of single calls,
+    each from an event before it to one after (with the host's work before the first launch: on
+    the 2026-12-04 H200 run about 0.6 ms more than Nsight Compute's kernel time at S = 4k), and
+    host_ms: the median time a call takes to return (its launches queued; with `wait`, the whole
+    call)."""
     import cupy
+
+    def call(i):
+        result = calls[i % len(calls)]()
+        if wait is not None:
+            wait(result)
+        return result
 
     hook = PeakMemoryHook()
     torch_peak = _torch_peak_start()
     with hook:
-        calls[0]()
+        call(0)
     cupy.cuda.Device().synchronize()
     peak = max(hook.peak, _torch_peak_end(torch_peak))
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times, host = [], []
-    for i in range(reps):
-        start.record()
-        began = time.perf_counter()
-        calls[i % len(calls)]()
-        host.append((time.perf_counter() - began) * 1e3)
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    if detail is not None:
+    if wait is None:
         start.record()
         for i in range(reps):
             calls[i % len(calls)]()
         stop.record()
         stop.synchronize()
-        detail.update(host_ms=statistics.median(host), back_to_back_ms=cupy.cuda.get_elapsed_time(start, stop) / reps)
-    return statistics.median(times), peak
+        back_to_back = cupy.cuda.get_elapsed_time(start, stop) / reps
+    else:
+        began = time.perf_counter()
+        for i in range(reps):
+            last = calls[i % len(calls)]()
+        wait(last)
+        back_to_back = (time.perf_counter() - began) * 1e3 / reps
+    if detail is not None:
+        times, host = [], []
+        for i in range(reps):
+            start.record()
+            began = time.perf_counter()
+            call(i)
+            host.append((time.perf_counter() - began) * 1e3)
+            stop.record()
+            stop.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, stop))
+        detail.update(ms_single_call=statistics.median(times), host_ms=statistics.median(host))
+    return back_to_back, peak
 
 
 def time_cpu(calls, reps: int) -> tuple[float, int]:
@@ -406,7 +450,7 @@ def budgeted_main(argv, doc: str, run, default_out: Path, quick_help: str) -> in
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     records = run(args)
-    (args.out / "results.json").write_text(json.dumps(records, indent=1))
+    write_records(args.out, records)
     return 0 if records else 1
 
 
@@ -492,14 +536,19 @@ def run(args) -> list[dict]:
                     if isinstance(calls, str):
                         continue
                     # warm-up (compilation and autotuning stay out of the timing); cupy_attn's first
-                    # result is checked against float32 attention
-                    first = calls[0]()
+                    # result, into outputs poisoned first, is checked against float32 attention
+                    check = {}
+                    if isinstance(impl, CupyAttnCuda):
+                        launched, first = first_call_checked(calls[0])
+                        check = dict(checked(case, pass_, device, first), kernels=launched)
+                        first = None
+                    else:
+                        calls[0]()
                     for call in calls[1:2]:
                         call()
-                    check = checked(case, pass_, device, first) if isinstance(impl, CupyAttnCuda) else {}
-                    first = None
                     detail = {}
-                    ms, peak = time_gpu(calls, reps, detail) if device == "gpu" else time_cpu(calls, reps)
+                    ms, peak = (time_gpu(calls, reps, detail, impl.wait) if device == "gpu"
+                                else time_cpu(calls, reps))
                 except Exception as exc:  # an implementation that rejects a case is reported, not fatal
                     print(f"{impl.name} {case.name} S={case.Sq} D={case.D} {case.dtype} causal={case.causal} "
                           f"{pass_}: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}",
@@ -507,17 +556,56 @@ def run(args) -> list[dict]:
                     continue
                 finally:
                     calls = None
-                record = dict(asdict(case), impl=impl.name, device=device, ms_median=ms,
+                record = dict(asdict(case), impl=impl.name, device=device, ms=ms,
                               tflops=case.flops(pass_) / (ms * 1e-3) / 1e12, peak_bytes=int(peak), reps=reps, **detail, **check)
+                if "ms_single_call" in detail:
+                    record["tflops_single_call"] = case.flops(pass_) / (detail["ms_single_call"] * 1e-3) / 1e12
                 record["pass"] = pass_
+                if "rel_max_error" in check:
+                    record["wrong"] = reference_check.wrong(check)
                 records.append(record)
-                (args.out / "results.json").write_text(json.dumps(records, indent=1))
+                write_records(args.out, records)
                 print(f"{impl.name:<28} {case.name:<12} {case.dtype:<8} B={case.B:<3} H={case.H:<3} S={case.Sq:>5}/{case.Sk:<5} "
                       f"D={case.D:<3} causal={case.causal!s:<5} {pass_} {ms:9.3f} ms {record['tflops']:8.3f} TFLOP/s"
-                      + (f"  host {detail['host_ms']:.3f} ms, back to back {detail['back_to_back_ms']:.3f} ms" if detail else "")
-                      + (f"  error {max(check['rel_max_error'].values()):.1e}" if "rel_max_error" in check else ""),
+                      + (f"  single call {detail['ms_single_call']:.3f} ms, host {detail['host_ms']:.3f} ms" if detail else "")
+                      + (f"  error {max(check['rel_max_error'].values()):.1e}, by row {max(check['rel_row_error'].values()):.1e}"
+                         if "rel_max_error" in check else "")
+                      + ("  WRONG" if record.get("wrong") else ""),
                       flush=True)
     return records
+
+
+def first_call_checked(call):
+    """(the kernels it launched, its result) of a cupy_attn implementation's first call, made with
+    outputs filled with NaN before the launch (what a kernel leaves unwritten shows in the check:
+    a fresh output from CuPy's pool may hold the previous implementation's right answer), and
+    the launches recorded (a fallback, e.g. TMA refusing an operand, shows under its own name)."""
+    from cupy_attn import _kernel_backend
+
+    launched, launch = [], _kernel_backend._launch
+    poison = _kernel_backend.POISON_OUTPUTS
+
+    def recorded(target, filename, name, *args, **keywords):
+        launched.append(name)
+        return launch(target, filename, name, *args, **keywords)
+
+    _kernel_backend._launch, _kernel_backend.POISON_OUTPUTS = recorded, True
+    try:
+        return launched, call()
+    finally:
+        _kernel_backend._launch, _kernel_backend.POISON_OUTPUTS = launch, poison
+
+
+def write_records(out: Path, records: list[dict]) -> None:
+    """results.json, replaced whole: an outer timeout never leaves half a file."""
+    partial = out / "results.json.partial"
+    partial.write_text(json.dumps(records, indent=1))
+    os.replace(partial, out / "results.json")
+
+
+def compared(records: list[dict]) -> list[dict]:
+    """The records a comparison may use: not those whose result the check found wrong."""
+    return [r for r in records if not r.get("wrong")]
 
 
 def plot(records: list[dict], out: Path):
@@ -527,7 +615,7 @@ def plot(records: list[dict], out: Path):
     import matplotlib.pyplot as plt
 
     for pass_ in sorted({r["pass"] for r in records}):
-        rows = [r for r in records if r["pass"] == pass_ and r["name"] == "sweep"]
+        rows = [r for r in compared(records) if r["pass"] == pass_ and r["name"] == "sweep"]
         panels = sorted({(r["dtype"], r["D"], r["causal"]) for r in rows})
         if not panels:
             continue
@@ -541,7 +629,7 @@ def plot(records: list[dict], out: Path):
             ax.set_xscale("log", base=2)
             ax.set_title(f"{pass_} {dtype} D={d}{' causal' if causal else ''}", fontsize=9)
             ax.set_xlabel("sequence length")
-            ax.set_ylabel("TFLOP/s")
+            ax.set_ylabel("TFLOP/s (calls back to back)")
         axes[0][0].legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out / f"{pass_}.png", dpi=110)
@@ -571,12 +659,13 @@ def result_summary(records: list[dict]) -> str:
     wrong = [r for r in rows if reference_check.wrong(r)]
     unchecked = sorted({r["unchecked"] for r in records if "unchecked" in r})
     lines = [f"cupy_attn results against float32 attention: {len(rows)} checked, {len(wrong)} wrong (an error above "
-             f"{reference_check.WRONG_ABOVE} of the output's largest magnitude)"
+             f"{reference_check.WRONG_ABOVE} of the output's largest magnitude or {reference_check.WRONG_ROW_ABOVE} of "
+             "a row's; left out of the comparisons)"
              + (f"; unchecked: {'; '.join(unchecked)}" if unchecked else "")]
 
     def line(label: str, r: dict) -> str:
-        errors = " ".join(f"{name} {r['rel_max_error'][name]:.1e} (RMS {r['rel_rms_error'][name]:.1e})"
-                          for name in r["rel_max_error"])
+        errors = " ".join(f"{name} {r['rel_max_error'][name]:.1e} (row {r.get('rel_row_error', {}).get(name, float('nan')):.1e}, "
+                          f"RMS {r['rel_rms_error'][name]:.1e})" for name in r["rel_max_error"])
         return (f"{label:<8} {r['impl']:<18} {r['name']:<12} {r['dtype']:<9} S={r['Sq']}/{r['Sk']} D={r['D']} "
                 f"causal={r['causal']!s:<5} {r['pass']}: {errors}")
 
@@ -599,7 +688,7 @@ def summary(records: list[dict]) -> str:
              f"{'case':<12} {'dtype':<9} {'S':>11} {'D':>4} {'causal':<6} {'pass':<4} {'cupy_attn':>10} {'best other':>28} {'ratio':>6}"]
     key = lambda r: (r["name"], r["dtype"], r["Sq"], r["Sk"], r["D"], r["causal"], r["B"], r["H"], r["pass"])  # noqa: E731
     groups: dict = {}
-    for r in records:
+    for r in compared(records):
         groups.setdefault(key(r), []).append(r)
     for k in sorted(groups):
         ours = [r for r in groups[k] if r["impl"] in default]
@@ -671,7 +760,7 @@ def main(argv=None) -> int:
         (args.out / "compile_times.json").write_text(json.dumps(compile_times(), indent=1))
         return 0
     records = run(args)
-    (args.out / "results.json").write_text(json.dumps(records, indent=1))
+    write_records(args.out, records)
     if importlib.util.find_spec("matplotlib"):
         plot(records, args.out)
     else:

@@ -101,13 +101,16 @@ def sequence_lengths(rng, total: int, low: int, high: int) -> np.ndarray:
 
 def random_array(xp, shape, dtype, rng):
     """Standard normal values in ``dtype``, drawn in slices of the first axis of at most 2**26
-    elements, so a cache of tens of GB needs no float32 twin of itself."""
+    elements, so a cache of tens of GB needs no float32 twin of itself; on the GPU by CuPy's own
+    generator (seeded from `rng`): the largest caches hold billions of values, minutes of the
+    host's drawing."""
     x = xp.empty(shape, dtype=dtype)
+    draw = rng if xp is np else xp.random.default_rng(int(rng.integers(2**31)))
     per_row = int(np.prod(shape[1:], dtype=np.int64))
     step = max(1, 2**26 // max(per_row, 1))
     for i in range(0, shape[0], step):
         rows = x[i:i + step]
-        rows[...] = xp.asarray(rng.standard_normal(rows.shape, dtype=np.float32)).astype(dtype)
+        rows[...] = draw.standard_normal(rows.shape, dtype=np.float32).astype(dtype)
     return x
 
 

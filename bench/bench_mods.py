@@ -95,7 +95,10 @@ def torch_calls(case: str, device: str, q, k, v, doc, table, buckets, window: in
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     dev = "cuda" if device == "gpu" else "cpu"
-    tq, tk, tv = (torch.from_dlpack(x) if device == "gpu" else torch.from_numpy(x) for x in (q, k, v))
+    # DLPack knows no ml_dtypes bfloat16: its bits cross as int16 and are read as torch's bfloat16
+    # (as cupy_attn's own interop does), float32 as itself.
+    tq, tk, tv = (torch.from_numpy(x) if device == "cpu" else torch.from_dlpack(x) if x.dtype.kind == "f"
+                  else torch.from_dlpack(x.view(np.int16)).view(torch.bfloat16) for x in (q, k, v))
     S = tq.shape[2]
     causal = torch.ones(S, S, dtype=torch.bool, device=dev).tril()
     doc_t = torch.as_tensor(doc, device=dev)

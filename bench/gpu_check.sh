@@ -11,9 +11,11 @@
 #             per-test timeout, one line per module in the summary
 #   sanitize  compute-sanitizer memcheck, racecheck and synccheck over bench/sanitize_cases.py
 #   bench     bench/bench_attention.py against SDPA's flash/cuDNN/efficient and JAX (stops starting
-#             cases after --bench-budget seconds), the host time per call (bench/host_profile.py),
-#             the wgmma forward persistent and with a block per tile (bench/persistence.py), then ncu
-#             on one forward and one dK/dV launch per kernel family (bench/ncu_cases.py)
+#             cases after --bench-budget seconds), then the wgmma kernels alone in a process of
+#             their own (half that budget), the host time per call (bench/host_profile.py), the
+#             wgmma forward persistent and with a block per tile (bench/persistence.py; only if the
+#             wgmma benchmark ran and its results were right), then ncu on one forward and one
+#             dK/dV launch per kernel family (bench/ncu_cases.py)
 #   sweep     (only when named) bench/tile_sweep.py: candidate tiles of the default kernels, each
 #             checked against the reference, then timed (stops starting candidates after
 #             --bench-budget seconds)
@@ -173,23 +175,39 @@ fi
 
 if run bench; then
     note "== benchmark (budget ${budget} s)"
+    # The wgmma kernels, whose results no GPU has yet checked, run in a process of their own after
+    # the others: a fault there ends only its own CUDA context, a hang only its own time limit.
     if [ -n "$dry" ]; then
-        bench_args=(--quick --device cpu --impls cupy_attn_numpy naive_numpy --budget-s 1)
+        baseline=(--quick --device cpu --budget-s 1 --impls cupy_attn_numpy naive_numpy)
+        hopper=(--quick --device cpu --budget-s 1 --impls cupy_attn_numpy)
     else
-        bench_args=($size --budget-s "$budget")
+        baseline=($size --budget-s "$budget" --impls cupy_attn torch_sdpa_flash torch_sdpa_cudnn torch_sdpa_efficient
+                  jax_dot_product_attention)
+        hopper=($size --budget-s "$((budget / 2))" --impls cupy_attn_wgmma)
     fi
-    timeout $((budget + 150)) $py bench/bench_attention.py "${bench_args[@]}" --out "$out" > "$out/bench.log" 2>&1 \
+    timeout $((budget + 150)) $py bench/bench_attention.py "${baseline[@]}" --out "$out" > "$out/bench.log" 2>&1 \
         || note "benchmark exit $?"
     grep -E "^budget|not run" "$out/bench.log" | tee -a "$out/summary.txt"
     sed -n '/relative to the best other/,$p' "$out/bench.log" | tee -a "$out/summary.txt"
+    note "== benchmark of the wgmma kernels (budget $((budget / 2)) s; a process of its own)"
+    wgmma_ok=1
+    timeout $((budget / 2 + 120)) $py bench/bench_attention.py "${hopper[@]}" --out "$out/wgmma" > "$out/bench_wgmma.log" 2>&1 \
+        || { note "wgmma benchmark exit $?"; wgmma_ok=0; }
+    grep -q "WRONG" "$out/bench_wgmma.log" && wgmma_ok=0
+    grep -E "^budget|not run|checked,|^WRONG" "$out/bench_wgmma.log" | tee -a "$out/summary.txt"
+    note "tables of both: python bench/report.py $out/results.json $out/wgmma/results.json"
 
     note "== host time per call (bench/host_profile.py: cProfile of queued calls)"
     timeout 120 $py bench/host_profile.py ${dry:+--dry-run} > "$out/host_profile.log" 2>&1 || note "host profile exit $?"
     grep -E "^host " "$out/host_profile.log" | tee -a "$out/summary.txt"
 
     note "== persistence (bench/persistence.py: the wgmma forward, a block per SM or per work tile)"
-    timeout 90 $py bench/persistence.py ${dry:+--dry-run} > "$out/persistence.log" 2>&1 || note "persistence exit $?"
-    grep -E "^persistence" "$out/persistence.log" | tee -a "$out/summary.txt"
+    if [ $wgmma_ok -eq 1 ]; then
+        timeout 90 $py bench/persistence.py ${dry:+--dry-run} > "$out/persistence.log" 2>&1 || note "persistence exit $?"
+        grep -E "^persistence" "$out/persistence.log" | tee -a "$out/summary.txt"
+    else
+        note "not run: the wgmma benchmark failed or found a wrong result (see bench_wgmma.log)"
+    fi
 
     note "== Nsight Compute: one forward and one dK/dV launch per kernel family"
     ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1 || true)

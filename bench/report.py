@@ -1,7 +1,8 @@
-"""Markdown tables from a benchmark's results.json: TFLOP/s of every implementation per case and
-cupy_attn's ratio to each other one.
+"""Markdown tables from benchmarks' results.json files: TFLOP/s of every implementation per case
+(calls back to back, bench_attention.py) and cupy_attn's ratio to each other one. A result the
+benchmark's check found wrong is shown as WRONG, never as a speed.
 
-    python bench/report.py bench/out/results.json [--pass fwd]
+    python bench/report.py bench/out/results.json [more results.json ...] [--pass fwd]
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def table(records: list[dict], pass_: str) -> str:
     for r in records:
         if r["pass"] == pass_:
             key = (r["name"], r["dtype"], r["D"], r["Sq"], r["Sk"], r["causal"], r["B"], r["H"], r["Hkv"])
-            cases.setdefault(key, {})[r["impl"]] = r["tflops"]
+            cases.setdefault(key, {})[r["impl"]] = None if r.get("wrong") else r["tflops"]
     head = ["case", "dtype", "D", "Sq/Sk", "causal"] + [t for _, t in present] + [f"÷ {t}" for _, t in others]
     lines = [f"| {' | '.join(head)} |", "|" + "---|" * len(head)]
     order = lambda k: (k[0] != "sweep", k[0], k[1], -k[2], k[3], k[5])  # noqa: E731
@@ -36,26 +37,30 @@ def table(records: list[dict], pass_: str) -> str:
         got = cases[key]
         name, dtype, d, sq, sk, causal = key[:6]
         cells = [name, dtype, str(d), f"{sq}/{sk}", "yes" if causal else "no"]
-        cells += [(f"{got[i]:.1f}" if got[i] >= 10 else f"{got[i]:.3g}") if i in got else "—" for i, _ in present]
-        cells += [f"{got[ours] / got[i]:.2f}" if ours in got and i in got else "—" for i, _ in others]
+        cells += ["—" if i not in got else "WRONG" if got[i] is None else f"{got[i]:.1f}" if got[i] >= 10
+                  else f"{got[i]:.3g}" for i, _ in present]
+        cells += [f"{got[ours] / got[i]:.2f}" if got.get(ours) and got.get(i) else "—" for i, _ in others]
         lines.append(f"| {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", type=Path)
+    parser.add_argument("results", type=Path, nargs="+", help="results.json files, read as one list")
     parser.add_argument("--pass", dest="passes", default="fwd,bwd")
     args = parser.parse_args(argv)
     passes = args.passes.split(",")
     if any(p not in ("fwd", "bwd") for p in passes):
         parser.error(f"--pass takes fwd, bwd or fwd,bwd, got {args.passes!r}")
-    try:
-        records = json.loads(args.results.read_text())
-    except (OSError, ValueError) as error:
-        parser.error(f"cannot read {args.results}: {error}")
-    if not isinstance(records, list) or not all(isinstance(r, dict) and set(FIELDS) <= set(r) for r in records):
-        parser.error(f"{args.results} is not a benchmark's results.json (a list of records with {', '.join(FIELDS)})")
+    records = []
+    for path in args.results:
+        try:
+            part = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            parser.error(f"cannot read {path}: {error}")
+        if not isinstance(part, list) or not all(isinstance(r, dict) and set(FIELDS) <= set(r) for r in part):
+            parser.error(f"{path} is not a benchmark's results.json (a list of records with {', '.join(FIELDS)})")
+        records += part
     for pass_ in passes:
         print(f"\n{'Forward' if pass_ == 'fwd' else 'Backward'} (TFLOP/s; ÷: cupy_attn over that implementation)\n")
         print(table(records, pass_))

@@ -154,7 +154,7 @@ def sweep(args) -> int:
                 for call in calls[:2]:
                     call()
                 ms, _ = bench.time_gpu(calls, 10)
-                record = dict(dataclasses.asdict(case), tile=describe(pass_, tile), ms_median=ms,
+                record = dict(dataclasses.asdict(case), tile=describe(pass_, tile), ms=ms,
                               tflops=case.flops(pass_) / (ms * 1e-3) / 1e12)
                 record["pass"] = pass_
                 records.append(record)

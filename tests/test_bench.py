@@ -17,20 +17,21 @@ def test_quick_cpu_benchmark_writes_json_and_plots(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     records = json.loads((tmp_path / "results.json").read_text())
-    keys = {"impl", "pass", "B", "H", "Sq", "Sk", "D", "dtype", "causal", "ms_median", "tflops", "peak_bytes"}
+    keys = {"impl", "pass", "B", "H", "Sq", "Sk", "D", "dtype", "causal", "ms", "tflops", "peak_bytes"}
     assert records and all(keys <= r.keys() for r in records)
     assert {r["impl"] for r in records} == {"cupy_attn_numpy", "naive_numpy"}
     assert {r["pass"] for r in records} == {"fwd", "bwd"}
-    assert all(r["ms_median"] > 0 and r["tflops"] > 0 for r in records)
+    assert all(r["ms"] > 0 and r["tflops"] > 0 for r in records)
     assert (tmp_path / "fwd.png").stat().st_size > 1000 and (tmp_path / "bwd.png").exists()
     assert "relative to the best other implementation" in result.stdout
     # cupy_attn's results were checked against float32 attention (PyTorch's math backend)
     checked = [r for r in records if r["impl"] == "cupy_attn_numpy"]
     if importlib.util.find_spec("torch"):
-        errors = [e for r in checked for kind in ("rel_rms_error", "rel_max_error") for e in r[kind].values()]
+        errors = [e for r in checked for kind in ("rel_rms_error", "rel_max_error", "rel_row_error") for e in r[kind].values()]
         assert errors and all(0 < e < 1e-5 for e in errors), checked
         assert {tuple(r["rel_max_error"]) for r in checked} == {("out",), ("dq", "dk", "dv")}
         assert f"{len(checked)} checked, 0 wrong" in result.stdout
+        assert all(r["wrong"] is False and r["kernels"] == [] for r in checked), checked  # the NumPy backend launches none
     else:
         assert all(r["unchecked"] == "PyTorch is not installed" for r in checked)
     # report.py turns it into a table of numbers: the NumPy backend is "ours" without a GPU
@@ -133,6 +134,18 @@ def test_the_reference_check_tells_a_wrong_result_from_rounding():
     assert wrong["fwd"]["rel_max_error"]["out"] > 0.2 and wrong["bwd"]["rel_max_error"]["dk"] > 0.2, wrong
     assert wrong["bwd"]["rel_max_error"]["dq"] < 1e-5  # the other outputs stay right
     assert [reference_check.wrong(e) for e in (*right.values(), *wrong.values())] == [False, False, True, True]
+    # A row of small values left unwritten (as a causal call's late rows are small beside its first):
+    # 4 % of the output's largest magnitude, but the whole of its own row (measured against the
+    # floor of 5 % of the largest: 0.8).
+    import torch
+
+    expected = torch.ones(1, 2, 50, 8)
+    expected[0, 0, 0] = 25.0
+    unwritten = expected.numpy().copy()
+    unwritten[0, 1, 40] = 0.0
+    errors = reference_check.relative_errors(unwritten, {"out": expected})
+    assert errors["rel_max_error"]["out"] == pytest.approx(0.04) and errors["rel_row_error"]["out"] == pytest.approx(0.8)
+    assert reference_check.wrong(errors)
     base = dict(name="sweep", dtype="float32", Sq=37, Sk=37, D=16, causal=True)
     records = [dict(base, impl=impl, **errors[p], **{"pass": p})
                for impl, errors in (("right", right), ("wrong", wrong)) for p in ("fwd", "bwd")]
@@ -140,3 +153,46 @@ def test_the_reference_check_tells_a_wrong_result_from_rounding():
     assert "4 checked, 2 wrong" in text.splitlines()[0] and text.splitlines()[0].endswith("unchecked: why not"), text
     assert [line.split()[:2] for line in text.splitlines()[1:3]] == [["WRONG", "wrong"]] * 2, text
     assert sum(line.startswith("largest  right") for line in text.splitlines()) == 2, text
+
+
+def test_a_result_found_wrong_is_no_speed(tmp_path):
+    """A record whose check failed (reference_check.wrong) is left out of the benchmark's summary
+    and plots, and report.py shows WRONG in its cell and no ratio to it."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import bench_attention
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    base = dict(name="sweep", dtype="bfloat16", D=128, Sq=1024, Sk=1024, causal=False, B=16, H=16, Hkv=16)
+    records = [dict(base, impl="cupy_attn", tflops=900.0, wrong=True, **{"pass": "fwd"}),
+               dict(base, impl="torch_sdpa_cudnn", tflops=500.0, wrong=False, **{"pass": "fwd"}),
+               dict(base, impl="cupy_attn", tflops=300.0, Sq=2048, Sk=2048, **{"pass": "fwd"}),
+               dict(base, impl="torch_sdpa_cudnn", tflops=600.0, Sq=2048, Sk=2048, **{"pass": "fwd"})]
+    rows = bench_attention.summary(records).splitlines()[2:]
+    assert len(rows) == 1 and rows[0].split()[2] == "2048/2048" and rows[0].endswith("0.50"), rows
+    (tmp_path / "a.json").write_text(json.dumps(records[:2]))
+    (tmp_path / "b.json").write_text(json.dumps(records[2:]))
+    report = subprocess.run([sys.executable, str(ROOT / "bench" / "report.py"), str(tmp_path / "a.json"),
+                             str(tmp_path / "b.json"), "--pass", "fwd"], capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0, report.stderr
+    lines = [line for line in report.stdout.splitlines() if line.startswith("| sweep")]
+    assert lines == ["| sweep | bfloat16 | 128 | 1024/1024 | no | WRONG | 500.0 | — |",
+                     "| sweep | bfloat16 | 128 | 2048/2048 | no | 300.0 | 600.0 | 0.50 |"], report.stdout
+
+
+def test_the_checked_first_call_poisons_outputs_and_names_its_kernels():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import bench_attention
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    import numpy as np
+
+    import cupy_attn
+    from cupy_attn import _config, _kernel_backend
+
+    q = np.random.default_rng(0).standard_normal((1, 2, 20, 32)).astype(np.float16)
+    launched, (out, poisoned) = bench_attention.first_call_checked(
+        lambda: (cupy_attn.attention(q, q, q, backend="emulator"), _kernel_backend.POISON_OUTPUTS))
+    assert poisoned and not _kernel_backend.POISON_OUTPUTS and _kernel_backend._launch.__name__ == "_launch"
+    assert launched == [_config.forward_tile(32, 32, np.float16, 80).name_expression(np.float16)] and np.isfinite(out).all()

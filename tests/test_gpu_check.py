@@ -36,6 +36,9 @@ def test_dry_run_runs_every_step_and_summarises(tmp_path):
     assert "mods document S=256" in summary and "mods bias     S=256" in summary
     assert summary.rstrip().endswith("GPU CHECK DRY RUN PASSED")
     assert (out / "results.json").exists()
+    # the wgmma kernels' benchmark runs in a process of its own, into a folder of its own
+    assert "== benchmark of the wgmma kernels" in summary and (out / "wgmma" / "results.json").exists()
+    assert f"tables of both: python bench/report.py {out}/results.json {out}/wgmma/results.json" in summary
 
 
 def test_unknown_step_is_refused_before_anything_runs(tmp_path):
