@@ -20,9 +20,9 @@ calls, whose work is not on CuPy's stream, are timed by the host's clock to the 
 FLOPs follow FlashAttention's convention: 4·B·H·Sq·Sk·D forward (halved when causal, Sq = Sk),
 2.5× that backward. Peak memory is what the call allocates beyond its inputs.
 
-Each cupy_attn implementation's first result of a case and pass, computed into outputs filled
-with NaN first (so that what a kernel leaves unwritten shows), is checked against attention in
-float32 (bench/reference_check.py: PyTorch's SDPA math backend); each record holds its errors and
+Each implementation's first result of a case and pass (cupy_attn's computed into outputs
+filled with NaN first, so that what a kernel leaves unwritten shows) is checked against attention
+in float32 (bench/reference_check.py: PyTorch's SDPA math backend); each record holds its errors and
 the kernels the call launched, and a result off by more than 5 % of an output's largest
 magnitude, or 25 % of a row's, is marked wrong and left out of the comparisons and plots.
 
@@ -142,6 +142,10 @@ class Impl:
 
     def prepare(self, case: Case, pass_: str, sets: list):
         raise NotImplementedError
+
+    def as_bhsd(self, result):
+        """A call's result (out, or dq, dk, dv) in (B, H, S, D) layout, for the check."""
+        return result
 
 
 class CupyAttnCuda(Impl):
@@ -286,6 +290,10 @@ class JaxDotProductAttention(Impl):
 
         jax.block_until_ready(result)
 
+    def as_bhsd(self, result):
+        swap = lambda x: np.swapaxes(np.asarray(x), 1, 2)  # noqa: E731  (host copies, from (B, S, H, D))
+        return swap(result) if not isinstance(result, tuple) else tuple(swap(x) for x in result)
+
 
 class NumpyBackend(CupyAttnCuda):
     """The same calls on host arrays: the NumPy backend."""
@@ -415,9 +423,13 @@ def time_cpu(calls, reps: int) -> tuple[float, int]:
 
 
 def time_call(device: str, call, reps: int) -> float:
-    """Median ms of ``call`` on "gpu" or "cpu", after one warm-up call (compilation stays out)."""
-    call()
-    return (time_gpu if device == "gpu" else time_cpu)([call], reps)[0]
+    """ms per call of ``call`` (or of a list of calls taken in turn, e.g. over input sets whose
+    total exceeds the L2) on "gpu" (back to back) or "cpu" (median), after one warm-up call of
+    each (compilation stays out)."""
+    calls = call if isinstance(call, list) else [call]
+    for c in calls:
+        c()
+    return (time_gpu if device == "gpu" else time_cpu)(calls, reps)[0]
 
 
 def resolve_device(requested: str):
@@ -535,15 +547,17 @@ def run(args) -> list[dict]:
                     calls = impl.prepare(case, pass_, sets)
                     if isinstance(calls, str):
                         continue
-                    # warm-up (compilation and autotuning stay out of the timing); cupy_attn's first
-                    # result, into outputs poisoned first, is checked against float32 attention
-                    check = {}
+                    # warm-up (compilation and autotuning stay out of the timing); the first result
+                    # (cupy_attn's into outputs poisoned first) is checked against float32 attention
                     if isinstance(impl, CupyAttnCuda):
                         launched, first = first_call_checked(calls[0])
                         check = dict(checked(case, pass_, device, first), kernels=launched)
-                        first = None
                     else:
-                        calls[0]()
+                        first = calls[0]()
+                        if impl.wait is not None:
+                            impl.wait(first)
+                        check = checked(case, pass_, device, impl.as_bhsd(first))
+                    first = None
                     for call in calls[1:2]:
                         call()
                     detail = {}
@@ -653,12 +667,12 @@ def checked(case: Case, pass_: str, device: str, result) -> dict:
 
 
 def result_summary(records: list[dict]) -> str:
-    """The checks of cupy_attn's results against float32 attention: a count, every wrong result
+    """The checks of the results against float32 attention: a count, every wrong result
     (reference_check.wrong), and the largest errors of each implementation and pass."""
     rows = [r for r in records if "rel_max_error" in r]
     wrong = [r for r in rows if reference_check.wrong(r)]
     unchecked = sorted({r["unchecked"] for r in records if "unchecked" in r})
-    lines = [f"cupy_attn results against float32 attention: {len(rows)} checked, {len(wrong)} wrong (an error above "
+    lines = [f"results against float32 attention: {len(rows)} checked, {len(wrong)} wrong (an error above "
              f"{reference_check.WRONG_ABOVE} of the output's largest magnitude or {reference_check.WRONG_ROW_ABOVE} of "
              "a row's; left out of the comparisons)"
              + (f"; unchecked: {'; '.join(unchecked)}" if unchecked else "")]

@@ -8,7 +8,9 @@ shuffled, as an allocator leaves them). Decoding reads every cached K/V byte onc
 is achieved bandwidth: K/V bytes ÷ time, as a fraction of the GPU's datasheet bandwidth and of a
 device-to-device copy measured in the same run. PyTorch SDPA runs the same shapes on a
 contiguous (B, Hkv, S, D) cache with enable_gqa (it has no paged cache), each of its backends
-that accepts the case, and the fastest is reported.
+that accepts the case, and the fastest is reported. Calls are timed back to back, each case over
+enough caches taken in turn that together they exceed twice the L2 (so a small cache is read
+from HBM, not from the L2).
 
 Prefill (`attention_varlen`, causal): sequences of random lengths packed into 16k tokens,
 against SDPA on the padded equivalent (B, max length) with a key-padding mask (what SDPA users
@@ -32,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cupy_attn  # noqa: E402
-from bench_attention import budgeted_main, report_failure, resolve_device, time_call, time_gpu  # noqa: E402
+from bench_attention import L2_BYTES, budgeted_main, report_failure, resolve_device, time_call, time_gpu  # noqa: E402
 
 # Datasheet HBM bandwidth in bytes/s by the device name CuPy reports (a lead, not a measurement).
 DATASHEET_BANDWIDTH = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12}
@@ -140,23 +142,32 @@ def cupy_attn_decode(case: DecodeCase, inputs):
     return lambda: cupy_attn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table)
 
 
-def sdpa_decode_calls(case: DecodeCase, rng):
-    """SDPA's backends on a contiguous (B, Hkv, S, D) cache: name -> call."""
+def sdpa_decode_calls(case: DecodeCase, sets: int):
+    """SDPA's backends on `sets` contiguous (B, Hkv, S, D) caches, taken in turn: name -> calls."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     dtype = getattr(torch, case.dtype)
-    q = torch.randn(case.B, case.H, 1, case.D, device="cuda", dtype=dtype)
-    k = torch.randn(case.B, case.Hkv, case.context, case.D, device="cuda", dtype=dtype)
-    v = torch.randn_like(k)
+    inputs = []
+    for _ in range(sets):
+        q = torch.randn(case.B, case.H, 1, case.D, device="cuda", dtype=dtype)
+        k = torch.randn(case.B, case.Hkv, case.context, case.D, device="cuda", dtype=dtype)
+        inputs.append((q, k, torch.randn_like(k)))
     calls = {}
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
                           ("cudnn", SDPBackend.CUDNN_ATTENTION), ("math", SDPBackend.MATH)):
-        def call(backend=backend):
+        def call(q, k, v, backend=backend):
             with sdpa_kernel(backend):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        calls[name] = call
+        calls[name] = [lambda q=q, k=k, v=v, call=call: call(q, k, v) for q, k, v in inputs]
     return calls
+
+
+def decode_sets(case: DecodeCase, device: str) -> int:
+    """How many caches a decode case takes in turn: together at least twice the L2 on the GPU, so
+    that no call finds its keys and values there (a small cache read again would be timed at the
+    L2's bandwidth, not HBM's); one on the CPU."""
+    return 1 if device == "cpu" else int(min(8, max(1, -(-2 * L2_BYTES // case.kv_bytes()))))
 
 
 # ---- prefill ----
@@ -253,8 +264,9 @@ def run(args) -> list[dict]:
         if out_of_time():
             print("budget spent: remaining decode cases not run", file=sys.stderr)
             break
-        ms = time_call(device, cupy_attn_decode(case, decode_inputs(case, xp, rng)), reps)
-        sdpa_name, sdpa_ms = (_best(device, sdpa_decode_calls(case, rng), reps)
+        sets = decode_sets(case, device)
+        ms = time_call(device, [cupy_attn_decode(case, decode_inputs(case, xp, rng)) for _ in range(sets)], reps)
+        sdpa_name, sdpa_ms = (_best(device, sdpa_decode_calls(case, sets), reps)
                               if device == "gpu" and has_torch and case.cache == "contiguous" else (None, None))
         bandwidth = case.kv_bytes() / (ms * 1e-3)
         record(kind="decode", **asdict(case), ms=ms, bandwidth=bandwidth, sdpa_backend=sdpa_name, sdpa_ms=sdpa_ms,

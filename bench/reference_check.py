@@ -66,8 +66,9 @@ def reference(q, k, v, dout, mask, *, causal: bool, pass_: str, device: str) -> 
 def relative_errors(result, expected: dict) -> dict:
     """{"rel_rms_error": {output: ‖result − expected‖₂ / ‖expected‖₂}, "rel_max_error": {output:
     max |result − expected| / max |expected|}, "rel_row_error": {output: the largest over rows of
-    max |row's error| / max(max |row|, ROW_FLOOR · max |expected|)}} for a cupy_attn result (out,
-    or the tuple dq, dk, dv; CuPy or NumPy arrays) against `reference`'s tensors. The RMS error is
+    max |row's error| / max(max |row|, ROW_FLOOR · max |expected|)}} for a result (out, or the
+    tuple dq, dk, dv; CuPy or NumPy arrays or torch tensors, (B, H, S, D)) against `reference`'s
+    tensors. The RMS error is
     the precision of the whole; the largest error catches a few wrong rows, which a 16k case's RMS
     error would hide, and the row error wrong rows of small values."""
     import torch
@@ -76,7 +77,8 @@ def relative_errors(result, expected: dict) -> dict:
     errors: dict = {"rel_rms_error": {}, "rel_max_error": {}, "rel_row_error": {}}
     for (name, want), got in zip(expected.items(), arrays):
         # float32 first, on the array's own side: DLPack and torch.from_numpy know no ml_dtypes bfloat16
-        got = (torch.from_numpy(np.asarray(got, np.float32)) if isinstance(got, np.ndarray)
+        got = (got.detach().float() if isinstance(got, torch.Tensor)
+               else torch.from_numpy(np.asarray(got, np.float32)) if isinstance(got, np.ndarray)
                else torch.from_dlpack(got.astype(np.float32))).to(want.device)
         if got.shape != want.shape:
             raise ValueError(f"{name} has shape {tuple(got.shape)}, the reference {tuple(want.shape)}")
