@@ -679,22 +679,30 @@ __device__ __forceinline__ void bulk_wait_read() {
 
 // Named barrier `id` (1..15; 0 is __syncthreads'), completed by `count` threads (a multiple of
 // 32, whole warps): named_barrier_sync arrives and waits, named_barrier_arrive only arrives (a
-// producer's signal to the threads that sync).
-__device__ __forceinline__ void named_barrier_sync(u32 id, u32 count) {
+// producer's signal to the threads that sync). Both are .aligned: every lane of a warp must reach
+// the same one, which the emulator checks by the call's source line (a default argument, so the
+// line of each call; on the GPU there is no such argument).
+#ifdef __CUDA_ARCH__
+#define ATTN_CALL_SITE
+#else
+#define ATTN_CALL_SITE , const char *call_file = __builtin_FILE(), int call_line = __builtin_LINE()
+#endif
+__device__ __forceinline__ void named_barrier_sync(u32 id, u32 count ATTN_CALL_SITE) {
 #ifdef __CUDA_ARCH__
     asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(count) : "memory");
 #else
-    ::emu::named_barrier(id, count, true);
+    ::emu::named_barrier(id, count, true, call_file, call_line);
 #endif
 }
 
-__device__ __forceinline__ void named_barrier_arrive(u32 id, u32 count) {
+__device__ __forceinline__ void named_barrier_arrive(u32 id, u32 count ATTN_CALL_SITE) {
 #ifdef __CUDA_ARCH__
     asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(count) : "memory");
 #else
-    ::emu::named_barrier(id, count, false);
+    ::emu::named_barrier(id, count, false, call_file, call_line);
 #endif
 }
+#undef ATTN_CALL_SITE
 
 // True in exactly one lane of `mask` (which must include the calling lane and be executed by all
 // of its lanes), always the same for the same mask; which one is not specified.

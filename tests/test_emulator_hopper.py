@@ -214,10 +214,16 @@ def test_named_barriers_with_too_small_a_count_do_not_alternate():
     # stricter than the PTX ISA: the kernels complete every generation (the persistent forward's
     # last turn completes group 1's last hand-over)
     (5, 64, r"at the block's end, named barrier 4 holds 32 of its 64 arrivals \(a generation no thread completed\)"),
+    (6, 64, r"bar.sync 5: lanes of warp 0 reach different barrier instructions \(bar.sync at <kernel source>:\d+, "
+            r"this lane bar.sync at <kernel source>:\d+\)"),
 ])
 def test_named_barrier_misuse_is_reported(sync, mode, threads, message):
     with pytest.raises(EmulatorError, match=message):
         sync.get_function("named_barrier_misuse")(1, threads, (I32(mode),))
+
+
+def test_warps_may_reach_a_named_barrier_at_instructions_of_their_own(sync):
+    sync.get_function("named_barrier_misuse")(1, 64, (I32(7),))
 
 
 # ---- elect.sync ----------------------------------------------------------------------------------

@@ -121,6 +121,14 @@ extern "C" __global__ void named_barrier_misuse(int mode) {
         ptx::named_barrier_arrive(2, 64);
     } else if (mode == 4 && warp == 0) ptx::named_barrier_sync(3, 64);  // warp 1 never comes
     else if (mode == 5 && warp == 0) ptx::named_barrier_arrive(4, 64);   // a hand-over nobody takes
+    else if (mode == 6) {  // warp 0's lanes at two bar.sync instructions (not .aligned), warp 1 at a third
+        if (warp == 1) ptx::named_barrier_sync(5, 64);
+        else if (threadIdx.x < 16) ptx::named_barrier_sync(5, 64);
+        else ptx::named_barrier_sync(5, 64);
+    } else if (mode == 7) {  // the same instruction for every lane of a warp, warps at instructions of their own
+        if (warp == 0) ptx::named_barrier_sync(6, 64);
+        else ptx::named_barrier_arrive(6, 64);
+    }
 }
 
 // out[m][lane] = 1 where lane was elected for masks[m] (twice, to check it is the same lane), 0

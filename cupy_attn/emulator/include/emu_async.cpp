@@ -458,7 +458,7 @@ void bulk_wait(unsigned pending) {
 // bar.sync / bar.arrive id, count: `count` threads (a multiple of 32) complete a generation;
 // bar.sync waits for it, bar.arrive does not. Id 0 is __syncthreads' barrier, which the emulator
 // keeps apart, so kernels use 1..15.
-void named_barrier(unsigned id, unsigned count, bool wait) {
+void named_barrier(unsigned id, unsigned count, bool wait, const char* file, int line) {
     Block* b = tl_block;
     Fiber* f = tl_fiber;
     const char* what = wait ? "bar.sync" : "bar.arrive";
@@ -469,6 +469,7 @@ void named_barrier(unsigned id, unsigned count, bool wait) {
     if (nb.arrived == 0) {
         nb.count = count;
         nb.arrivals.assign(b->fibers.size(), false);
+        nb.warp_sites.assign((b->fibers.size() + 31) / 32, NamedBarrier::Site{false, false, nullptr, 0});
     } else if (nb.count != count) {
         fail(format("%s %u: this thread arrives with count %u while %u thread(s) arrived with count %u", what, id, count,
                     nb.arrived, nb.count));
@@ -476,6 +477,15 @@ void named_barrier(unsigned id, unsigned count, bool wait) {
     if (nb.arrivals[f->linear])
         fail(format("%s %u: this thread arrives a second time before the barrier completed (%u of %u arrived)", what,
                     id, nb.arrived, nb.count));
+    // .aligned (PTX ISA, bar / barrier): a warp's lanes execute the same barrier instruction.
+    NamedBarrier::Site& site = nb.warp_sites[f->linear / 32];
+    if (!site.set) {
+        site = NamedBarrier::Site{true, wait, file, line};
+    } else if (site.wait != wait || site.line != line || std::strcmp(site.file, file)) {
+        fail(format("%s %u: lanes of warp %u reach different barrier instructions (%s at %s:%d, this lane %s at %s:%d); "
+                    "bar.sync and bar.arrive are .aligned: every lane of a warp must execute the same one", what, id,
+                    f->linear / 32, site.wait ? "bar.sync" : "bar.arrive", site.file, site.line, what, file, line));
+    }
     nb.arrivals[f->linear] = true;
     if (++nb.arrived == nb.count) {
         nb.arrived = 0;

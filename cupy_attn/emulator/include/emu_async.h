@@ -78,7 +78,8 @@ inline unsigned swizzled_offset(unsigned offset, unsigned swizzle_bytes) {
 
 // ---- named barriers, elect.sync, setmaxnreg ------------------------------------------------------
 // bar.sync (wait) / bar.arrive id, count: ids 1..15, counts multiples of 32.
-void named_barrier(unsigned id, unsigned count, bool wait);
+// `file` and `line`: where the call stands, which every lane of a warp must share (.aligned).
+void named_barrier(unsigned id, unsigned count, bool wait, const char* file, int line);
 // One leader of `mask`, the same for the same mask, picked by the launch's seed (not lane 0).
 bool elect(unsigned mask);
 // setmaxnreg.inc (increase) / .dec to `count` registers per thread, for the calling warpgroup.

@@ -150,6 +150,14 @@ struct WarpgroupSequence {
 struct NamedBarrier {
     unsigned count = 0, arrived = 0;
     std::vector<bool> arrivals;
+    // Per warp, where its first lane arrived in this generation (bar.sync or bar.arrive, file,
+    // line): its other lanes must arrive there too.
+    struct Site {
+        bool set, wait;
+        const char* file;
+        int line;
+    };
+    std::vector<Site> warp_sites;
 };
 
 // The last lane of `mask` to arrive computes the collective for all: `fn` gets every lane's
