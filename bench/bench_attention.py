@@ -270,7 +270,9 @@ class JaxDotProductAttention(Impl):
         fwd = jax.jit(attn)
         # The backward alone: the vjp's function (a pytree holding the forward's residuals) is made
         # once per input set, outside the timing; jitting the vjp call with the forward would time
-        # both, which XLA cannot separate.
+        # both, which XLA cannot separate. Made by a jitted function, so that every set's vjp has
+        # the same structure and `bwd` compiles once (a plain jax.vjp's differs per call).
+        make_vjp = jax.jit(lambda q, k, v, mask: jax.vjp(lambda q, k, v: attn(q, k, v, mask), q, k, v)[1])
         bwd = jax.jit(lambda vjp, d: vjp(d))
         calls = []
         for q, k, v, dout, mask in sets:
@@ -280,8 +282,7 @@ class JaxDotProductAttention(Impl):
             if pass_ == "fwd":
                 calls.append(lambda jq=jq, jk=jk, jv=jv, jm=jm: fwd(jq, jk, jv, jm))
             else:
-                _, vjp = jax.vjp(lambda q, k, v, jm=jm: attn(q, k, v, jm), jq, jk, jv)
-                calls.append(lambda vjp=vjp, jd=jd: bwd(vjp, jd))
+                calls.append(lambda vjp=make_vjp(jq, jk, jv, jm), jd=jd: bwd(vjp, jd))
         return calls
 
     @staticmethod

@@ -23,7 +23,6 @@ everywhere. Writes results.json (a list of records) into --out and prints a tabl
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -34,7 +33,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cupy_attn  # noqa: E402
-from bench_attention import L2_BYTES, budgeted_main, report_failure, resolve_device, time_call, time_gpu  # noqa: E402
+from bench_attention import (L2_BYTES, budgeted_main, report_failure, resolve_device, time_call, time_gpu,  # noqa: E402
+                             write_records)
 
 # Datasheet HBM bandwidth in bytes/s by the device name CuPy reports (a lead, not a measurement).
 DATASHEET_BANDWIDTH = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12}
@@ -216,7 +216,7 @@ def sdpa_padded_calls(case: PrefillCase, lengths, device: str):
 # ---- running ----
 
 def copy_bandwidth() -> float:
-    """Bytes read plus written per second by a 2 GiB device-to-device copy (median of 10)."""
+    """Bytes read plus written per second by a 2 GiB device-to-device copy (10 back to back)."""
     import cupy
 
     src = cupy.empty(2**30, dtype=np.uint8)
@@ -258,7 +258,7 @@ def run(args) -> list[dict]:
 
     def record(**fields):
         records.append(dict(fields, device=device, copy_bandwidth=copy, datasheet_bandwidth=peak))
-        (args.out / "results.json").write_text(json.dumps(records, indent=1))
+        write_records(args.out, records)
 
     for case in decode_cases(device, args.quick):
         if out_of_time():

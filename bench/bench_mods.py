@@ -23,7 +23,6 @@ Writes results.json into --out and prints a table.
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cupy_attn  # noqa: E402
-from bench_attention import budgeted_main, report_failure, resolve_device, time_call  # noqa: E402
+from bench_attention import budgeted_main, report_failure, resolve_device, time_call, write_records  # noqa: E402
 
 BUCKETS = 33  # relative positions -16..16, clipped
 GLOBAL_TOKENS = 16  # the window case's global keys
@@ -177,7 +176,7 @@ def run(args) -> list[dict]:
                 records.append(dict(case=case, S=S, device=device, impl=name, ms=ms,
                                     tflops=flops / (ms * 1e-3) / 1e12, **dims,
                                     **(dict(W=window, G=GLOBAL_TOKENS) if case == "window" else {})))
-            (args.out / "results.json").write_text(json.dumps(records, indent=1))
+            write_records(args.out, records)
             print(f"mods {case:<8} S={S:<6} " + "  ".join(f"{n} {ms:8.3f} ms ({flops / (ms * 1e-3) / 1e12:6.2f} TFLOP/s)"
                                                         for n, ms in timings.items()), flush=True)
     return records

@@ -27,8 +27,9 @@
 # Each step has its own time limits. On the 2026-12-04 H200 run "--only tests" took about 2
 # minutes, "--only bench --bench-budget 70" with Nsight Compute about 2 and "--only sanitize" about
 # 1.5 (from the summaries' start times); the limits add up to more (tests: precompile 150 s,
-# canary 160, the rest 180, reruns 150; sanitize: 100 per tool; bench: --bench-budget + 150, host
-# profile 120, persistence 90, ncu 150 + 120), so wrap a device call in `timeout` and write OUTDIR outside $OUT,
+# canary 160, the rest 180, reruns 150; sanitize: 100 per tool; bench: --bench-budget + 150, the
+# wgmma kernels' --bench-budget / 2 + 120, host profile 120, persistence 90, ncu 150 + 120), so
+# wrap a device call in `timeout` and write OUTDIR outside $OUT,
 # copying it back after. Writes logs, results.json, PNGs and the ncu report to OUTDIR and prints a one-screen summary last. Exits non-zero when a GPU test or
 # a sanitizer fails (the other steps still run, so one call gives all the evidence).
 #
@@ -183,7 +184,7 @@ if run bench; then
     else
         baseline=($size --budget-s "$budget" --impls cupy_attn torch_sdpa_flash torch_sdpa_cudnn torch_sdpa_efficient
                   jax_dot_product_attention)
-        hopper=($size --budget-s "$((budget / 2))" --impls cupy_attn_wgmma)
+        hopper=($size --budget-s "$(( budget / 2 > 0 ? budget / 2 : 1 ))" --impls cupy_attn_wgmma)
     fi
     timeout $((budget + 150)) $py bench/bench_attention.py "${baseline[@]}" --out "$out" > "$out/bench.log" 2>&1 \
         || note "benchmark exit $?"
@@ -191,14 +192,24 @@ if run bench; then
     sed -n '/relative to the best other/,$p' "$out/bench.log" | tee -a "$out/summary.txt"
     note "== benchmark of the wgmma kernels (budget $((budget / 2)) s; a process of its own)"
     wgmma_ok=1
-    timeout $((budget / 2 + 120)) $py bench/bench_attention.py "${hopper[@]}" --out "$out/wgmma" > "$out/bench_wgmma.log" 2>&1 \
-        || { note "wgmma benchmark exit $?"; wgmma_ok=0; }
+    timeout $((budget / 2 + 120)) $py bench/bench_attention.py "${hopper[@]}" --out "$out/wgmma" > "$out/bench_wgmma.log" 2>&1
+    rc=$?
+    if grep -q "^skipping cupy_attn_wgmma" "$out/bench_wgmma.log"; then
+        note "$(grep "^skipping cupy_attn_wgmma" "$out/bench_wgmma.log")"; wgmma_ok=0
+    elif [ $rc -ne 0 ]; then
+        note "wgmma benchmark exit $rc"; wgmma_ok=0
+    fi
     grep -q "WRONG" "$out/bench_wgmma.log" && wgmma_ok=0
     grep -E "^budget|not run|checked,|^WRONG" "$out/bench_wgmma.log" | tee -a "$out/summary.txt"
     note "tables of both: python bench/report.py $out/results.json $out/wgmma/results.json"
+    # Where the wgmma kernels did not run right, the later steps leave them out (a fault or hang
+    # there would cost those steps' time too).
+    families=()
+    [ $wgmma_ok -eq 1 ] || families=(--default-only)
 
     note "== host time per call (bench/host_profile.py: cProfile of queued calls)"
-    timeout 120 $py bench/host_profile.py ${dry:+--dry-run} > "$out/host_profile.log" 2>&1 || note "host profile exit $?"
+    timeout 120 $py bench/host_profile.py ${dry:+--dry-run} "${families[@]}" > "$out/host_profile.log" 2>&1 \
+        || note "host profile exit $?"
     grep -E "^host " "$out/host_profile.log" | tee -a "$out/summary.txt"
 
     note "== persistence (bench/persistence.py: the wgmma forward, a block per SM or per work tile)"
@@ -206,19 +217,19 @@ if run bench; then
         timeout 90 $py bench/persistence.py ${dry:+--dry-run} > "$out/persistence.log" 2>&1 || note "persistence exit $?"
         grep -E "^persistence" "$out/persistence.log" | tee -a "$out/summary.txt"
     else
-        note "not run: the wgmma benchmark failed or found a wrong result (see bench_wgmma.log)"
+        note "not run: the wgmma benchmark did not run, failed or found a wrong result (see bench_wgmma.log)"
     fi
 
     note "== Nsight Compute: one forward and one dK/dV launch per kernel family"
     ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1 || true)
     if [ -n "$dry" ]; then
-        $py bench/ncu_cases.py --dry-run > "$out/ncu.log" 2>&1 || note "ncu cases failed"
+        $py bench/ncu_cases.py --dry-run "${families[@]}" > "$out/ncu.log" 2>&1 || note "ncu cases failed"
         tail -n 1 "$out/ncu.log" | tee -a "$out/summary.txt"
     elif [ -n "$ncu" ]; then
         timeout 150 "$ncu" --clock-control none -k 'regex:attention_(fwd|bwd_dkdv)' -c 4 \
             --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy --section SchedulerStats \
             --section WarpStateStats --section MemoryWorkloadAnalysis_Tables --section LaunchStats \
-            -f -o "$out/ncu" $py bench/ncu_cases.py > "$out/ncu.log" 2>&1 || note "ncu exit $?"
+            -f -o "$out/ncu" $py bench/ncu_cases.py "${families[@]}" > "$out/ncu.log" 2>&1 || note "ncu exit $?"
         "$ncu" --import "$out/ncu.ncu-rep" --page raw --csv > "$out/ncu_raw.csv" 2>> "$out/ncu.log" \
             && $py bench/ncu_cases.py --summarize "$out/ncu_raw.csv" | tee -a "$out/summary.txt"
         "$ncu" --import "$out/ncu.ncu-rep" --page details > "$out/ncu_details.txt" 2>> "$out/ncu.log"
@@ -227,7 +238,7 @@ if run bench; then
         # and where warps stall. The first H200 run saw 16-19 M conflicts in both that the
         # emulator's counters do not show; the offsets map to NVRTC 13.0's disassembly of each variant.
         timeout 120 "$ncu" --clock-control none -k 'regex:attention_bwd_dkdv' -c 2 --section SourceCounters \
-            -f -o "$out/ncu_source" $py bench/ncu_cases.py >> "$out/ncu.log" 2>&1 \
+            -f -o "$out/ncu_source" $py bench/ncu_cases.py "${families[@]}" >> "$out/ncu.log" 2>&1 \
             && "$ncu" --import "$out/ncu_source.ncu-rep" --page source --print-source sass --csv > "$out/ncu_sass.csv" \
                 2>> "$out/ncu.log" \
             || note "no per-instruction page of the dK/dV kernels (see ncu.log)"

@@ -5,7 +5,7 @@
 On a GPU: bf16, B = 4, H = 16, S = 4096, D = 128 (the Nsight Compute case), the default kernels
 and, on compute capability 9.0, the wgmma ones. For each: the wall time per call with the calls
 queued (no synchronisation between them) and with a synchronisation after each; the median time
-of a whole call between two CUDA events, as the benchmark times it, beside each of its kernels'
+of a whole call between two CUDA events (the benchmark's single-call time), beside each of its kernels'
 (cupy_attn's launches, each between two events) and what is left (CuPy's fills and conversions,
 and the host's gaps between launches); then the functions that took the most time of N queued
 calls, by own time and by cumulative time. On the 2026-12-04 H200 run a single forward call took
@@ -84,7 +84,7 @@ def timed_launches(xp):
 
 
 def kernel_times(call, calls: int, sync, xp) -> str:
-    """The median time of a whole call (synchronised before and after, as the benchmark times one)
+    """The median time of a whole call (synchronised before and after, as the benchmark times a single one)
     and of each of its launches, in ms, and the rest: what the launches do not cover."""
     whole, kernels = [], {}
     for _ in range(calls):
@@ -121,12 +121,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the emulator")
+    parser.add_argument("--default-only", action="store_true", help="the GPU's default kernels alone, not the wgmma ones")
     args = parser.parse_args(argv)
     xp, backend, q, k, v, dout = ncu_cases.case(args.dry_run)
     calls = 2 if args.dry_run else args.calls
     sync = xp.cuda.Device().synchronize if xp is not np else (lambda: None)
     b, h, s, d = q.shape
-    for family in ncu_cases.kernel_families(xp):
+    for family in ncu_cases.kernel_families(xp, args.default_only):
         out, lse = cupy_attn.attention(q, k, v, return_lse=True, backend=backend)  # compiled here, not timed
         cupy_attn.attention_backward(dout, q, k, v, out, lse, backend=backend)
         sync()

@@ -36,10 +36,12 @@ def case(dry_run: bool):
     return xp, backend, q, k, v, dout
 
 
-def kernel_families(xp):
+def kernel_families(xp, default_only: bool = False):
     """Runs the loop body under each kernel family this device has, in turn: its default, then on
-    compute capability 9.0 the wgmma kernels; yields the family's name."""
-    hopper = xp is not np and int(xp.cuda.Device().compute_capability) == 90
+    compute capability 9.0 the wgmma kernels (unless default_only: gpu_check.sh's choice where
+    their benchmark failed, so that a fault or hang there costs no further step); yields the
+    family's name."""
+    hopper = not default_only and xp is not np and int(xp.cuda.Device().compute_capability) == 90
     for capability in (None, 90) if hopper else (None,):
         _kernel_backend.CUDA_COMPUTE_CAPABILITY = capability
         yield "wgmma" if capability else "default"
@@ -73,12 +75,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the emulator")
     parser.add_argument("--summarize", type=Path, help="print the tracked counters of an ncu raw CSV and exit")
+    parser.add_argument("--default-only", action="store_true", help="the GPU's default kernels alone, not the wgmma ones")
     args = parser.parse_args(argv)
     if args.summarize:
         print(summarize(args.summarize))
         return 0
     xp, backend, q, k, v, dout = case(args.dry_run)
-    for family in kernel_families(xp):
+    for family in kernel_families(xp, args.default_only):
         out, lse = cupy_attn.attention(q, k, v, return_lse=True, backend=backend)
         cupy_attn.attention_backward(dout, q, k, v, out, lse, backend=backend)
         if xp is not np:

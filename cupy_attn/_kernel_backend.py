@@ -430,7 +430,8 @@ def _allocation_offset(x) -> int:
     at least 256-byte aligned, so only a view's offset shows); for the emulator, a NumPy array's
     offset into the array that holds its memory, which stands in for such an allocation (NumPy's
     own are only 16-byte aligned, and a kernel must not choose differently on the emulator than
-    it would on a GPU for the same view)."""
+    it would on a GPU for the same view). Memory that no NumPy array owns (a torch tensor's, a
+    buffer's) counts from the first array over it."""
     if not isinstance(x, np.ndarray):
         return _pointer(x)
     owner = x  # through the bases that are arrays (an as_strided view's is an interface object)

@@ -675,6 +675,37 @@ def test_address_sanitizer_catches_out_of_bounds_write():
     assert "heap-buffer-overflow" in result.stderr, result.stderr[-3000:]
 
 
+def test_a_register_pin_that_outlived_its_array_passes_address_sanitizer():
+    """An array pinned for wgmma (ptx::fence_operands) after a wait, in a scope that ends before
+    the thread's next wgmma.fence (as the wgmma dK/dV's dq): the fence's snapshot of the pins
+    leaves it out rather than read a dead stack frame, which AddressSanitizer would stop."""
+    libasan = subprocess.run(["g++", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    source = textwrap.dedent("""
+        #include "ptx.cuh"
+        extern "C" __global__ void stale_pin(float* out) {
+            if (out[0] > 0.f) {
+                float dq[8];
+                for (int i = 0; i < 8; ++i) dq[i] = out[i];
+                ptx::fence_operands(dq);
+                out[threadIdx.x] = dq[threadIdx.x % 8];
+            }
+            ptx::wgmma_fence();
+        }
+    """)
+    script = textwrap.dedent(f"""
+        import numpy as np
+        from cupy_attn import _paths
+        from cupy_attn.emulator import RawModule
+        mod = RawModule({source!r}, options=("-I" + str(_paths.kernel_dir()),), sanitize=True)
+        mod.get_function("stale_pin")(1, 32, (np.ones(32, np.float32),))
+        print("RAN")
+    """)
+    env = dict(os.environ, LD_PRELOAD=libasan, ASAN_OPTIONS="detect_leaks=0")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert "RAN" in result.stdout and "AddressSanitizer" not in result.stderr.replace("WARNING: ASan", ""), \
+        result.stderr[-3000:]
+
+
 def test_sanitize_without_runtime_is_a_clear_error():
     with pytest.raises(EmulatorError, match="LD_PRELOAD"):
         RawModule((HERE / "basics.cu").read_text(), sanitize=True).get_function("oob_write")

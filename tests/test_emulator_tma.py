@@ -426,7 +426,9 @@ class _Member(int):
 
 
 # cuTensorMapEncodeTiled as CUDA 13's cuda.h declares it, written out here rather than taken from
-# _tensor_map, so that a slip in the prototype there (an argument's width) fails these tests.
+# _tensor_map: a slip in the width of what an array argument points to fails the encoding tests,
+# and test_the_encoding_prototype_is_cuda_hs compares every argument (on x86-64 a scalar of the
+# wrong width would reach the fake alike, in its register).
 _CUDA_H_ENCODE_TILED = ctypes.CFUNCTYPE(
     ctypes.c_int,                     # CUresult
     ctypes.c_void_p,                  # CUtensorMap *tensorMap
@@ -496,6 +498,11 @@ def fake_driver(monkeypatch):
     yield driver
     _tensor_map._encode.cache_clear()
     _tensor_map._driver_encode_tiled.cache_clear()
+
+
+def test_the_encoding_prototype_is_cuda_hs():
+    assert _tensor_map._ENCODE_TILED._argtypes_ == _CUDA_H_ENCODE_TILED._argtypes_
+    assert _tensor_map._ENCODE_TILED._restype_ == _CUDA_H_ENCODE_TILED._restype_
 
 
 def test_the_driver_encodes_each_map_with_its_fields_into_aligned_memory(fake_driver):

@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <cstring>
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#endif
 
 namespace emu {
 
@@ -79,7 +82,16 @@ void require_wgmma_fence(const char* what) {
 void wgmma_fence() {
     Fiber* f = tl_fiber;
     f->wgmma_fenced = true;
-    for (RegisterPin& pin : f->register_pins) {
+    std::vector<RegisterPin>& pins = f->register_pins;
+#if defined(__SANITIZE_ADDRESS__)
+    // A pin may outlive its array (one pinned after a wait, in a scope that ended before this
+    // fence): what lies there is no wgmma's register any more, and AddressSanitizer would stop
+    // the copy below, so such pins go.
+    pins.erase(std::remove_if(pins.begin(), pins.end(),
+                              [](const RegisterPin& pin) { return __asan_region_is_poisoned(const_cast<unsigned char*>(pin.at), pin.bytes); }),
+               pins.end());
+#endif
+    for (RegisterPin& pin : pins) {
         pin.at_fence.assign(pin.at, pin.at + pin.bytes);
         pin.fenced = true;
     }
