@@ -54,6 +54,15 @@ def require_array(name: str, x, xp=None):
             f"{name} is a {module.__name__} array but the other inputs are {xp.__name__} arrays; "
             "pass all arrays from one library"
         )
+    if module is not np:
+        # The kernels launch on CuPy's current device (the framework adapters make the first
+        # tensor's device current first), and, as CuPy's own kernels, take arrays there only: a
+        # pointer into another GPU's memory faults, or is read across the bus.
+        current = module.cuda.Device().id
+        if x.device.id != current:
+            raise ValueError(f"{name} is on GPU {x.device.id}, but the call runs on GPU {current} (CuPy's current "
+                             "device, or the first framework tensor's): pass every array on one GPU (CuPy arrays of "
+                             f"another GPU under `with cupy.cuda.Device({x.device.id}):`)")
     return module
 
 

@@ -19,7 +19,9 @@ import numpy as np
 
 from ._arrays import BFLOAT16, is_cupy_array, module_of
 
-_CPU, _CUDA = 1, 2  # DLPack device types
+# DLPack device types: host memory, CUDA device memory, and page-locked host memory (torch's
+# pin_memory(), a DataLoader's pinned batches; JAX's pinned_host), which the host reads as any.
+_CPU, _CUDA, _CUDA_HOST = 1, 2, 3
 
 
 # Each function of `outside_torch_compile` and its torch.compiler.disable'd copy, made once
@@ -126,7 +128,7 @@ def to_backend(x, name: str = "an array", *, written: bool = False):
                                 "written in place; pass .resolve_neg() / .resolve_conj() of it and keep that one")
             x = x.resolve_neg().resolve_conj()  # a copy
     device = int(x.__dlpack_device__()[0])
-    if device == _CPU:
+    if device in (_CPU, _CUDA_HOST):
         if _is_bfloat16(x):
             if framework == "torch":
                 import torch
@@ -137,7 +139,8 @@ def to_backend(x, name: str = "an array", *, written: bool = False):
     if device == _CUDA:
         cupy = importlib.import_module("cupy")
         return cupy.from_dlpack(x)
-    raise TypeError(f"{framework} arrays on DLPack device type {device} are not supported (CPU and CUDA are)")
+    raise TypeError(f"{framework} arrays on DLPack device type {device} are not supported (CPU, pinned host memory "
+                    "and CUDA are)")
 
 
 # The tensors whose library must be the call's: the result's type comes from q, k, v (or x),
@@ -214,14 +217,25 @@ def lead(*arrays):
 
 @contextlib.contextmanager
 def caller_stream(framework: str | None, x):
-    """Run CuPy work on PyTorch's current CUDA stream, so no synchronisation is needed and the
-    caller's later work on that stream sees the results. ``x`` is the lead array of `lead`."""
-    if framework != "torch" or x.is_meta or int(x.__dlpack_device__()[0]) != _CUDA:
-        yield  # (a meta tensor has no DLPack device: to_backend refuses it, naming it)
+    """Run CuPy work on the lead framework array's GPU (``x``, of `lead`): for PyTorch on its
+    current CUDA stream, so no synchronisation is needed and the caller's later work on that
+    stream sees the results; for JAX, whose streams CuPy cannot join, on CuPy's, synchronised
+    before the call returns, since the CuPy views of JAX's buffers go with it and JAX may then
+    hand their memory to its next operation (a temporary's, e.g. a mask made for the call)."""
+    if (framework is None or getattr(x, "is_meta", False) or "Tracer" in type(x).__name__
+            or type(x).__name__ in ("FakeTensor", "FunctionalTensor") or int(x.__dlpack_device__()[0]) != _CUDA):
+        yield  # (a meta or fake tensor or a JAX tracer has no data: to_backend refuses it, naming it)
         return
     import cupy
+
+    index = int(x.__dlpack_device__()[1])
+    if framework == "jax":
+        with cupy.cuda.Device(index):
+            yield
+            cupy.cuda.get_current_stream().synchronize()
+        return
     import torch
 
     stream = torch.cuda.current_stream(x.device)
-    with cupy.cuda.Device(x.device.index), cupy.cuda.ExternalStream(stream.cuda_stream, x.device.index):
+    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
         yield

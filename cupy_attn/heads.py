@@ -19,8 +19,10 @@ def _heads_input(x):
 
 
 def split_heads(x, num_heads, layout="bhsd"):
-    """(B, S, H·D) -> (B, H, S, D) for "bhsd" or (B, S, H, D) for "bshd"; a view, no copy (of a
-    torch tensor that requires grad, a view autograd follows)."""
+    """(B, S, H·D) -> (B, H, S, D) for "bhsd" or (B, S, H, D) for "bshd"; for NumPy, CuPy and
+    torch a view, no copy (of a torch tensor that requires grad, a view autograd follows); JAX
+    arrays are immutable values, so eager JAX makes new ones (layout="bshd" saves attention's
+    transposing copies there)."""
     return _split_heads(_heads_input(x), num_heads, layout)
 
 

@@ -113,10 +113,9 @@ def _build(function: str, names: tuple, static: tuple, deterministic: bool):
         if "sinks" in names:  # the backward returns dsinks (H,) after dq, dk, dv
             shapes += (jax.ShapeDtypeStruct(extras[names.index("sinks")].shape, lse.dtype),)
         grads = _run(fn, shapes, dout, q, k, v, out, lse, *extras)
-        # Sinks get their gradient; masks, lengths and slopes none (float0 for the integer ones).
-        rest = tuple(jnp.asarray(grads[3], e.dtype) if name == "sinks"
-                     else np.zeros(e.shape, jax.dtypes.float0) if not jnp.issubdtype(e.dtype, jnp.floating)
-                     else jnp.zeros_like(e) for name, e in zip(names, extras))
+        # Sinks get their gradient; masks, lengths and slopes none: None, custom_vjp's symbolic
+        # zero, which allocates nothing (an explicit zero array would double a large mask).
+        rest = tuple(jnp.asarray(grads[3], e.dtype) if name == "sinks" else None for name, e in zip(names, extras))
         return tuple(grads[:3]) + rest
 
     attention.defvjp(attention_fwd, attention_bwd)

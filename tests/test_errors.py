@@ -295,6 +295,26 @@ def fake_cupy(monkeypatch, *, devices=1, nvrtc=(13, 0), headers="/site/nvidia/cu
     module("cuda.pathfinder", find_nvidia_header_directory=lambda lib: headers if lib == "cudart" else None)
 
 
+def test_a_cupy_array_on_another_gpu_than_the_calls_is_refused(monkeypatch):
+    """The kernels launch on CuPy's current device (for framework tensors, the first tensor's), so
+    an array on another GPU is refused by name, as CuPy's own kernels refuse one (a stand-in CuPy:
+    its current device 0, arrays on devices 0 and 1)."""
+    import types
+
+    from cupy_attn import _arrays
+
+    fake_cupy(monkeypatch, devices=2)
+    sys.modules["cupy"].cuda.Device = lambda: types.SimpleNamespace(id=0)
+    array = type("ndarray", (), {"__module__": "cupy._core.core", "__cuda_array_interface__": {}, "shape": (2,),
+                                 "dtype": np.dtype(np.float16)})
+    here, there = array(), array()
+    here.device, there.device = types.SimpleNamespace(id=0), types.SimpleNamespace(id=1)
+    assert _arrays.require_array("q", here) is sys.modules["cupy"]
+    with pytest.raises(ValueError, match=r"k is on GPU 1, but the call runs on GPU 0 \(CuPy's current device, or the "
+                                         r"first framework tensor's\): pass every array on one GPU"):
+        _arrays.require_array("k", there, sys.modules["cupy"])
+
+
 def test_cuda_status_says_what_to_install_when_headers_are_missing(monkeypatch):
     from cupy_attn import _backends
 

@@ -607,3 +607,18 @@ def test_a_process_whose_first_call_is_inside_torch_compile(mode):
     result = subprocess.run([sys.executable, "-c", COLD_PROCESS, mode], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == ("refused: True" if mode == "fullgraph" else "equal: True"), result.stderr[-3000:]
+
+
+def test_pinned_host_tensors_run_on_the_numpy_backend(monkeypatch):
+    """torch reports a pinned CPU tensor (pin_memory(), a DataLoader's pinned batches) as DLPack's
+    CUDA-host device: host memory, which the NumPy backend reads as any (pinning itself needs
+    CUDA: here every CPU tensor reports itself pinned). bfloat16 crosses as its int16 bits."""
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(1, 2, 5, 8).to(dtype) for _ in range(3))
+        want = cupy_attn.torch.attention(q, k, v, kv_lengths=torch.tensor([4]))
+        with monkeypatch.context() as patched:
+            patched.setattr(torch.Tensor, "is_pinned", lambda self, *args, **kwargs: self.device.type == "cpu")
+            assert q.__dlpack_device__()[0] == 3
+            got = cupy_attn.attention(q, k, v, kv_lengths=torch.tensor([4]))
+        assert got.dtype == dtype and torch.equal(got, want)
+
