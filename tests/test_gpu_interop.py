@@ -62,6 +62,23 @@ def test_torch_non_default_stream():
     torch.testing.assert_close(result, want, atol=4e-3, rtol=4e-3)
 
 
+@needs_torch_cuda
+def test_pinned_host_tensors():
+    """Pinned CPU tensors (DLPack's CUDA-host device: a DataLoader's pin_memory batches) run on
+    the NumPy backend as any CPU tensor, bfloat16 included; a pinned lengths tensor beside CUDA
+    tensors is refused by name (the small arrays live where the tensors do)."""
+    torch.manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(1, 2, 40, 16, dtype=dtype).pin_memory() for _ in range(3))
+        lengths = torch.tensor([33]).pin_memory()
+        assert q.__dlpack_device__()[0] == 3
+        out = cupy_attn.attention(q, k, v, kv_lengths=lengths)
+        assert out.device.type == "cpu" and out.dtype == dtype
+        torch.testing.assert_close(out, cupy_attn.attention(q.clone(), k.clone(), v.clone(), kv_lengths=[33]))
+    with pytest.raises(TypeError, match="kv_lengths is a numpy array but the other inputs are cupy arrays"):
+        cupy_attn.attention(*(x.cuda() for x in (q, k, v)), kv_lengths=lengths)
+
+
 def test_jax_gpu_arrays():
     jax = pytest.importorskip("jax")
     if jax.default_backend() != "gpu":
