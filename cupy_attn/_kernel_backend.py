@@ -486,9 +486,10 @@ def tensor_maps(problem: Problem, tile, target: str, **operands):
             extent = strides[-1] * n
         # The CUDA C++ Programming Guide's table of swizzle modes: a swizzled map's global memory
         # 128-byte aligned (the driver's encoding checks 16 bytes alone).
-        if _allocation_offset(x) % _config.TMA_LINE_BYTES:
-            return None, (f"{name}: a swizzled TMA map needs its array 128-byte aligned, and it starts "
-                          f"{_allocation_offset(x) % _config.TMA_LINE_BYTES} bytes past a multiple of 128")
+        past = _allocation_offset(x) % _config.TMA_LINE_BYTES
+        if past:
+            return None, (f"{name}: a swizzled TMA map needs its array 128-byte aligned, and it starts {past} bytes "
+                          "past a multiple of 128")
         try:
             spec = _tensor_map.checked(x.dtype, _pointer(x), (head_dim, rows, heads, p.batch), tuple(strides),
                                        (_config.TMA_LINE_BYTES // x.itemsize, tile.tma_rows(name), 1, 1),
