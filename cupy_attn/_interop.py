@@ -96,6 +96,17 @@ def needs_autograd(framework: str | None, *arrays) -> bool:
     return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in arrays)
 
 
+def _traced(x) -> str | None:
+    """What kind of value without data ``x`` is, if it is one: "jax" for a tracer (inside jax.jit,
+    vmap or grad), "torch" for a fake, functional or meta tensor (torch.export, FakeTensorMode, the
+    meta device); None for an array with memory."""
+    if "Tracer" in type(x).__name__:
+        return "jax"
+    if type(x).__name__ in ("FakeTensor", "FunctionalTensor") or getattr(x, "is_meta", False):
+        return "torch"
+    return None
+
+
 def to_backend(x, name: str = "an array", *, written: bool = False):
     """A framework array as a NumPy (CPU) or CuPy (CUDA) array sharing its memory; anything
     else unchanged. ``name``: the argument, for errors; ``written``: it is to be written in place
@@ -103,12 +114,13 @@ def to_backend(x, name: str = "an array", *, written: bool = False):
     framework = framework_of(x)
     if framework is None:
         return x
-    if "Tracer" in type(x).__name__:
+    traced = _traced(x)
+    if traced == "jax":
         raise TypeError(
             f"{name} is a traced JAX value (inside jax.jit, vmap or grad): cupy_attn's plain functions compute on "
             "concrete arrays; use cupy_attn.jax.attention, which supports jax.grad and, on the CPU, jax.jit"
         )
-    if type(x).__name__ in ("FakeTensor", "FunctionalTensor") or getattr(x, "is_meta", False):
+    if traced == "torch":
         raise TypeError(
             f"{name} is a {type(x).__name__} without data (torch.export, FakeTensorMode or the meta device): "
             "cupy_attn's plain functions compute on real tensors; cupy_attn.torch.attention and attention_varlen "
@@ -222,9 +234,8 @@ def caller_stream(framework: str | None, x):
     stream sees the results; for JAX, whose streams CuPy cannot join, on CuPy's, synchronised
     before the call returns, since the CuPy views of JAX's buffers go with it and JAX may then
     hand their memory to its next operation (a temporary's, e.g. a mask made for the call)."""
-    if (framework is None or getattr(x, "is_meta", False) or "Tracer" in type(x).__name__
-            or type(x).__name__ in ("FakeTensor", "FunctionalTensor") or int(x.__dlpack_device__()[0]) != _CUDA):
-        yield  # (a meta or fake tensor or a JAX tracer has no data: to_backend refuses it, naming it)
+    if framework is None or _traced(x) or int(x.__dlpack_device__()[0]) != _CUDA:
+        yield  # (a value without data: to_backend refuses it, naming it)
         return
     import cupy
 

@@ -8,6 +8,8 @@ from ._arrays import count_argument, require_array
 from ._problem import LAYOUTS, check_choice
 from .api import attention
 
+_ATTENTION_KEYWORDS = frozenset(inspect.signature(attention).parameters)
+
 
 # The head helpers reshape in the array's own library (NumPy, CuPy, PyTorch or JAX: each has
 # reshape and swapaxes), so a torch tensor's result stays in autograd's graph and a JAX array's
@@ -86,9 +88,8 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o, num_heads, *, num_kv_heads=None,
         from . import torch as differentiable
 
         _interop.check_libraries(framework, **tensors)
-        taken = inspect.signature(attention).parameters
         for name in attention_keywords:  # the adapter's own (generator, deterministic) are not attention's
-            if name not in taken:
+            if name not in _ATTENTION_KEYWORDS:
                 raise TypeError(f"multi_head_attention() got an unexpected keyword argument {name!r}")
         if attention_keywords.get("dropout_p") and "dropout_seed" not in attention_keywords:
             # attention's default seed, not a drawn one: the same elements drop with grad on and off

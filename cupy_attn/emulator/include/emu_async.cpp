@@ -91,23 +91,20 @@ void wgmma_fence() {
                               [](const RegisterPin& pin) { return __asan_region_is_poisoned(const_cast<unsigned char*>(pin.at), pin.bytes); }),
                pins.end());
 #endif
-    for (RegisterPin& pin : pins) {
-        pin.at_fence.assign(pin.at, pin.at + pin.bytes);
-        pin.fenced = true;
-    }
+    for (RegisterPin& pin : pins) pin.at_fence.assign(pin.at, pin.at + pin.bytes);
 }
 
 void pin_registers(const void* at, unsigned bytes) {
     const unsigned char* p = static_cast<const unsigned char*>(at);
     for (const RegisterPin& pin : tl_fiber->register_pins)
         if (pin.at == p && pin.bytes == bytes) return;
-    tl_fiber->register_pins.push_back(RegisterPin{p, bytes, false, {}});
+    tl_fiber->register_pins.push_back(RegisterPin{p, bytes, {}});
 }
 
 void require_registers_as_fenced(const void* at, unsigned bytes, const char* operand, const char* what) {
     const unsigned char* p = static_cast<const unsigned char*>(at);
     for (const RegisterPin& pin : tl_fiber->register_pins) {
-        if (!pin.fenced || p < pin.at || p + bytes > pin.at + pin.bytes) continue;
+        if (pin.at_fence.empty() || p < pin.at || p + bytes > pin.at + pin.bytes) continue;  // no fence since the pin
         if (std::memcmp(p, pin.at_fence.data() + (p - pin.at), bytes))
             fail(format("%s: its %s registers were written after the thread's last wgmma.fence, which must come "
                         "between a thread's access to a wgmma's registers and the wgmma (PTX ISA, wgmma.fence)",
@@ -481,7 +478,7 @@ void named_barrier(unsigned id, unsigned count, bool wait, const char* file, int
     if (nb.arrived == 0) {
         nb.count = count;
         nb.arrivals.assign(b->fibers.size(), false);
-        nb.warp_sites.assign((b->fibers.size() + 31) / 32, NamedBarrier::Site{false, false, nullptr, 0});
+        nb.warp_sites.assign((b->fibers.size() + 31) / 32, NamedBarrier::Site{false, nullptr, 0});
     } else if (nb.count != count) {
         fail(format("%s %u: this thread arrives with count %u while %u thread(s) arrived with count %u", what, id, count,
                     nb.arrived, nb.count));
@@ -491,8 +488,8 @@ void named_barrier(unsigned id, unsigned count, bool wait, const char* file, int
                     id, nb.arrived, nb.count));
     // .aligned (PTX ISA, bar / barrier): a warp's lanes execute the same barrier instruction.
     NamedBarrier::Site& site = nb.warp_sites[f->linear / 32];
-    if (!site.set) {
-        site = NamedBarrier::Site{true, wait, file, line};
+    if (!site.file) {
+        site = NamedBarrier::Site{wait, file, line};
     } else if (site.wait != wait || site.line != line || std::strcmp(site.file, file)) {
         fail(format("%s %u: lanes of warp %u reach different barrier instructions (%s at %s:%d, this lane %s at %s:%d); "
                     "bar.sync and bar.arrive are .aligned: every lane of a warp must execute the same one", what, id,

@@ -82,12 +82,11 @@ struct TmaCopy {
 };
 
 // A register array a wgmma reads or writes (accumulators, A's fragment) as the thread pinned it
-// (fence_operands, kernels/ptx.cuh), with what it held at the thread's latest wgmma.fence once
-// one came after the pin.
+// (fence_operands, kernels/ptx.cuh), with what it held at the thread's latest wgmma.fence (empty
+// until a fence comes after the pin).
 struct RegisterPin {
     const unsigned char* at;
     unsigned bytes;
-    bool fenced;                           // a wgmma.fence since the pin: at_fence holds its bytes then
     std::vector<unsigned char> at_fence;
 };
 
@@ -151,9 +150,9 @@ struct NamedBarrier {
     unsigned count = 0, arrived = 0;
     std::vector<bool> arrivals;
     // Per warp, where its first lane arrived in this generation (bar.sync or bar.arrive, file,
-    // line): its other lanes must arrive there too.
+    // line; no file yet: none arrived): its other lanes must arrive there too.
     struct Site {
-        bool set, wait;
+        bool wait;
         const char* file;
         int line;
     };
