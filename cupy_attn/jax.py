@@ -12,7 +12,8 @@ What works:
 - under jax.jit on a GPU backend the call raises NotImplementedError: a callback would copy
   every input to the host and back, and cupy_attn does not do that silently.
 Array keywords (mask, q_lengths, kv_lengths, alibi_slopes, sinks, cu_seqlens) may be JAX arrays;
-sinks get their gradient, the others none. Dropout takes dropout_p and a jax.random key,
+sinks get their gradient, the others none (differentiating with respect to a mask or ALiBi slopes is
+refused with a TypeError, rather than given a zero gradient). Dropout takes dropout_p and a jax.random key,
 dropout_key, from which the seed is drawn (traceable, so a new key under jax.jit gives a new mask). return_lse is not offered: its gradient would be silently dropped.
 Importing this module imports jax; importing cupy_attn does not.
 """
@@ -23,6 +24,7 @@ from functools import lru_cache
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from . import api
 from ._arrays import check_flag, describe, is_integer
@@ -98,12 +100,23 @@ def _build(function: str, names: tuple, static: tuple, deterministic: bool):
     def attention(q, k, v, *extras):
         return forward(q, k, v, *extras)[0]
 
-    def attention_fwd(q, k, v, *extras):
+    def attention_fwd(*primals):
+        # symbolic_zeros: each primal says whether the call is differentiated with respect to it.
+        # Only q, k, v and sinks have gradients; for another array the returned zero would be
+        # wrong without a word (a learned bias that never learns), so that is refused.
+        lost = [name for name, x in zip(names, primals[3:]) if x.perturbed and name != "sinks"]
+        if lost:
+            raise TypeError(f"cupy_attn.jax.{function} computes no gradient for {lost[0]} (only for q, k, v and "
+                            f"sinks), but it is differentiated with respect to it: pass "
+                            f"jax.lax.stop_gradient({lost[0]}) to use it as a constant")
+        q, k, v, *extras = (x.value for x in primals)
         out, lse = forward(q, k, v, *extras)
-        return out, (q, k, v, extras, out, lse)
+        return out, (q, k, v, tuple(extras), out, lse)
 
     def attention_bwd(residuals, dout):
         q, k, v, extras, out, lse = residuals
+        if isinstance(dout, SymbolicZero):  # out's cotangent is zero, symbolically
+            dout = jnp.zeros(dout.shape, dout.dtype)
 
         def fn(dout, q, k, v, out, lse, *extras):
             return api_backward(dout, q, k, v, out, lse, deterministic=deterministic, **keywords,
@@ -118,7 +131,7 @@ def _build(function: str, names: tuple, static: tuple, deterministic: bool):
         rest = tuple(jnp.asarray(grads[3], e.dtype) if name == "sinks" else None for name, e in zip(names, extras))
         return tuple(grads[:3]) + rest
 
-    attention.defvjp(attention_fwd, attention_bwd)
+    attention.defvjp(attention_fwd, attention_bwd, symbolic_zeros=True)
     return attention
 
 

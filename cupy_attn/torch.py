@@ -9,7 +9,8 @@ torch.compile and torch.export.
 CPU tensors run on the NumPy backend (float64 included, so torch.autograd.gradcheck works), CUDA
 tensors on the CUDA kernels, on PyTorch's current stream. Every keyword of
 `cupy_attn.attention` is accepted (mask and lengths may be tensors); ``deterministic`` is passed
-to the backward. Importing this module imports torch; importing cupy_attn does not.
+to the backward. Gradients flow to q, k, v and sinks; a mask or ALiBi slopes that require grad
+are refused (TypeError), since no gradient is computed for them. Importing this module imports torch; importing cupy_attn does not.
 
 Calls whose arguments are tensors and plain Python values run as the custom operators of
 cupy_attn._torch_ops, which stay in a compiled graph (fullgraph=True works). Calls with a
@@ -85,6 +86,19 @@ def _seed_from_generator(generator) -> torch.Tensor:
     return _seed(generator)
 
 
+def _refuse_lost_gradients(function: str, keywords: dict) -> None:
+    """q, k, v and sinks get gradients, no other argument does (the kernels compute none for a
+    mask or ALiBi slopes): a tensor among the keywords that requires grad while autograd records
+    is refused, where its gradient would otherwise stay None without a word (a learned bias that
+    never learns)."""
+    if not torch.is_grad_enabled():
+        return
+    for name, x in keywords.items():
+        if name != "sinks" and isinstance(x, torch.Tensor) and x.requires_grad:
+            raise TypeError(f"{name} requires grad, but cupy_attn.torch.{function} computes no gradient for {name} "
+                            f"(only for q, k, v and sinks): pass {name}.detach() to use it as a constant")
+
+
 def _drawn_seed(keywords: dict, generator) -> torch.Tensor | None:
     """With dropout_p > 0 and no dropout_seed, a seed (a 0-d int64 tensor) drawn from
     ``generator`` (torch's default CPU generator when None, so torch.manual_seed makes runs
@@ -106,6 +120,7 @@ def attention(q, k, v, *, return_lse=False, deterministic=False, generator=None,
     check_flag("deterministic", deterministic)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__qualname__}")
+    _refuse_lost_gradients("attention", keywords)
     seed = _drawn_seed(keywords, generator)
     if _torch_ops.fits_the_schema((q, k, v), keywords, "attention"):
         out, lse = _torch_ops.attention_op(q, k, v, **_torch_ops.operator_arguments(keywords, seed),
@@ -128,6 +143,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """
     check_flag("return_lse", return_lse)
     check_flag("deterministic", deterministic)
+    _refuse_lost_gradients("attention_varlen", keywords)
     lengths_fit = all(_torch_ops.fits_a_length(n) for n in (max_seqlen_q, max_seqlen_k))
     if lengths_fit and _torch_ops.fits_the_schema((q, k, v, cu_seqlens_q, cu_seqlens_k), keywords,
                                                   "attention_varlen"):

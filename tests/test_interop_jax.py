@@ -146,6 +146,33 @@ def test_sinks_get_their_gradient_eager_and_jit():
         assert_close(np.asarray(e), w, np.dtype(np.float32), grad=True)
 
 
+def test_differentiating_a_mask_or_slopes_is_refused_eager_and_jit():
+    """jax.grad with respect to a mask or ALiBi slopes would get a zero that is not their gradient
+    (none is computed): refused, naming the array; constant ones, and gradients for q beside them,
+    are unaffected."""
+    (q, k, v), (jq, jk, jv) = arrays()
+    mask = jnp.asarray(np.random.default_rng(1).standard_normal((1, 4, 37, 50)).astype(np.float32))
+    slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625])
+
+    def loss(q, mask, slopes):
+        return (cupy_attn.jax.attention(q, jk, jv, mask=mask, alibi_slopes=slopes) ** 2).sum()
+
+    for argnum, name in ((1, "mask"), (2, "alibi_slopes")):
+        for grad in (jax.grad(loss, argnums=argnum), jax.jit(jax.grad(loss, argnums=argnum))):
+            with pytest.raises(TypeError, match=rf"no gradient for {name} .*stop_gradient\({name}\)"):
+                grad(jq, mask, slopes)
+    # a mask computed from a differentiated value is differentiated too
+    with pytest.raises(TypeError, match="no gradient for mask"):
+        jax.grad(lambda t: loss(jq, mask * t, slopes))(1.0)
+    eager = jax.grad(loss)(jq, mask, slopes)
+    stopped = jax.grad(lambda q, m: loss(q, jax.lax.stop_gradient(m), slopes), argnums=(0, 1))(jq, mask)
+    np.testing.assert_array_equal(np.asarray(stopped[0]), np.asarray(eager))
+    assert not np.asarray(stopped[1]).any()
+    out, _ = reference.attention(q, k, v, mask=np.asarray(mask), alibi_slopes=np.asarray(slopes))
+    want = reference.attention_gradients(2 * out, q, k, v, mask=np.asarray(mask), alibi_slopes=np.asarray(slopes))
+    assert_close(np.asarray(eager), want[0], np.dtype(np.float32), grad=True)
+
+
 def test_dropout_key_eager_and_jit_agree_with_reference():
     (q, k, v), (jq, jk, jv) = arrays()
     key = jax.random.key(3)

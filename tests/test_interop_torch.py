@@ -263,6 +263,30 @@ def test_sinks_as_a_list_an_array_or_a_tensor_without_grad_take_no_gradient():
         q.grad = k.grad = v.grad = None
 
 
+def test_a_mask_or_slopes_that_require_grad_are_refused():
+    """No gradient is computed for a mask or ALiBi slopes: one that requires grad would keep a
+    grad of None without a word (a learned bias that never learns), on the operator's path and
+    the eager node's alike. Refused while autograd records; detached, or under no_grad, taken."""
+    q, k, v = (t[:1, :, :6, :4].detach().clone().double().requires_grad_() for t in tensors())
+    mask = torch.zeros(1, 1, 6, 6, dtype=torch.float64, requires_grad=True)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64, requires_grad=True)
+    mod = cupy_attn.MaskMod("q_idx >= kv_idx", lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+    for extra in ({}, {"mask_mod": mod}):  # the operator, then the eager node
+        for name, value in (("mask", mask), ("alibi_slopes", slopes)):
+            with pytest.raises(TypeError, match=rf"{name} requires grad.*{name}\.detach\(\)"):
+                cupy_attn.torch.attention(q, k, v, **{name: value}, **extra)
+            out = cupy_attn.torch.attention(q, k, v, **{name: value.detach()}, **extra)
+            out.sum().backward()
+            assert q.grad is not None
+            q.grad = k.grad = v.grad = None
+            with torch.no_grad():
+                cupy_attn.torch.attention(q, k, v, **{name: value}, **extra)
+    packed = [t.detach()[0].transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v)]
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    with pytest.raises(TypeError, match="alibi_slopes requires grad"):
+        cupy_attn.torch.attention_varlen(*packed, cu, cu, 4, 4, alibi_slopes=slopes)
+
+
 def test_arrays_of_one_library_only():
     """A NumPy array beside torch tensors (or the reverse) among q, k, v, dout, out, lse is refused:
     the result's type would otherwise follow whichever came first."""
