@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import _config, _merge
-from ._kernel_backend import (I32, I64, _blocks, _common_args, _constant, _device_attribute, _empty, _kernel_addressable,
-                              _launch, _vector_flags, score_features)
+from ._kernel_backend import (_ROW_LIMIT, I32, I64, _blocks, _common_args, _constant, _device_attribute, _empty,
+                              _kernel_addressable, _launch, _vector_flags, score_features)
 from ._kvcache import KVCache
 
 
@@ -21,12 +21,12 @@ def sm_count(target: str) -> int:
 
 
 def splits(kv: KVCache, tile: _config.DecodeTile, row_tiles: int, target: str) -> int:
-    """num_splits as given, clamped to the longest entry's key tiles, or the heuristic's choice
-    (_config.decode_splits) for 0."""
+    """num_splits as given, clamped to the longest entry's key tiles (and to a grid x of at most
+    2^31 - 1 blocks, row_tiles x splits), or the heuristic's choice (_config.decode_splits) for 0."""
     longest = int(kv.kv_lengths.max()) if kv.kv_lengths.size else 0
     key_tiles = _blocks(longest, tile.block_n)
     if kv.num_splits:
-        return max(1, min(kv.num_splits, key_tiles))
+        return max(1, min(kv.num_splits, key_tiles, (2**31 - 1) // max(row_tiles, 1)))
     p = kv.attention
     return _config.decode_splits(row_tiles * p.kv_heads * p.batch, key_tiles, sm_count(target))
 
@@ -34,7 +34,12 @@ def splits(kv: KVCache, tile: _config.DecodeTile, row_tiles: int, target: str) -
 def check_supported(kv: KVCache) -> None:
     """Refuse head dims past the decoding kernel's tiles before attention_with_kvcache appends
     anything to the caches. (Its tiles' shared memory, 84 KB at most, fits every GPU it runs on.)"""
-    _config.decode_tile(kv.attention.head_dim, kv.attention.head_dim_v)
+    p = kv.attention
+    _config.decode_tile(p.head_dim, p.head_dim_v)
+    # The kernel's rows are (query, head of the kv head's group) pairs, counted in 32 bits.
+    if p.seq_q * p.groups > _ROW_LIMIT:
+        raise ValueError(f"the decoding kernel counts (query, head) rows of a kv head with 32-bit integers: "
+                         f"Sq x H / Hkv must be at most 2^31 - 1024, got {p.seq_q} x {p.groups}")
 
 
 def forward(kv: KVCache, q, k_cache, v_cache, *, target: str):

@@ -67,6 +67,11 @@ _KEY_TILE_KEYS = min(t.block_n for t in _config.TENSOR_CORE_BACKWARD_TILES + _co
                      if t.sectioned)
 
 
+# The largest seq_q + seq_k the kernels take: 2^31 less a margin for rounding up to whole tiles
+# (at most 176 keys or 128 rows) and for a tile's rows past its last valid one.
+_ROW_LIMIT = 2**31 - 1024
+
+
 def check_supported(problem: Problem, target: str) -> None:
     if problem.dtype == np.float64:
         raise TypeError(f"float64 inputs run on the NumPy backend only; backend {target!r} takes float16, bfloat16 or float32")
@@ -74,12 +79,18 @@ def check_supported(problem: Problem, target: str) -> None:
     if problem.heads > _schedule.GRID_YZ_LIMIT or problem.batch > _schedule.GRID_YZ_LIMIT:
         raise ValueError(f"at most {_schedule.GRID_YZ_LIMIT} heads and batch entries per call, got H = {problem.heads}, "
                          f"B = {problem.batch}")
-    rows = {"seq_q + seq_k": problem.seq_q + problem.seq_k}  # a window's sides are clamped to the sum (_problem._window)
+    # Checked before an append to a KV cache writes anything. The kernels' band arithmetic adds a
+    # row, its diagonal's offset (each below seq_q + seq_k) and, with a window, a side (clamped to
+    # seq_q + seq_k: _problem._window), and rounds a length up to whole tiles, all in 32 bits.
+    reach = problem.seq_q + problem.seq_k
+    if reach > _ROW_LIMIT or (problem.window is not None and 2 * reach > _ROW_LIMIT):
+        limit = "2^31 - 1024" if problem.window is None else "2^30 - 512 with a window"
+        raise ValueError(f"the kernels index rows with 32-bit integers: seq_q + seq_k must be at most {limit}, "
+                         f"got {reach}")
     if problem.packing is not None:
-        rows.update(total_q=problem.packing.total_q, total_k=problem.packing.total_k)
-    for name, n in rows.items():
-        if n >= 2**31:  # checked before an append to a KV cache writes anything
-            raise ValueError(f"the kernels index rows with 32-bit integers: {name} must be below 2^31, got {n}")
+        for name, n in {"total_q": problem.packing.total_q, "total_k": problem.packing.total_k}.items():
+            if n >= 2**31:
+                raise ValueError(f"the kernels index rows with 32-bit integers: {name} must be below 2^31, got {n}")
     if problem.heads * problem.batch >= 2**31:  # the sectioned grids' pair index (kernels/block_info.cuh)
         raise ValueError(f"fewer than 2^31 (batch entry, head) pairs per call, got H = {problem.heads}, B = {problem.batch}")
     if problem.dtype in _config.TENSOR_CORE_DTYPES and _blocks(problem.seq_q, _QUERY_TILE_ROWS) > _schedule.GRID_YZ_LIMIT:

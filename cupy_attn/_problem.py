@@ -134,7 +134,8 @@ def _causal(causal) -> str | None:
 def _window(window, reach: int):
     """(left, right) with None for an unbounded side, or None for no window. A side of at least
     ``reach`` (Sq + Sk: more than any query's distance to any key) reaches every key, and is
-    clamped there, so that no backend's band arithmetic (row + offset ± side) can overflow."""
+    clamped there, so that a backend's band arithmetic (row + offset ± side) stays below
+    2·reach (the kernels' 32-bit arithmetic: _kernel_backend.check_supported)."""
     if window is None:
         return None
     try:

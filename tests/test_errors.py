@@ -417,6 +417,30 @@ def test_return_lse_must_be_a_bool(qkv):
                 call(flag)
 
 
+def test_lengths_whose_tiles_or_window_bands_pass_32_bits_are_refused():
+    """The kernels round a length up to whole tiles and add a row, its offset and a window's side
+    in 32 bits: a length within a tile of 2^31 gave no key tile (out 0, lse -inf) and a window
+    side of 2^30 beside 2^30 keys an empty band, silently. Refused now, before anything runs (k
+    and v are stride-0 views: no memory); one less is taken (checked by the refusal's absence
+    alone: running 2^31 keys is not a test)."""
+    f16 = np.float16
+    one = np.ones((1, 1, 1, 8), f16)
+    keys = lambda n: np.broadcast_to(one, (1, 1, n, 8))  # noqa: E731
+    with pytest.raises(ValueError, match=r"seq_q \+ seq_k must be at most 2\^31 - 1024, got 2147483586"):
+        cupy_attn.attention(one, keys(2**31 - 63), keys(2**31 - 63), backend="emulator")
+    with pytest.raises(ValueError, match=r"at most 2\^30 - 512 with a window, got 1073741825"):
+        cupy_attn.attention(one, keys(2**30), keys(2**30), window=(0, 2**31), backend="emulator")
+    with cupy_attn._kernel_backend.compile_only() as built:  # accepted: built, not run
+        cupy_attn.attention(one, keys(2**31 - 1025), keys(2**31 - 1025), backend="emulator")
+        cupy_attn.attention(one, keys(2**30 - 513), keys(2**30 - 513), window=(0, 2**31), backend="emulator")
+    assert len(built) == 2
+    # the decoding kernel's rows: (query, head of the group) pairs of a kv head
+    q = np.broadcast_to(np.ones((1, 1, 1, 1), np.float32), (1, 2**22, 1024, 1))
+    cache = np.broadcast_to(np.ones((1, 1, 1, 1), np.float32), (1, 8, 1, 1))
+    with pytest.raises(ValueError, match=r"Sq x H / Hkv must be at most 2\^31 - 1024, got 4194304 x 1024"):
+        cupy_attn.attention_with_kvcache(q, cache, cache, cache_seqlens=8, backend="emulator")
+
+
 def test_rows_past_32_bit_indices_are_refused_before_a_cache_is_written():
     """The kernels index rows with int32: a paged cache's capacity of 2^31 rows or more is a
     ValueError naming the sizes (not an OverflowError from the launch), raised before
@@ -430,7 +454,7 @@ def test_rows_past_32_bit_indices_are_refused_before_a_cache_is_written():
         cupy_attn.attention_varlen(q, k, v, cu_q, cu_k, 7, 2**31)
     caches = np.zeros((2, 1, 8192, 1, 16), f32)
     new = np.ones((2, 1, 1, 1, 16), f32)
-    with pytest.raises(ValueError, match=r"seq_q \+ seq_k must be below 2\^31, got 4294967297"):
+    with pytest.raises(ValueError, match=r"seq_q \+ seq_k must be at most 2\^31 - 1024, got 4294967297"):
         cupy_attn.attention_with_kvcache(np.ones((1, 1, 1, 16), f32), *caches, *new, cache_seqlens=5,
                                          block_table=np.zeros((1, 2**19), np.int32), backend="emulator")
     assert not caches.any()
