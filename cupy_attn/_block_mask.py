@@ -14,8 +14,6 @@ non-empty tiles evaluate it element by element.
 """
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 
 from ._arrays import count_argument, module_of
@@ -113,9 +111,6 @@ def _next_nonempty(xp, tiles):
     return xp.ascontiguousarray(xp.take_along_axis(order, before, axis=-1).reshape(-1))
 
 
-_CACHE = weakref.WeakKeyDictionary()  # mask_mod -> {(shape, array module): BlockMask}
-
-
 def block_mask(mask_mod, B, H, Sq, Sk, *, like=None) -> BlockMask:
     """The tile structure of ``mask_mod`` for a (B, H, Sq, Sk) problem (H the query heads),
     evaluated with NumPy, or with CuPy on the GPU when ``like`` is a CuPy array (the mask_mod's
@@ -135,7 +130,7 @@ def block_mask(mask_mod, B, H, Sq, Sk, *, like=None) -> BlockMask:
         if module_of(x) is not xp:
             raise TypeError(f"mask_mod's tensor {name!r} must be a {xp.__name__} array to evaluate the block mask "
                             f"with {xp.__name__}")
-    per_mod = _CACHE.setdefault(mask_mod, {})
+    per_mod = mask_mod._block_masks
     key = (shape, xp.__name__)
     if key not in per_mod or per_mod[key].changed() is not None:
         per_mod[key] = BlockMask(mask_mod, shape, xp)

@@ -133,6 +133,13 @@ class MaskMod(_Mod):
     and the named tensors and scalars (true = may attend); ``numpy`` its vectorised NumPy twin,
     called without a score."""
 
+    def __init__(self, cuda, numpy, *, tensors=None, scalars=None):
+        super().__init__(cuda, numpy, tensors=tensors, scalars=scalars)
+        # cupy_attn.block_mask's results for this mod, by (shape, array module): kept by the mod
+        # itself, so that they go with it (a block mask refers to its mod, so a table keyed by
+        # weak references to mods would have kept every mod, tensors included, alive).
+        self._block_masks = {}
+
 
 
 def twin(mod: _Mod, *args, shape: tuple, xp=np, scores_dtype=None, where=None):

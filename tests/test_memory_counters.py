@@ -85,6 +85,38 @@ def test_nothing_is_counted_outside_counting(counters_module):
     assert c.sites == []
 
 
+def test_counting_sees_its_own_threads_launches_only(counters_module):
+    """A counting() block counts the launches of its own thread: another thread's launches in the
+    meantime, and a counting() block of that thread, are their own (a process-wide stack of
+    counters gave the innermost block every thread's launches)."""
+    import threading
+
+    inside, go_on, theirs = threading.Event(), threading.Event(), {}
+
+    def other():
+        with emulator.counting() as c:
+            inside.set()
+            go_on.wait(60)
+            counters_module.get_function("repeated")(1, 64, (np.int32(2),), shared_mem=4096)
+        theirs["sites"] = c.sites
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    inside.wait(60)
+    with emulator.counting() as mine:  # entered while the other thread's block is open
+        launch = threading.Thread(target=lambda: counters_module.get_function("repeated")(1, 64, (np.int32(7),),
+                                                                                        shared_mem=4096))
+        launch.start()
+        launch.join()
+        go_on.set()
+        worker.join()
+        counters_module.get_function("repeated")(3, 64, (np.int32(5),), shared_mem=4096)
+    (site,) = mine.sites
+    assert site.accesses == 30  # this thread's launch alone: 3 blocks x 2 warps x 5
+    (site,) = theirs["sites"]
+    assert site.accesses == 4  # the other block's own launch: 1 block x 2 warps x 2
+
+
 def test_counting_a_shared_address_outside_shared_memory_fails(counters_module):
     with pytest.raises(emulator.EmulatorError, match="not in the block's 64 bytes of dynamic shared memory"):
         counted(counters_module.get_function("shared_pattern"), np.int32(4), np.int32(4), shared=64)

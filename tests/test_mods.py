@@ -482,6 +482,25 @@ def test_a_block_mask_follows_its_mask_mods_values(rng):
         cupy_attn.attention(q, k, v, block_mask=second)
 
 
+def test_a_block_mask_goes_with_its_mask_mod():
+    """A training loop makes a MaskMod per batch (its document ids): once the mod and its block
+    masks are dropped, both are freed, tensors and tables with them. (The cache used to be keyed
+    by weak references to the mods, but a block mask refers to its mod, so no entry was freed.)"""
+    import gc
+    import weakref
+
+    doc = np.repeat(np.arange(4), 32)[None].astype(np.int32)
+    mod = cupy_attn.MaskMod("doc(b, q_idx) == doc(b, kv_idx)",
+                            lambda b, h, q_idx, kv_idx, doc: doc[b, q_idx] == doc[b, kv_idx], tensors={"doc": doc})
+    blocks = cupy_attn.block_mask(mod, 1, 1, 128, 128)
+    blocks.kernel_tables(64, 64)
+    assert cupy_attn.block_mask(mod, 1, 1, 128, 128) is blocks  # still reused while the mod lives
+    mod_alive, blocks_alive = weakref.ref(mod), weakref.ref(blocks)
+    del mod, blocks
+    gc.collect()
+    assert mod_alive() is None and blocks_alive() is None
+
+
 def test_full_tiles_skip_the_mask_mod(rng):
     """White-box: a MaskMod whose C expression also removes key 5, which its twin (what the block
     mask is built from) does not. Key 5 lies in a tile the block mask calls full for entry 0, so

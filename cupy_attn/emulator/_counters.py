@@ -8,10 +8,13 @@ wavefronts or global 32-byte sectors its warp-wide accesses took and the fewest 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
-_active: list["MemoryCounters"] = []
+# The counters of the innermost counting() block of this thread (and asyncio task): another
+# thread's launches meanwhile are not its own.
+_active: ContextVar["MemoryCounters | None"] = ContextVar("cupy_attn_memory_counters", default=None)
 
 
 @dataclass
@@ -67,12 +70,12 @@ class MemoryCounters:
 def counting():
     """Count the memory accesses of every emulated launch in the block."""
     counters = MemoryCounters()
-    _active.append(counters)
+    token = _active.set(counters)
     try:
         yield counters
     finally:
-        _active.remove(counters)
+        _active.reset(token)
 
 
 def active() -> MemoryCounters | None:
-    return _active[-1] if _active else None
+    return _active.get()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from functools import lru_cache
 
 import numpy as np
@@ -15,6 +16,10 @@ SCHEDULES = {"forward": 0, "reverse": 1, "random": 2, "warps": 3, "warps_reverse
 _KIND_NAMES = {"p": "pointer", "c": "const pointer", "i": "integer", "f": "float", "b": "bool", "o": "struct"}
 STATIC_SHARED_LIMIT = 48 * 1024  # without opting in, as on the GPU
 MAX_SHARED = 227 * 1024  # sm_90's per-block maximum with max_dynamic_shared_size_bytes
+# Launches from several Python threads run one after another: a launch already spreads its
+# blocks over default_workers() threads, and each maps a stack per fiber, so concurrent launches
+# only added up mappings (past vm.max_map_count, a std::system_error and an abort) and memory.
+_ONE_LAUNCH_AT_A_TIME = threading.Lock()
 
 
 class _Argument:
@@ -133,11 +138,12 @@ class Function:
         spans = [byte_bounds(a) for a in args if isinstance(a, np.ndarray)]
         bases = (ctypes.c_ulonglong * max(len(spans), 1))(*[low for low, _ in spans])
         sizes = (ctypes.c_ulonglong * max(len(spans), 1))(*[high - low for low, high in spans])
-        status = self._lib.emu_launch(self._index, (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
-                                      argv, SCHEDULES[schedule], int(seed) & (2**64 - 1),
-                                      default_workers() if workers is None else int(workers), int(stack_size),
-                                      error, len(error), int(counters is not None), bases, sizes, len(spans),
-                                      counted, len(counted))
+        with _ONE_LAUNCH_AT_A_TIME:
+            status = self._lib.emu_launch(self._index, (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block),
+                                          shared_mem, argv, SCHEDULES[schedule], int(seed) & (2**64 - 1),
+                                          default_workers() if workers is None else int(workers), int(stack_size),
+                                          error, len(error), int(counters is not None), bases, sizes, len(spans),
+                                          counted, len(counted))
         if status:
             raise EmulatorError(f"{self.name}: {error.value.decode(errors='replace')}")
         if counters is not None:
@@ -160,7 +166,9 @@ class RawModule:
     ``RawModule(code=src, options=("-DFOO=1",), name_expressions=None)``; then
     ``get_function(name)`` returns a `Function`. Kernels are extern "C" functions or the given
     name expressions (template instantiations). Compilation happens at the first
-    ``get_function`` and is cached on disk. ``sanitize=True`` builds with AddressSanitizer,
+    ``get_function`` and is cached on disk; modules of the same source and options load the same
+    library, so, unlike CuPy's, they share their ``__device__`` globals (``get_global``) and
+    static data. ``sanitize=True`` builds with AddressSanitizer,
     which must then be loaded into the process first (``LD_PRELOAD=$(g++
     -print-file-name=libasan.so)``).
     """
