@@ -83,7 +83,7 @@ def check_supported(problem: Problem, target: str) -> None:
     # row, its diagonal's offset (each below seq_q + seq_k) and, with a window, a side (clamped to
     # seq_q + seq_k: _problem._window), and rounds a length up to whole tiles, all in 32 bits.
     reach = problem.seq_q + problem.seq_k
-    if reach > _ROW_LIMIT or (problem.window is not None and 2 * reach > _ROW_LIMIT):
+    if (1 if problem.window is None else 2) * reach > _ROW_LIMIT:
         limit = "2^31 - 1024" if problem.window is None else "2^30 - 512 with a window"
         raise ValueError(f"the kernels index rows with 32-bit integers: seq_q + seq_k must be at most {limit}, "
                          f"got {reach}")

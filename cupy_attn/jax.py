@@ -12,9 +12,9 @@ What works:
 - under jax.jit on a GPU backend the call raises NotImplementedError: a callback would copy
   every input to the host and back, and cupy_attn does not do that silently.
 Array keywords (mask, q_lengths, kv_lengths, alibi_slopes, sinks, cu_seqlens) may be JAX arrays;
-sinks get their gradient, the others none (differentiating with respect to a mask or ALiBi slopes is
-refused with a TypeError, rather than given a zero gradient). Dropout takes dropout_p and a jax.random key,
-dropout_key, from which the seed is drawn (traceable, so a new key under jax.jit gives a new mask). return_lse is not offered: its gradient would be silently dropped.
+sinks get their gradient, the others none (differentiating with respect to a mask or ALiBi slopes
+is refused with a TypeError, rather than given a zero gradient). Dropout takes dropout_p and a
+jax.random key, dropout_key, from which the seed is drawn (traceable, so a new key under jax.jit gives a new mask). return_lse is not offered: its gradient would be silently dropped.
 Importing this module imports jax; importing cupy_attn does not.
 """
 from __future__ import annotations

@@ -141,7 +141,6 @@ class MaskMod(_Mod):
         self._block_masks = {}
 
 
-
 def twin(mod: _Mod, *args, shape: tuple, xp=np, scores_dtype=None, where=None):
     """``mod``'s NumPy twin evaluated at ``args`` (score and the index arrays, or the index arrays
     alone for a MaskMod) with its tensors and scalars, checked and broadcast to ``shape``: a

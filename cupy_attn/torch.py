@@ -10,7 +10,8 @@ CPU tensors run on the NumPy backend (float64 included, so torch.autograd.gradch
 tensors on the CUDA kernels, on PyTorch's current stream. Every keyword of
 `cupy_attn.attention` is accepted (mask and lengths may be tensors); ``deterministic`` is passed
 to the backward. Gradients flow to q, k, v and sinks; a mask or ALiBi slopes that require grad
-are refused (TypeError), since no gradient is computed for them. Importing this module imports torch; importing cupy_attn does not.
+are refused (TypeError), since no gradient is computed for them. Importing this module imports
+torch; importing cupy_attn does not.
 
 Calls whose arguments are tensors and plain Python values run as the custom operators of
 cupy_attn._torch_ops, which stay in a compiled graph (fullgraph=True works). Calls with a
